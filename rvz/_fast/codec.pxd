@@ -1,0 +1,27 @@
+cpdef bytes encode_data(unsigned long long step, unsigned long long request_id, bytes key,
+                        int code, tuple shape, unsigned long long nbytes)
+cpdef bytes encode_request(unsigned long long step, unsigned long long request_id, bytes key)
+
+cdef class Decoder:
+    cdef bytearray _buf
+    cdef object _view
+    cdef Py_ssize_t _size
+    cdef Py_ssize_t _start
+    cdef Py_ssize_t _end
+    cdef Py_ssize_t _direct_min
+    cdef object _max_payload
+    cdef object _dest
+    cdef Py_ssize_t _dest_filled
+    cdef Py_ssize_t _dest_len
+    cdef object _pending
+    cdef int _state
+    cdef object _failed
+    cdef public Py_ssize_t frames
+    cdef public object bytes_in
+
+    cpdef object get_buffer(self, Py_ssize_t sizehint=*)
+    cpdef list buffer_updated(self, Py_ssize_t nbytes)
+    cdef _compact(self, Py_ssize_t need)
+    cdef _fail(self, str message)
+    cdef list _parse(self)
+    cdef str _key(self, object view, Py_ssize_t start, Py_ssize_t length)

@@ -1,0 +1,407 @@
+"""The wire format: frame encoders and a sans-IO frame decoder (no asyncio here).
+
+Every frame starts with a 16-byte header, little-endian::
+
+    u8 version | u8 type | u16 flags (0) | u32 meta_len | u64 payload_len
+
+followed by ``meta_len`` bytes of type-specific metadata and ``payload_len`` bytes of
+payload (only DATA frames carry a payload).  DATA metadata is::
+
+    u64 step | u64 request_id | u16 key_len | u8 dtype | u8 ndim | u64 shape[ndim] | key
+
+``request_id`` is 0 for a Send-Driven push and the consumer's request id for a
+Recv-Driven answer.  HELLO and ERROR carry msgpack maps: they are rare, and a map lets
+them grow without a new version.  There is no pickle anywhere.
+
+The decoder is fed like an ``asyncio.BufferedProtocol``: ``get_buffer()`` says where the
+next bytes should land and ``buffer_updated(n)`` returns the frames they completed.  Small
+frames land in a staging buffer; the payload of a large tensor lands straight in the
+``np.empty`` array that will be handed to the receiver, so it is copied at most once.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import numpy as np
+
+from ..errors import ProtocolError
+
+VERSION = 1
+
+HELLO = 1
+DATA = 2
+REQUEST = 3
+CANCEL = 4
+ERROR = 5
+ABORT_STEP = 6
+PING = 7
+CREDIT = 8
+BYE = 9
+
+FRAME_NAMES = {HELLO: "HELLO", DATA: "DATA", REQUEST: "REQUEST", CANCEL: "CANCEL",
+               ERROR: "ERROR", ABORT_STEP: "ABORT_STEP", PING: "PING", CREDIT: "CREDIT",
+               BYE: "BYE"}
+
+HEADER_SIZE = 16
+MAX_NDIM = 32
+MAX_KEY = 4096           # bytes of a key on the wire
+MAX_META = 65536         # bytes of any frame's metadata
+DEFAULT_MAX_PAYLOAD = 1 << 34
+
+_HEADER = struct.Struct("<BBHIQ")
+_DATA_FIXED = struct.Struct("<QQHBB")   # 20 bytes after the header
+_REQUEST_FIXED = struct.Struct("<QQH")  # 18 bytes
+_U64 = struct.Struct("<Q")
+# One struct per ndim packs the whole DATA header in one call.
+_DATA_HEADERS = [struct.Struct("<BBHIQQQHBB" + "Q" * n) for n in range(MAX_NDIM + 1)]
+_SHAPES = [struct.Struct("<" + "Q" * n) for n in range(MAX_NDIM + 1)]
+
+# dtype code 0 is a ``bytes`` value; the others are numpy dtypes, little-endian on the wire.
+BYTES_CODE = 0
+_WIRE_DTYPES = ["|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8",
+                "<f2", "<f4", "<f8", "<c8", "<c16"]
+DTYPES = [None] + [np.dtype(s) for s in _WIRE_DTYPES]
+_CODES = {np.dtype(s).str: i + 1 for i, s in enumerate(_WIRE_DTYPES)}
+_U8 = np.dtype(np.uint8)
+_EMPTY_LIST: list = []
+
+
+def dtype_code(dtype: object) -> int:
+    """The wire code of a numpy dtype; -1 if rvz does not carry it."""
+    return _CODES.get(dtype.str, -1)
+
+
+def describe(value: object) -> tuple:
+    """``(value, dtype_code, shape, nbytes)`` of a value about to be sent.
+
+    Arrays come back C-contiguous and in little-endian order (a copy only when the caller's
+    array was not); ``bytes``-like values come back as they are.
+    """
+    if isinstance(value, np.ndarray):
+        code = _CODES.get(value.dtype.str, -1)
+        if code < 0:
+            dtype = value.dtype
+            if dtype.kind in "biufc" and dtype.byteorder == ">":
+                value = value.astype(dtype.newbyteorder("<"))
+                code = _CODES.get(value.dtype.str, -1)
+            if code < 0:
+                raise TypeError(f"rvz does not send arrays of dtype {dtype} (numeric and bool "
+                                "dtypes only; nothing is pickled)")
+        if not value.flags.c_contiguous:
+            value = np.ascontiguousarray(value)
+        return value, code, value.shape, value.nbytes
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        if isinstance(value, memoryview):
+            value = value.cast("B") if value.c_contiguous else memoryview(value.tobytes())
+        return value, BYTES_CODE, (), len(value)
+    raise TypeError(f"rvz sends numpy arrays or bytes, not {type(value).__name__}")
+
+
+def payload_view(value: object) -> memoryview:
+    """A flat byte view of a described value (no copy)."""
+    if isinstance(value, np.ndarray):
+        if value.size == 0:
+            return memoryview(b"")
+        return memoryview(value).cast("B")
+    return memoryview(value)
+
+
+def encode_data(step: int, request_id: int, key: bytes, code: int, shape: tuple,
+                nbytes: int) -> bytes:
+    """Header and metadata of a DATA frame; the payload follows it on the wire."""
+    ndim = len(shape)
+    if ndim > MAX_NDIM:
+        raise ValueError(f"array has {ndim} dimensions; rvz carries at most {MAX_NDIM}")
+    klen = len(key)
+    if klen > MAX_KEY:
+        raise ValueError(f"key of {klen} bytes is longer than {MAX_KEY}")
+    head = _DATA_HEADERS[ndim].pack(VERSION, DATA, 0, 20 + 8 * ndim + klen, nbytes,
+                                    step, request_id, klen, code, ndim, *shape)
+    return head + key
+
+
+def encode_request(step: int, request_id: int, key: bytes) -> bytes:
+    klen = len(key)
+    if klen > MAX_KEY:
+        raise ValueError(f"key of {klen} bytes is longer than {MAX_KEY}")
+    return (_HEADER.pack(VERSION, REQUEST, 0, 18 + klen, 0)
+            + _REQUEST_FIXED.pack(step, request_id, klen) + key)
+
+
+def _encode_u64(ftype: int, n: int) -> bytes:
+    return _HEADER.pack(VERSION, ftype, 0, 8, 0) + _U64.pack(n)
+
+
+def encode_cancel(request_id: int) -> bytes:
+    return _encode_u64(CANCEL, request_id)
+
+
+def encode_credit(nbytes: int) -> bytes:
+    return _encode_u64(CREDIT, nbytes)
+
+
+def encode_ping() -> bytes:
+    return _HEADER.pack(VERSION, PING, 0, 0, 0)
+
+
+def encode_bye() -> bytes:
+    return _HEADER.pack(VERSION, BYE, 0, 0, 0)
+
+
+def encode_abort_step(step: int, message: str) -> bytes:
+    text = message.encode("utf-8")[: MAX_META - 8]
+    return _HEADER.pack(VERSION, ABORT_STEP, 0, 8 + len(text), 0) + _U64.pack(step) + text
+
+
+def _encode_map(ftype: int, fields: dict) -> bytes:
+    body = msgpack.packb(fields, use_bin_type=True)
+    if len(body) > MAX_META:
+        raise ValueError(f"{FRAME_NAMES[ftype]} metadata of {len(body)} bytes is too long")
+    return _HEADER.pack(VERSION, ftype, 0, len(body), 0) + body
+
+
+def encode_hello(fields: dict) -> bytes:
+    return _encode_map(HELLO, fields)
+
+
+def encode_error(request_id: int, step: int, key: str, code: str, message: str) -> bytes:
+    """A producer's failure to answer request ``request_id``."""
+    return _encode_map(ERROR, {"req": request_id, "step": step, "key": key, "code": code,
+                               "msg": message[:4096]})
+
+
+class Decoder:
+    """Turns received bytes into frame events, never copying a large payload twice.
+
+    Events are tuples whose first item is the frame type:
+    ``(HELLO, fields)``, ``(DATA, step, request_id, key, value)``,
+    ``(REQUEST, step, request_id, key)``, ``(CANCEL, request_id)``,
+    ``(ERROR, fields)``, ``(ABORT_STEP, step, message)``, ``(PING,)``,
+    ``(CREDIT, nbytes)``, ``(BYE,)``.  Any malformed input raises ``ProtocolError`` and the
+    decoder stays failed.  The first frame must be HELLO and nothing may follow BYE.
+    """
+
+    __slots__ = ("_buf", "_view", "_size", "_start", "_end", "_direct_min", "_max_payload",
+                 "_dest", "_dest_filled", "_dest_len", "_pending", "_state", "_failed",
+                 "frames", "bytes_in")
+
+    def __init__(self, buffer_size: int = 262144, direct_min: int = 65536,
+                 max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+        if buffer_size < HEADER_SIZE + MAX_META + direct_min:
+            buffer_size = HEADER_SIZE + MAX_META + direct_min
+        self._buf = bytearray(buffer_size)
+        self._view = memoryview(self._buf)
+        self._size = buffer_size
+        self._start = 0
+        self._end = 0
+        # A payload at least this large is received straight into its array.
+        self._direct_min = direct_min
+        self._max_payload = max_payload
+        self._dest = None
+        self._dest_filled = 0
+        self._dest_len = 0
+        self._pending = None
+        self._state = 0  # 0: expect HELLO, 1: open, 2: BYE received
+        self._failed = None
+        self.frames = 0
+        self.bytes_in = 0
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        if self._failed is not None:
+            raise ProtocolError(self._failed)
+        if self._dest is not None:
+            return self._dest[self._dest_filled:]
+        if self._end == self._size:
+            self._compact(0)
+        return self._view[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> list:
+        self.bytes_in += nbytes
+        if self._dest is not None:
+            self._dest_filled += nbytes
+            if self._dest_filled < self._dest_len:
+                return _EMPTY_LIST
+            event = self._pending
+            if event[4] is None:  # a large bytes value was received into a uint8 array
+                event = (DATA, event[1], event[2], event[3], self._dest.tobytes())
+            self._dest = None
+            self._pending = None
+            self.frames += 1
+            return [event]
+        self._end += nbytes
+        try:
+            return self._parse()
+        except ProtocolError as exc:
+            self._failed = str(exc)
+            raise
+
+    def _compact(self, need: int) -> None:
+        """Move the unparsed tail to the front so that ``need`` bytes fit after it."""
+        start = self._start
+        end = self._end
+        if start == 0:
+            return
+        if start < end:
+            self._buf[0:end - start] = self._view[start:end]
+        self._start = 0
+        self._end = end - start
+
+    def _fail(self, message: str) -> None:
+        raise ProtocolError(message)
+
+    def _parse(self) -> list:
+        events = []
+        buf = self._buf
+        view = self._view
+        pos = self._start
+        end = self._end
+        need = HEADER_SIZE
+        while end - pos >= HEADER_SIZE:
+            version, ftype, flags, meta_len, payload_len = _HEADER.unpack_from(buf, pos)
+            if version != VERSION:
+                self._fail(f"unsupported protocol version {version} (this side speaks {VERSION})")
+            if flags != 0:
+                self._fail(f"frame flags {flags:#x} are not defined in version {VERSION}")
+            if meta_len > MAX_META:
+                self._fail(f"frame metadata of {meta_len} bytes exceeds the limit of {MAX_META}")
+            if self._state != 1:
+                if self._state == 0 and ftype != HELLO:
+                    self._fail(f"first frame is {FRAME_NAMES.get(ftype, ftype)}, expected HELLO")
+                if self._state == 2:
+                    self._fail(f"{FRAME_NAMES.get(ftype, ftype)} frame after BYE")
+            mstart = pos + HEADER_SIZE
+            if end - mstart < meta_len:
+                need = HEADER_SIZE + meta_len
+                break
+            if ftype == DATA:
+                if meta_len < 20:
+                    self._fail(f"DATA metadata of {meta_len} bytes is too short")
+                step, request_id, klen, code, ndim = _DATA_FIXED.unpack_from(buf, mstart)
+                if ndim > MAX_NDIM:
+                    self._fail(f"DATA frame has {ndim} dimensions, the limit is {MAX_NDIM}")
+                if klen > MAX_KEY or meta_len != 20 + 8 * ndim + klen:
+                    self._fail(f"DATA metadata length {meta_len} does not match key length "
+                               f"{klen} and {ndim} dimensions")
+                if code >= len(DTYPES):
+                    self._fail(f"DATA frame has unknown dtype code {code}")
+                kstart = mstart + 20 + 8 * ndim
+                key = self._key(view, kstart, klen)
+                dtype = DTYPES[code]
+                if dtype is None:
+                    if ndim != 0:
+                        self._fail(f"bytes value for key {key} has a shape")
+                    shape = ()
+                    expected = payload_len
+                else:
+                    shape = _SHAPES[ndim].unpack_from(buf, mstart + 20)
+                    expected = dtype.itemsize
+                    for dim in shape:
+                        expected *= dim
+                if expected != payload_len:
+                    self._fail(f"DATA frame for key {key}: payload of {payload_len} bytes does not "
+                               f"match dtype {dtype} and shape {shape} ({expected} bytes)")
+                if payload_len > self._max_payload:
+                    self._fail(f"DATA frame for key {key}: payload of {payload_len} bytes exceeds "
+                               f"the limit of {self._max_payload}")
+                pstart = mstart + meta_len
+                avail = end - pstart
+                if payload_len <= avail:
+                    pend = pstart + payload_len
+                    if dtype is None:
+                        value = bytes(view[pstart:pend])
+                    else:
+                        value = np.empty(shape, dtype)
+                        if payload_len:
+                            payload_view(value)[:] = view[pstart:pend]
+                    events.append((DATA, step, request_id, key, value))
+                    self.frames += 1
+                    pos = pend
+                    continue
+                if payload_len < self._direct_min:
+                    need = HEADER_SIZE + meta_len + payload_len
+                    break
+                # Large payload: receive the rest straight into the destination array.
+                if dtype is None:
+                    arr = np.empty(payload_len, _U8)
+                    value = None
+                else:
+                    arr = np.empty(shape, dtype)
+                    value = arr
+                dest = payload_view(arr)
+                if avail:
+                    dest[:avail] = view[pstart:end]
+                self._dest = dest
+                self._dest_filled = avail
+                self._dest_len = payload_len
+                self._pending = (DATA, step, request_id, key, value)
+                pos = end
+                break
+            if payload_len != 0:
+                self._fail(f"{FRAME_NAMES.get(ftype, ftype)} frame carries a payload")
+            if ftype == REQUEST:
+                if meta_len < 18:
+                    self._fail(f"REQUEST metadata of {meta_len} bytes is too short")
+                step, request_id, klen = _REQUEST_FIXED.unpack_from(buf, mstart)
+                if klen > MAX_KEY or meta_len != 18 + klen:
+                    self._fail(f"REQUEST metadata length {meta_len} does not match key length {klen}")
+                events.append((REQUEST, step, request_id, self._key(view, mstart + 18, klen)))
+            elif ftype == CANCEL or ftype == CREDIT:
+                if meta_len != 8:
+                    self._fail(f"{FRAME_NAMES[ftype]} metadata must be 8 bytes, not {meta_len}")
+                events.append((ftype, _U64.unpack_from(buf, mstart)[0]))
+            elif ftype == PING:
+                if meta_len != 0:
+                    self._fail("PING frame carries metadata")
+                events.append((PING,))
+            elif ftype == ABORT_STEP:
+                if meta_len < 8:
+                    self._fail(f"ABORT_STEP metadata of {meta_len} bytes is too short")
+                step = _U64.unpack_from(buf, mstart)[0]
+                message = self._text(view, mstart + 8, meta_len - 8)
+                events.append((ABORT_STEP, step, message))
+            elif ftype == HELLO or ftype == ERROR:
+                fields = self._map(view, mstart, meta_len, ftype)
+                if ftype == HELLO:
+                    if self._state != 0:
+                        self._fail("second HELLO on one connection")
+                    self._state = 1
+                events.append((ftype, fields))
+            elif ftype == BYE:
+                if meta_len != 0:
+                    self._fail("BYE frame carries metadata")
+                self._state = 2
+                events.append((BYE,))
+            else:
+                self._fail(f"unknown frame type {ftype}")
+            self.frames += 1
+            pos = mstart + meta_len
+        if pos == end:
+            self._start = 0
+            self._end = 0
+        else:
+            self._start = pos
+            if pos + need > self._size:
+                self._compact(need)
+        return events
+
+    def _key(self, view: memoryview, start: int, length: int) -> str:
+        try:
+            return str(view[start:start + length], "utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError("key is not valid UTF-8") from None
+
+    def _text(self, view: memoryview, start: int, length: int) -> str:
+        return str(view[start:start + length], "utf-8", "replace")
+
+    def _map(self, view: memoryview, start: int, length: int, ftype: int) -> dict:
+        try:
+            fields = msgpack.unpackb(view[start:start + length], raw=False,
+                                     max_str_len=MAX_META, max_bin_len=MAX_META,
+                                     max_array_len=1024, max_map_len=1024)
+        except Exception as exc:
+            raise ProtocolError(f"{FRAME_NAMES[ftype]} metadata is not valid msgpack: {exc}") from None
+        if not isinstance(fields, dict):
+            raise ProtocolError(f"{FRAME_NAMES[ftype]} metadata is not a map")
+        return fields

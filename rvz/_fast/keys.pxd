@@ -1,0 +1,13 @@
+cdef class Key:
+    cdef readonly str src
+    cdef readonly str dst
+    cdef readonly str name
+    cdef readonly object frame
+    cdef readonly object iter
+    cdef readonly object incarnation
+    cdef object _text
+    cdef object _src_task
+    cdef object _dst_task
+
+cpdef tuple parse_device(str device)
+cpdef Key as_key(object key)

@@ -1,0 +1,137 @@
+"""Rendezvous keys: the TF key string, its parser, and device-name routing.
+
+A key names one edge of a split graph:
+``src_device;src_incarnation;dst_device;edge_name;frame_id:iter_id`` with the incarnation
+as 16 zero-padded hex digits.  ``str(key)`` is the canonical form; the table and the wire
+use it, so two spellings of one key (say an unpadded incarnation) always meet.
+"""
+
+from __future__ import annotations
+
+from ..errors import KeyFormatError
+
+_MAX_U64 = (1 << 64) - 1
+
+
+def parse_device(device: str) -> tuple:
+    """Split ``/job:J/replica:R/task:T/device:TYPE:N`` into ``(job, task)``.
+
+    Only job and task route a key to a node; replica and device are kept in the string.
+    """
+    job = None
+    task = None
+    if not device.startswith("/"):
+        raise KeyFormatError(f"device name {device!r} does not start with '/'")
+    for part in device[1:].split("/"):
+        name, sep, value = part.partition(":")
+        if not sep or not value:
+            raise KeyFormatError(f"device name {device!r}: component {part!r} is not name:value")
+        if name == "job":
+            job = value
+        elif name == "task":
+            if not value.isdigit():
+                raise KeyFormatError(f"device name {device!r}: task {value!r} is not a number")
+            task = int(value)
+    if job is None or task is None:
+        raise KeyFormatError(f"device name {device!r} names no /job:…/task:… to route it")
+    return (job, task)
+
+
+def _check_part(what: str, value: str) -> None:
+    if not value or ";" in value:
+        raise KeyFormatError(f"key {what} {value!r} is empty or contains ';'")
+
+
+class Key:
+    """An immutable rendezvous key; ``str(key)`` is its TF string form."""
+
+    __slots__ = ("src", "dst", "name", "frame", "iter", "incarnation", "_text", "_src_task", "_dst_task")
+
+    def __init__(self, src: str, dst: str, name: str, frame: int = 0, iter: int = 0,
+                 incarnation: int = 0) -> None:
+        _check_part("src", src)
+        _check_part("dst", dst)
+        _check_part("name", name)
+        if not 0 <= incarnation <= _MAX_U64:
+            raise KeyFormatError(f"key incarnation {incarnation} is not an unsigned 64-bit number")
+        if frame < 0 or iter < 0:
+            raise KeyFormatError(f"key frame/iter {frame}:{iter} must not be negative")
+        self.src = src
+        self.dst = dst
+        self.name = name
+        self.frame = frame
+        self.iter = iter
+        self.incarnation = incarnation
+        self._text = None
+        self._src_task = None
+        self._dst_task = None
+
+    @classmethod
+    def parse(cls, text: str) -> Key:
+        """The exact inverse of ``str(key)``; raises ``KeyFormatError`` naming the string."""
+        parts = text.split(";")
+        if len(parts) != 5:
+            raise KeyFormatError(f"key {text!r} has {len(parts)} ';'-separated parts, expected 5")
+        src, inc, dst, name, frame_iter = parts
+        if not name:
+            raise KeyFormatError(f"key {text!r} has an empty edge name")
+        if not inc or len(inc) > 16:
+            raise KeyFormatError(f"key {text!r}: incarnation {inc!r} is not 1-16 hex digits")
+        try:
+            incarnation = int(inc, 16)
+        except ValueError:
+            raise KeyFormatError(f"key {text!r}: incarnation {inc!r} is not hexadecimal") from None
+        frame_s, sep, iter_s = frame_iter.partition(":")
+        if not sep or not frame_s.isdigit() or not iter_s.isdigit():
+            raise KeyFormatError(f"key {text!r}: {frame_iter!r} is not frame_id:iter_id")
+        if not src or not dst:
+            raise KeyFormatError(f"key {text!r} has an empty device name")
+        key = cls(src, dst, name, int(frame_s), int(iter_s), incarnation)
+        return key
+
+    def __str__(self) -> str:
+        text = self._text
+        if text is None:
+            text = "%s;%016x;%s;%s;%d:%d" % (self.src, self.incarnation, self.dst, self.name,
+                                              self.frame, self.iter)
+            self._text = text
+        return text
+
+    def __repr__(self) -> str:
+        return f"Key({str(self)!r})"
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Key):
+            return str(self) == str(other)
+        return NotImplemented
+
+    def __reduce__(self):
+        return (Key, (self.src, self.dst, self.name, self.frame, self.iter, self.incarnation))
+
+    @property
+    def src_task(self) -> tuple:
+        """``(job, task)`` of the producing node."""
+        t = self._src_task
+        if t is None:
+            t = self._src_task = parse_device(self.src)
+        return t
+
+    @property
+    def dst_task(self) -> tuple:
+        """``(job, task)`` of the consuming node."""
+        t = self._dst_task
+        if t is None:
+            t = self._dst_task = parse_device(self.dst)
+        return t
+
+
+def as_key(key: object) -> Key:
+    """Accept a ``Key`` or its string form."""
+    if isinstance(key, Key):
+        return key
+    if isinstance(key, str):
+        return Key.parse(key)
+    raise TypeError(f"a rendezvous key is a rvz.Key or its string form, not {type(key).__name__}")

@@ -1,0 +1,15 @@
+cdef class Table:
+    cdef dict _values
+    cdef dict _waiters
+    cdef object _abort_cause
+    cdef object _abort_message
+
+    cpdef object aborted_error(self, str key)
+    cpdef bint put(self, str key, object value) except -1
+    cpdef bint put_front(self, str key, object value) except -1
+    cpdef object take(self, str key)
+    cpdef object take_or_wait(self, str key, object waiter)
+    cpdef bint remove_waiter(self, str key, object waiter) except -1
+    cpdef Py_ssize_t waiting(self, str key) except -1
+    cpdef Py_ssize_t queued(self, str key) except -1
+    cpdef list abort(self, str message, object cause)

@@ -1,0 +1,1 @@
+"""rvz-bench: the benchmark CLI (see rvz/bench/cli.py)."""

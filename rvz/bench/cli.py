@@ -1,0 +1,5 @@
+"""Placeholder replaced by the benchmark CLI."""
+
+
+def main() -> int:
+    return 0

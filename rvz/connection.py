@@ -1,0 +1,186 @@
+"""The asyncio shell around the sans-IO codec: one TCP connection to one peer.
+
+This is where bytes hit the socket (``Connection._write``) and where they come off it
+(``get_buffer`` / ``buffer_updated``, which the decoder serves).  Everything protocol-level
+is decided by the node; this class only moves frames.
+
+Small frames issued in one loop iteration are coalesced into one write, flushed by a
+``call_soon`` callback at the end of the iteration.  A large payload is not copied into that
+buffer: the pending small frames and its header are flushed, then the payload is handed to
+the transport as a view of the caller's array (scatter-gather without concatenation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import TYPE_CHECKING, Any
+
+from . import _impl
+from .errors import PeerLost, ProtocolError
+
+if TYPE_CHECKING:
+    from .node import Node, Peer
+
+_codec = _impl.codec
+
+# A payload up to this size is copied into the coalescing buffer; above it, it is written
+# as a separate view.  Copying 16 KiB costs less than a second write call.
+COALESCE_MAX = 16384
+WRITE_HIGH_WATER = 8 << 20
+WRITE_LOW_WATER = 2 << 20
+
+
+class Connection(asyncio.BufferedProtocol):
+    """One framed, bidirectional connection; ``outbound`` if this side dialled it."""
+
+    def __init__(self, node: Node, outbound: bool, peer: Peer | None = None,
+                 max_payload: int = _codec.DEFAULT_MAX_PAYLOAD) -> None:
+        self.node = node
+        self.outbound = outbound
+        self.peer = peer                  # known from the start when dialling, else at HELLO
+        self.ready = False                # HELLO received
+        self.hello_waiter: asyncio.Future[None] | None = None
+        self.bye_received = False
+        self.closed = False
+        self.close_reason: BaseException | None = None
+        self.decoder = _codec.Decoder(max_payload=max_payload)
+        self.parked: dict[int, Any] = {}  # request id -> RemoteWaiter parked in our table
+        self.bytes_out = 0
+        self.seen_in = 0                  # decoder.bytes_in at the last heartbeat tick
+        self.seen_out = 0
+        self.idle_ticks = 0
+        self._transport: asyncio.Transport | None = None
+        self._out = bytearray()
+        self._flush_scheduled = False
+        self._paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._loop = asyncio.get_running_loop()
+
+    # -- asyncio protocol callbacks -------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
+        self._transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
+        self.write_frame(_codec.encode_hello(self.node.hello_fields()))
+        self.node._on_connection_made(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.decoder.get_buffer(sizehint)  # type: ignore[no-any-return]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            events = self.decoder.buffer_updated(nbytes)
+        except ProtocolError as exc:
+            self.fail(exc)
+            return
+        if events:
+            self.node._dispatch(self, events)
+
+    def eof_received(self) -> bool:
+        return False  # close the transport; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.close_reason is None:
+            if exc is not None:
+                self.close_reason = exc
+            elif not self.bye_received:
+                self.close_reason = ConnectionResetError("connection closed by the peer without BYE")
+        self._wake_drain()
+        self.node._on_connection_lost(self)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake_drain()
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def write_frame(self, frame: bytes) -> None:
+        """Queue a small frame; it leaves with the others of this loop iteration."""
+        if self.closed:
+            return
+        self._out += frame
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def write_value(self, step: int, request_id: int, key: bytes, value: Any, code: int,
+                    shape: tuple[int, ...], nbytes: int) -> None:
+        """Queue a DATA frame: header in the coalescing buffer, a large payload by reference."""
+        if self.closed:
+            raise self.lost_error()
+        header = _codec.encode_data(step, request_id, key, code, shape, nbytes)
+        if nbytes <= COALESCE_MAX:
+            out = self._out
+            out += header
+            if nbytes:
+                out += _codec.payload_view(value)
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                self._loop.call_soon(self.flush)
+        else:
+            self._out += header
+            self.flush()
+            self._write(_codec.payload_view(value))
+
+    def flush(self) -> None:
+        self._flush_scheduled = False
+        if self._out and not self.closed:
+            data = self._out
+            self._out = bytearray()  # the transport may keep a reference to ``data``
+            self._write(data)
+
+    def _write(self, data: Any) -> None:
+        assert self._transport is not None
+        self.bytes_out += len(data) if not isinstance(data, memoryview) else data.nbytes
+        self._transport.write(data)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def drain(self) -> None:
+        """Wait until the transport's write buffer is below its low-water mark."""
+        while self._paused and not self.closed:
+            waiter = self._loop.create_future()
+            self._drain_waiters.append(waiter)
+            await waiter
+        if self.closed:
+            raise self.lost_error()
+
+    def _wake_drain(self) -> None:
+        waiters = self._drain_waiters
+        self._drain_waiters = []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # -- closing ------------------------------------------------------------------------------
+
+    def lost_error(self, key: str | None = None) -> PeerLost:
+        name = self.peer.name if self.peer is not None else "an unidentified peer"
+        where = f" (key {key})" if key else ""
+        err = PeerLost(f"connection to {name} is closed{where}: {self.close_reason}")
+        err.__cause__ = self.close_reason
+        return err
+
+    def close(self) -> None:
+        """Flush and close after what is already queued."""
+        self.flush()
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()
+
+    def fail(self, reason: BaseException) -> None:
+        """Close at once: a protocol error, a heartbeat timeout, an abort."""
+        if self.close_reason is None:
+            self.close_reason = reason
+        if self._transport is not None:
+            self._transport.abort()

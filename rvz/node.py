@@ -1,0 +1,1003 @@
+"""A node of a cluster: routes keys, runs both remote modes, and owns the peers.
+
+Where a key is matched: ``Node._table(step)`` returns the step's ``Table``; local values,
+values pushed by producers (Send-Driven) and answers to our requests (Recv-Driven) all land
+there with ``put`` and leave with ``take`` / ``take_or_wait``.
+
+Recv-Driven (``mode="recv"``): ``send`` keeps the value in the producer's table; the
+consumer's ``recv`` sends REQUEST {step, key, request id}; the producer parks it as a
+waiter in its table, so it is answered as soon as the value is there.
+
+Send-Driven (``mode="send"``): ``send`` pushes the value to the consumer at once (within
+the push window the consumer granted); the consumer's table keeps it; ``recv`` waits
+locally and sends nothing.
+
+When the two sides disagree on a key's mode nothing is lost and nothing hangs:
+
+* producer pushes, consumer requests: ``recv`` looks in its local table first, a push
+  satisfies the waiter, and the now surplus request is cancelled (if the producer answered it
+  first, the extra value is queued locally for the next ``recv``);
+* producer holds, consumer waits locally: a held value nobody requested within
+  ``claim_timeout`` seconds is pushed to its consumer.
+FIFO order per key holds within one mode; across modes on one key it is not guaranteed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import sys
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from . import _impl
+from .cluster import ClusterSpec, split_address
+from .connection import Connection
+from .errors import Aborted, NodeClosed, PeerLost, ProtocolError, RemoteError, RvzError, WrongEndpoint
+
+log = logging.getLogger("rvz")
+
+_codec = _impl.codec
+_keys = _impl.keys
+_table = _impl.table
+Table = _table.Table
+EMPTY = _table.EMPTY
+wait_value = _table.wait_value
+describe = _codec.describe
+
+MODES = ("recv", "send")
+_ROUTE_CACHE_MAX = 1 << 16
+_DEAD_STEPS_MAX = 1 << 16
+
+TaskId = tuple  # (job, task)
+
+
+def _nbytes(value: Any) -> int:
+    n = getattr(value, "nbytes", None)
+    return len(value) if n is None else int(n)
+
+
+class Route:
+    """What the node needs to know of a key, computed once per key string."""
+
+    __slots__ = ("text", "wire", "src", "dst")
+
+    def __init__(self, text: str, src: TaskId, dst: TaskId) -> None:
+        self.text = text
+        self.wire = text.encode("utf-8")
+        self.src = src
+        self.dst = dst
+
+
+class Peer:
+    """Another node: its connections, the push window it granted us, and what we owe it."""
+
+    def __init__(self, node: Node, task_id: TaskId, address: str) -> None:
+        self.node = node
+        self.id = task_id
+        self.name = f"/job:{task_id[0]}/replica:0/task:{task_id[1]}"
+        self.address = address
+        self.out: Connection | None = None          # the connection we dialled
+        self.dialling: asyncio.Future[Connection] | None = None
+        self.inbound: set[Connection] = set()       # connections it dialled to us
+        self.incarnation: int | None = None
+        self.credit = node.push_window              # bytes we may still push to it
+        self.credit_waiter: asyncio.Future[None] | None = None
+        self.tail: asyncio.Future[None] | None = None  # the last push still in progress
+        self.owed = 0                               # bytes of its values we consumed, to return
+        self.owed_scheduled = False
+
+    def live_connections(self) -> list[Connection]:
+        conns = [c for c in self.inbound if not c.closed]
+        if self.out is not None and not self.out.closed:
+            conns.append(self.out)
+        return conns
+
+    def __repr__(self) -> str:
+        return f"<Peer {self.name} at {self.address}>"
+
+
+class Request:
+    """A Recv-Driven request we sent and that has not been answered yet."""
+
+    __slots__ = ("id", "peer", "step", "key")
+
+    def __init__(self, request_id: int, peer: Peer, step: int, key: str) -> None:
+        self.id = request_id
+        self.peer = peer
+        self.step = step
+        self.key = key
+
+
+class RemoteWaiter:
+    """A remote consumer's request parked in our table, shaped like a future for ``Table``."""
+
+    __slots__ = ("node", "conn", "step", "request_id", "route", "_done")
+
+    def __init__(self, node: Node, conn: Connection, step: int, request_id: int, route: Route) -> None:
+        self.node = node
+        self.conn = conn
+        self.step = step
+        self.request_id = request_id
+        self.route = route
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done or self.conn.closed
+
+    def cancel(self) -> None:
+        self._done = True
+
+    def set_result(self, value: Any) -> None:
+        self._done = True
+        self.conn.parked.pop(self.request_id, None)
+        self.node._answer(self.conn, self.step, self.request_id, self.route, value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._done = True
+        self.conn.parked.pop(self.request_id, None)
+        code = "aborted" if isinstance(exc, Aborted) else type(exc).__name__
+        self.conn.write_frame(_codec.encode_error(self.request_id, self.step, self.route.text,
+                                                  code, str(exc)))
+
+
+class Node:
+    """One task of a cluster: ``async with Node(cluster, job, task, mode) as node``.
+
+    ``connect_timeout`` bounds dialling a peer that is not up yet (retried with backoff);
+    a peer that sends nothing (not even its ``heartbeat`` pings) for ``peer_timeout`` seconds
+    is lost.  ``push_window`` bytes may be pushed to one consumer before it consumes them;
+    ``hold_limit`` bytes of Recv-Driven values may wait for their consumers before ``send``
+    waits.  ``linger`` bounds how long ``close()`` keeps serving held values.
+    """
+
+    def __init__(self, cluster: ClusterSpec | dict[str, Any], job: str, task: int,
+                 mode: str = "recv", *, transport: str = "tcp", host: str | None = None,
+                 connect_timeout: float = 10.0, heartbeat: float = 1.0,
+                 peer_timeout: float = 10.0, linger: float = 5.0,
+                 push_window: int = 64 << 20, hold_limit: int = 256 << 20,
+                 claim_timeout: float | None = 2.0, incarnation: int | None = None,
+                 max_payload: int = _codec.DEFAULT_MAX_PAYLOAD) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be 'recv' or 'send', not {mode!r}")
+        if transport != "tcp":
+            raise ValueError(f"transport {transport!r} is not available; this build has 'tcp'")
+        if heartbeat <= 0 or peer_timeout <= heartbeat:
+            raise ValueError("need 0 < heartbeat < peer_timeout")
+        self.cluster = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec(cluster)
+        self.job = job
+        self.task = int(task)
+        self.id: TaskId = (job, self.task)
+        self.name = f"/job:{job}/replica:0/task:{self.task}"
+        self.address = self.cluster.address(job, self.task)
+        self.mode = mode
+        self.transport = transport
+        self._host = host
+        self.connect_timeout = connect_timeout
+        self.heartbeat = heartbeat
+        self.peer_timeout = peer_timeout
+        self.linger = linger
+        self.push_window = push_window
+        self.hold_limit = hold_limit
+        self.claim_timeout = claim_timeout
+        self.max_payload = max_payload
+        self.incarnation = incarnation if incarnation is not None else int.from_bytes(os.urandom(8), "little")
+        self._state = "new"
+        self._close_cause: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._tick_handle: asyncio.TimerHandle | None = None
+        self._peers: dict[TaskId, Peer] = {}
+        self._conns: set[Connection] = set()
+        self._routes: dict[str, Route] = {}
+        self._tables: dict[int, Any] = {}
+        self._dead_steps: dict[int, str] = {}
+        self._step_peers: dict[int, set[Peer]] = {}
+        self._request_ids = itertools.count(1)
+        self._requests: dict[int, Request] = {}
+        self._outstanding: dict[tuple[int, str], deque[int]] = {}
+        self._held_bytes = 0          # Recv-Driven values waiting for remote consumers
+        self._held_count = 0
+        self._hold_waiters: deque[asyncio.Future[None]] = deque()
+        self._claims: deque[tuple[float, int, str]] = deque()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def _set_state(self, new: str) -> None:
+        allowed = {"new": ("running", "closed"), "running": ("closing", "closed"),
+                   "closing": ("closed",), "closed": ()}
+        if new not in allowed[self._state]:
+            raise RvzError(f"node {self.name}: cannot go from {self._state} to {new}")
+        self._state = new
+
+    async def start(self) -> Node:
+        """Listen on this task's address and start the heartbeat."""
+        self._loop = asyncio.get_running_loop()
+        host, port = split_address(self.address)
+        if self._host is not None:
+            host = self._host
+        self._server = await self._loop.create_server(
+            lambda: Connection(self, outbound=False, max_payload=self.max_payload),
+            host, port, reuse_address=True)
+        self._set_state("running")
+        self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
+        return self
+
+    async def __aenter__(self) -> Node:
+        return await self.start()
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is not None and not isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            self.abort(exc)
+        else:
+            await self.close()
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def _check_running(self) -> None:
+        if self._state != "running":
+            err = RvzError(f"node {self.name} is {self._state}")
+            raise err from self._close_cause
+
+    def transport_for(self, peer: str | TaskId) -> str:
+        """The transport used toward ``peer`` (a device name or ``(job, task)``)."""
+        task_id = _keys.parse_device(peer) if isinstance(peer, str) else tuple(peer)
+        self.cluster.address(*task_id)
+        return self.transport
+
+    def hello_fields(self) -> dict[str, Any]:
+        return {"v": _codec.VERSION, "job": self.job, "task": self.task,
+                "inc": self.incarnation, "order": sys.byteorder}
+
+    async def close(self) -> None:
+        """Graceful close: deliver what was sent, then say BYE and close.
+
+        Pushes already accepted are flushed; Recv-Driven values still held for remote
+        consumers keep being served until fetched or until ``linger`` seconds passed.
+        """
+        if self._state in ("new", "closed"):
+            self._state = "closed"
+            return
+        if self._state == "closing":
+            while self._state != "closed":
+                await asyncio.sleep(0.01)
+            return
+        self._set_state("closing")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.linger
+        while loop.time() < deadline and (self._held_count or self._tasks or any(
+                p.tail is not None for p in self._peers.values())):
+            await asyncio.sleep(min(0.005, max(0.0, deadline - loop.time())))
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._conns):
+            if not conn.closed and conn.ready:
+                self._flush_credit_now(conn.peer)
+                conn.write_frame(_codec.encode_bye())
+            conn.flush()
+        for conn in list(self._conns):
+            if not conn.closed:
+                try:
+                    await asyncio.wait_for(conn.drain(), max(0.05, deadline - loop.time()))
+                except (asyncio.TimeoutError, RvzError):
+                    pass
+                conn.close()
+        self._finish(NodeClosed(f"node {self.name} was closed"))
+        # Give the transports one iteration to run their close callbacks.
+        await asyncio.sleep(0)
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        """Close at once: every pending and later operation fails with ``Aborted``."""
+        if self._state == "closed":
+            return
+        cause = exc if exc is not None else NodeClosed(f"node {self.name} was aborted")
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._conns):
+            conn.fail(cause)
+        self._finish(cause)
+
+    def _finish(self, cause: BaseException) -> None:
+        self._close_cause = cause
+        self._state = "closed"
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
+        message = f"node {self.name} closed"
+        for step in list(self._tables):
+            self._drop_table(step, message, cause)
+        for peer in self._peers.values():
+            self._fail_credit_waiter(peer, self._closed_error(cause))
+        for waiter in self._hold_waiters:
+            if not waiter.done():
+                waiter.set_exception(self._closed_error(cause))
+        self._hold_waiters.clear()
+        for task in list(self._tasks):
+            task.cancel()
+
+    def _closed_error(self, cause: BaseException) -> Aborted:
+        err = Aborted(f"node {self.name} closed: {cause}")
+        err.__cause__ = cause
+        return err
+
+    # -- keys and tables ---------------------------------------------------------------------
+
+    def _route(self, key: Any) -> Route:
+        text = key if isinstance(key, str) else str(key)
+        route = self._routes.get(text)
+        if route is None:
+            parsed = _keys.as_key(key)
+            route = Route(str(parsed), parsed.src_task, parsed.dst_task)
+            if len(self._routes) >= _ROUTE_CACHE_MAX:
+                self._routes.clear()
+            self._routes[text] = route
+        return route
+
+    def _peer(self, task_id: TaskId) -> Peer:
+        peer = self._peers.get(task_id)
+        if peer is None:
+            peer = Peer(self, task_id, self.cluster.address(*task_id))
+            self._peers[task_id] = peer
+        return peer
+
+    def _table(self, step: int) -> Any:
+        table = self._tables.get(step)
+        if table is None:
+            dead = self._dead_steps.get(step)
+            if dead is not None:
+                err = Aborted(dead)
+                raise err
+            table = self._tables[step] = Table()
+        return table
+
+    def _joined(self, step: int, peer: Peer) -> None:
+        peers = self._step_peers.get(step)
+        if peers is None:
+            self._step_peers[step] = {peer}
+        elif peer not in peers:
+            peers.add(peer)
+
+    # -- send ----------------------------------------------------------------------------------
+
+    async def send(self, key: Any, value: Any, *, mode: str | None = None, step: int = 0,
+                   timeout: float | None = None) -> None:
+        """Send ``value`` (a numpy array or bytes) on ``key``; the key's src must be this node.
+
+        Returns once the value is queued: locally, in our table for the consumer to fetch
+        (Recv-Driven), or on the wire (Send-Driven).  Waits only for backpressure.
+        """
+        route = self._route(key)
+        if route.src != self.id:
+            raise WrongEndpoint(f"cannot send key {route.text} from {self.name}: its source is "
+                                f"/job:{route.src[0]}/task:{route.src[1]}")
+        if self._state != "running":
+            self._check_running()
+        value, code, shape, nbytes = describe(value)
+        table = self._table(step)
+        if route.dst == self.id:
+            table.put(route.text, value)
+            return
+        peer = self._peer(route.dst)
+        self._joined(step, peer)
+        if mode is None:
+            mode = self.mode
+        elif mode not in MODES:
+            raise ValueError(f"mode must be 'recv' or 'send', not {mode!r}")
+        if mode == "send" and not table.waiting(route.text):
+            await self._push(peer, step, route, value, code, shape, nbytes, timeout)
+            return
+        # Recv-Driven (or a consumer already asked for it): a parked request takes it now.
+        if table.put(route.text, value):
+            return
+        self._held_bytes += nbytes
+        self._held_count += 1
+        if self.claim_timeout is not None:
+            assert self._loop is not None
+            self._claims.append((self._loop.time() + self.claim_timeout, step, route.text))
+        if self._held_bytes > self.hold_limit and self._held_count > 1:
+            await self._wait(self._hold_waiters, timeout, f"send of {route.text}: hold limit")
+
+    def _fits(self, peer: Peer, nbytes: int) -> bool:
+        # A value larger than the whole window may go when nothing else is in flight.
+        return peer.credit >= nbytes or peer.credit >= self.push_window
+
+    async def _push(self, peer: Peer, step: int, route: Route, value: Any, code: int,
+                    shape: tuple[int, ...], nbytes: int, timeout: float | None) -> None:
+        """Send-Driven: write the value to its consumer, in call order per peer."""
+        conn = peer.out
+        if (peer.tail is None and conn is not None and conn.ready and not conn.closed
+                and not conn.paused and self._fits(peer, nbytes)):
+            peer.credit -= nbytes
+            conn.write_value(step, 0, route.wire, value, code, shape, nbytes)
+            return
+        # Slow path: wait for the pushes before this one, a connection, credit, the socket.
+        assert self._loop is not None
+        prev = peer.tail
+        mine: asyncio.Future[None] = self._loop.create_future()
+        peer.tail = mine
+        try:
+            waiting = self._push_wait(peer, prev, route, nbytes)
+            if timeout is None:
+                conn = await waiting
+            else:
+                try:
+                    conn = await asyncio.wait_for(waiting, timeout)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"send of {route.text} to {peer.name} timed out after "
+                                       f"{timeout}s (connection, push window or socket)") from None
+            peer.credit -= nbytes
+            conn.write_value(step, 0, route.wire, value, code, shape, nbytes)
+        finally:
+            if prev is None or prev.done():
+                self._push_done(peer, mine)
+            else:  # cancelled early: the next push still waits for the one before us
+                prev.add_done_callback(lambda _: self._push_done(peer, mine))
+
+    def _push_done(self, peer: Peer, mine: asyncio.Future[None]) -> None:
+        if not mine.done():
+            mine.set_result(None)
+        if peer.tail is mine:
+            peer.tail = None
+
+    async def _push_wait(self, peer: Peer, prev: asyncio.Future[None] | None, route: Route,
+                         nbytes: int) -> Connection:
+        if prev is not None and not prev.done():
+            await asyncio.shield(prev)
+        conn = await self._link(peer, route.text)
+        while not self._fits(peer, nbytes):
+            assert self._loop is not None
+            waiter: asyncio.Future[None] = self._loop.create_future()
+            peer.credit_waiter = waiter
+            try:
+                await waiter
+            finally:
+                peer.credit_waiter = None
+            conn = await self._link(peer, route.text)
+        if conn.paused:
+            await conn.drain()
+        return conn
+
+    def _loop_call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._loop is not None
+        self._loop.call_soon(fn, *args)
+
+    async def _wait(self, waiters: deque[asyncio.Future[None]], timeout: float | None,
+                    what: str) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        waiters.append(waiter)
+        try:
+            if timeout is None:
+                await waiter
+            else:
+                await asyncio.wait_for(waiter, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{what}: timed out after {timeout}s") from None
+        finally:
+            try:
+                waiters.remove(waiter)
+            except ValueError:
+                pass
+
+    def _answer(self, conn: Connection, step: int, request_id: int, route: Route, value: Any) -> None:
+        """Send ``value`` as the answer to a Recv-Driven request."""
+        value, code, shape, nbytes = describe(value)
+        if conn.peer is not None:
+            conn.peer.credit -= nbytes  # answers are asked for: they never wait for credit
+        conn.write_value(step, request_id, route.wire, value, code, shape, nbytes)
+
+    def _released_held(self, nbytes: int) -> None:
+        self._held_bytes -= nbytes
+        self._held_count -= 1
+        if self._hold_waiters and self._held_bytes <= self.hold_limit:
+            for waiter in self._hold_waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    # -- recv ----------------------------------------------------------------------------------
+
+    async def recv(self, key: Any, *, mode: str | None = None, step: int = 0,
+                   timeout: float | None = None) -> Any:
+        """Receive the next value of ``key`` (FIFO); the key's dst must be this node.
+
+        ``timeout`` raises ``TimeoutError``; cancelling the awaiting task cancels just this
+        recv.  Remote failures raise ``PeerLost`` or ``Aborted`` with the original cause.
+        """
+        route = self._route(key)
+        if route.dst != self.id:
+            raise WrongEndpoint(f"cannot recv key {route.text} on {self.name}: its destination is "
+                                f"/job:{route.dst[0]}/task:{route.dst[1]}")
+        if self._state != "running":
+            self._check_running()
+        table = self._table(step)
+        value = table.take(route.text)
+        if value is not EMPTY:
+            if route.src != self.id:
+                self._consumed(route.src, value)
+            return value
+        assert self._loop is not None
+        waiter = self._loop.create_future()
+        table.take_or_wait(route.text, waiter)
+        if route.src == self.id:
+            return await wait_value(table, route.text, waiter, self._loop, timeout,
+                                    f"recv of {route.text}")
+        peer = self._peer(route.src)
+        self._joined(step, peer)
+        if mode is None:
+            mode = self.mode
+        elif mode not in MODES:
+            table.remove_waiter(route.text, waiter)
+            raise ValueError(f"mode must be 'recv' or 'send', not {mode!r}")
+        if mode == "recv":
+            self._request(peer, step, route)
+        elif not peer.live_connections():
+            self._spawn(self._link(peer, route.text))  # to notice if it is gone
+        try:
+            return await wait_value(table, route.text, waiter, self._loop, timeout,
+                                    f"recv of {route.text} from {peer.name}")
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                peer.owed -= _nbytes(waiter.result())  # it went back to the table, unconsumed
+            raise
+        finally:
+            if mode == "recv":
+                self._rebalance(step, route.text, table)
+
+    def _request(self, peer: Peer, step: int, route: Route) -> None:
+        request_id = next(self._request_ids)
+        self._requests[request_id] = Request(request_id, peer, step, route.text)
+        pending = self._outstanding.get((step, route.text))
+        if pending is None:
+            self._outstanding[(step, route.text)] = deque((request_id,))
+        else:
+            pending.append(request_id)
+        frame = _codec.encode_request(step, request_id, route.wire)
+        conn = peer.out
+        if conn is not None and conn.ready and not conn.closed:
+            conn.write_frame(frame)
+        else:
+            self._spawn(self._send_when_linked(peer, route.text, frame))
+
+    async def _send_when_linked(self, peer: Peer, key: str, frame: bytes) -> None:
+        conn = await self._link(peer, key)
+        conn.write_frame(frame)
+
+    def _rebalance(self, step: int, key: str, table: Any) -> None:
+        """Cancel requests that no local waiter needs any more (newest first)."""
+        pending = self._outstanding.get((step, key))
+        if pending is None:
+            return
+        surplus = len(pending) - (table.waiting(key) if not table.aborted else 0)
+        while surplus > 0 and pending:
+            request = self._requests.pop(pending.pop(), None)
+            surplus -= 1
+            if request is not None:
+                conn = request.peer.out
+                if conn is not None and not conn.closed:
+                    conn.write_frame(_codec.encode_cancel(request.id))
+        if not pending:
+            del self._outstanding[(step, key)]
+
+    def _consumed(self, src: TaskId, value: Any) -> None:
+        """A value from ``src`` left our table: grant that producer the space again."""
+        peer = self._peers.get(src)
+        if peer is None:
+            return
+        peer.owed += _nbytes(value)
+        if not peer.owed_scheduled:
+            peer.owed_scheduled = True
+            self._loop_call_soon(self._flush_credit, peer)
+
+    def _flush_credit(self, peer: Peer) -> None:
+        peer.owed_scheduled = False
+        self._flush_credit_now(peer)
+
+    def _flush_credit_now(self, peer: Peer | None) -> None:
+        if peer is None or peer.owed <= 0:
+            return
+        conns = peer.live_connections()
+        if conns:
+            conns[0].write_frame(_codec.encode_credit(peer.owed))
+            peer.owed = 0
+
+    # -- connections ---------------------------------------------------------------------------
+
+    async def _link(self, peer: Peer, key: str | None = None) -> Connection:
+        """Our outbound connection to ``peer``, dialled on first use (with retry/backoff)."""
+        conn = peer.out
+        if conn is not None and not conn.closed and conn.ready:
+            return conn
+        if self._state == "closed":
+            raise self._closed_error(self._close_cause or NodeClosed(self.name))
+        if peer.dialling is None or peer.dialling.done():
+            assert self._loop is not None
+            peer.dialling = self._loop.create_future()
+            self._spawn(self._dial(peer, peer.dialling))
+        dialling = peer.dialling
+        try:
+            return await asyncio.shield(dialling)
+        except PeerLost as exc:
+            if key is None:
+                raise
+            err = PeerLost(f"{exc} (key {key})")
+            raise err from exc.__cause__
+
+    async def _dial(self, peer: Peer, result: asyncio.Future[Connection]) -> None:
+        assert self._loop is not None
+        host, port = split_address(peer.address)
+        deadline = self._loop.time() + self.connect_timeout
+        delay = 0.01
+        last: BaseException | None = None
+        while True:
+            try:
+                _, conn = await asyncio.wait_for(self._loop.create_connection(
+                    lambda: Connection(self, outbound=True, peer=peer, max_payload=self.max_payload),
+                    host, port), max(0.01, deadline - self._loop.time()))
+                if not conn.ready:  # HELLO may already have arrived
+                    hello = self._loop.create_future()
+                    conn.hello_waiter = hello
+                    await asyncio.wait_for(hello, max(0.01, deadline - self._loop.time()))
+                peer.out = conn
+                if not result.done():
+                    result.set_result(conn)
+                return
+            except (OSError, asyncio.TimeoutError, RvzError) as exc:
+                last = exc
+            if self._state == "closed" or self._loop.time() + delay >= deadline:
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+        err = PeerLost(f"could not connect to {peer.name} at {peer.address} within "
+                       f"{self.connect_timeout}s: {last!r}")
+        err.__cause__ = last
+        if not result.done():
+            result.set_exception(err)
+            result.exception()  # retrieved: waiters get it through the shield
+        self._peer_lost(peer, err)
+
+    def _on_connection_made(self, conn: Connection) -> None:
+        self._conns.add(conn)
+
+    def _on_connection_lost(self, conn: Connection) -> None:
+        self._conns.discard(conn)
+        waiter = conn.hello_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(conn.lost_error())
+        peer = conn.peer
+        if peer is None:
+            return
+        if peer.out is conn:
+            peer.out = None
+        peer.inbound.discard(conn)
+        for parked in conn.parked.values():
+            parked.cancel()
+        conn.parked.clear()
+        if self._state == "closed":
+            return
+        if conn.bye_received:
+            if not peer.live_connections():
+                err = PeerLost(f"peer {peer.name} closed")
+                err.__cause__ = NodeClosed(f"{peer.name} said goodbye")
+                self._peer_lost(peer, err)
+        elif conn.ready:
+            err = PeerLost(f"lost the connection to {peer.name} at {peer.address}: "
+                           f"{conn.close_reason}")
+            err.__cause__ = conn.close_reason
+            self._peer_lost(peer, err)
+
+    def _peer_lost(self, peer: Peer, err: PeerLost, keep: Connection | None = None) -> None:
+        """Fail everything that waits on ``peer``; the next operation dials it again.
+
+        ``keep`` is a fresh connection from the peer's new incarnation, which survives.
+        """
+        log.warning("rvz %s: %s", self.name, err)
+        for conn in peer.live_connections():
+            if conn is not keep:
+                conn.fail(err)
+        if peer.out is not keep:
+            peer.out = None
+        peer.inbound = {c for c in peer.inbound if c is keep}
+        peer.credit = self.push_window
+        peer.owed = 0
+
+        def lost(key: str) -> PeerLost:
+            exc = PeerLost(f"{err} (key {key})")
+            exc.__cause__ = err.__cause__
+            return exc
+
+        for request_id, request in list(self._requests.items()):
+            if request.peer is peer:
+                del self._requests[request_id]
+                pending = self._outstanding.get((request.step, request.key))
+                if pending is not None:
+                    try:
+                        pending.remove(request_id)
+                    except ValueError:
+                        pass
+                    if not pending:
+                        del self._outstanding[(request.step, request.key)]
+        for table in self._tables.values():
+            for key in table.keys_waiting():
+                if self._route(key).src == peer.id:
+                    table.fail_waiters(key, lambda key=key: lost(key))
+        self._fail_credit_waiter(peer, lost("push"))
+
+    def _fail_credit_waiter(self, peer: Peer, exc: BaseException) -> None:
+        waiter = peer.credit_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            if not isinstance(exc, RvzError):
+                log.error("rvz %s: background task failed", self.name, exc_info=exc)
+
+    def _tick(self) -> None:
+        """Heartbeat: ping idle connections, drop silent ones, push unclaimed values."""
+        assert self._loop is not None
+        limit = max(1, round(self.peer_timeout / self.heartbeat))
+        for conn in list(self._conns):
+            if conn.closed:
+                continue
+            received = conn.decoder.bytes_in
+            if received == conn.seen_in:
+                conn.idle_ticks += 1
+                if conn.idle_ticks >= limit:
+                    name = conn.peer.name if conn.peer is not None else "peer"
+                    conn.fail(TimeoutError(f"{name} sent nothing for {self.peer_timeout}s "
+                                           "(no heartbeat)"))
+                    continue
+            else:
+                conn.seen_in = received
+                conn.idle_ticks = 0
+            if conn.ready and conn.bytes_out == conn.seen_out:
+                conn.write_frame(_codec.encode_ping())
+            conn.seen_out = conn.bytes_out
+        if self._claims:
+            self._push_unclaimed(self._loop.time())
+        self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
+
+    def _push_unclaimed(self, now: float) -> None:
+        claims = self._claims
+        while claims and claims[0][0] <= now:
+            _, step, key = claims.popleft()
+            table = self._tables.get(step)
+            if table is None or table.aborted or not table.queued(key):
+                continue
+            value = table.take(key)
+            self._released_held(_nbytes(value))
+            route = self._route(key)
+            value, code, shape, nbytes = describe(value)
+            peer = self._peer(route.dst)
+            log.info("rvz %s: pushing unclaimed %s to %s after %ss", self.name, key, peer.name,
+                     self.claim_timeout)
+            self._spawn(self._push(peer, step, route, value, code, shape, nbytes, None))
+
+    # -- frames from peers ---------------------------------------------------------------------
+
+    def _dispatch(self, conn: Connection, events: list[tuple[Any, ...]]) -> None:
+        for event in events:
+            kind = event[0]
+            try:
+                if kind == _codec.DATA:
+                    self._on_data(conn, event[1], event[2], event[3], event[4])
+                elif kind == _codec.REQUEST:
+                    self._on_request(conn, event[1], event[2], event[3])
+                elif kind == _codec.CREDIT:
+                    self._on_credit(conn, event[1])
+                elif kind == _codec.CANCEL:
+                    parked = conn.parked.pop(event[1], None)
+                    if parked is not None:
+                        parked.cancel()
+                        table = self._tables.get(parked.step)
+                        if table is not None:
+                            table.remove_waiter(parked.route.text, parked)
+                elif kind == _codec.HELLO:
+                    self._on_hello(conn, event[1])
+                elif kind == _codec.ERROR:
+                    self._on_error(conn, event[1])
+                elif kind == _codec.ABORT_STEP:
+                    self._abort_step(event[1], event[2], RemoteError(event[2], self._peer_name(conn)),
+                                     origin=conn.peer)
+                elif kind == _codec.BYE:
+                    conn.bye_received = True
+            except ProtocolError as exc:
+                conn.fail(exc)
+                return
+
+    def _peer_name(self, conn: Connection) -> str:
+        return conn.peer.name if conn.peer is not None else "an unidentified peer"
+
+    def _on_hello(self, conn: Connection, fields: dict[str, Any]) -> None:
+        try:
+            version = fields["v"]
+            task_id = (str(fields["job"]), int(fields["task"]))
+            incarnation = int(fields["inc"])
+            order = fields.get("order", "little")
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError(f"HELLO is missing fields: {fields!r}") from None
+        if version != _codec.VERSION:
+            raise ProtocolError(f"peer speaks protocol version {version}, we speak {_codec.VERSION}")
+        if order != sys.byteorder:
+            raise ProtocolError(f"peer is {order}-endian, this node is {sys.byteorder}-endian")
+        if conn.outbound:
+            assert conn.peer is not None
+            if conn.peer.id != task_id:
+                raise ProtocolError(f"dialled {conn.peer.name} at {conn.peer.address} but "
+                                    f"/job:{task_id[0]}/task:{task_id[1]} answered")
+            peer = conn.peer
+        else:
+            try:
+                peer = self._peer(task_id)
+            except KeyError:
+                raise ProtocolError(f"/job:{task_id[0]}/task:{task_id[1]} is not in our cluster") from None
+            conn.peer = peer
+            peer.inbound.add(conn)
+        if peer.incarnation is not None and peer.incarnation != incarnation:
+            err = PeerLost(f"peer {peer.name} restarted (new incarnation)")
+            err.__cause__ = ConnectionResetError(f"{peer.name} restarted")
+            self._peer_lost(peer, err, keep=conn)
+        peer.incarnation = incarnation
+        conn.ready = True
+        waiter = conn.hello_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _on_data(self, conn: Connection, step: int, request_id: int, key: str, value: Any) -> None:
+        peer = conn.peer
+        assert peer is not None
+        if request_id:
+            request = self._requests.pop(request_id, None)
+            if request is not None:
+                pending = self._outstanding.get((step, key))
+                if pending is not None:
+                    try:
+                        pending.remove(request_id)
+                    except ValueError:
+                        pass
+                    if not pending:
+                        del self._outstanding[(step, key)]
+        route = self._route(key)
+        if route.dst != self.id or route.src != peer.id:
+            raise ProtocolError(f"{peer.name} sent key {key} to {self.name}; the key routes from "
+                                f"/job:{route.src[0]}/task:{route.src[1]} to "
+                                f"/job:{route.dst[0]}/task:{route.dst[1]} (cluster specs differ?)")
+        table = self._tables.get(step)
+        if table is None:
+            if step in self._dead_steps:
+                self._consumed(peer.id, value)  # dropped: the step is gone
+                return
+            table = self._tables[step] = Table()
+        self._joined(step, peer)
+        if table.put(key, value):
+            self._consumed(peer.id, value)
+
+    def _on_request(self, conn: Connection, step: int, request_id: int, key: str) -> None:
+        route = self._route(key)
+        if route.src != self.id:
+            conn.write_frame(_codec.encode_error(
+                request_id, step, key, "WrongEndpoint",
+                f"{self.name} cannot answer a request for key {key}: its source is "
+                f"/job:{route.src[0]}/task:{route.src[1]}"))
+            return
+        dead = self._dead_steps.get(step)
+        if dead is not None or self._state == "closed":
+            conn.write_frame(_codec.encode_error(request_id, step, key, "aborted",
+                                                 dead or f"node {self.name} closed"))
+            return
+        table = self._table(step)
+        assert conn.peer is not None
+        self._joined(step, conn.peer)
+        waiter = RemoteWaiter(self, conn, step, request_id, route)
+        value = table.take_or_wait(key, waiter)
+        if value is EMPTY:
+            conn.parked[request_id] = waiter
+        else:
+            self._released_held(_nbytes(value))
+            self._answer(conn, step, request_id, route, value)
+
+    def _on_credit(self, conn: Connection, nbytes: int) -> None:
+        peer = conn.peer
+        if peer is None:
+            return
+        peer.credit = min(peer.credit + nbytes, self.push_window)
+        waiter = peer.credit_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _on_error(self, conn: Connection, fields: dict[str, Any]) -> None:
+        request = self._requests.pop(int(fields.get("req", 0)), None)
+        if request is None:
+            return
+        pending = self._outstanding.get((request.step, request.key))
+        if pending is not None and request.id in pending:
+            pending.remove(request.id)
+        peer_name = self._peer_name(conn)
+        message = str(fields.get("msg", ""))
+        code = str(fields.get("code", ""))
+        cause = RemoteError(message, peer_name, code)
+        table = self._tables.get(request.step)
+        if table is None:
+            return
+        cls: type[RvzError] = {"aborted": Aborted, "WrongEndpoint": WrongEndpoint}.get(code, RemoteError)
+
+        def error() -> RvzError:
+            exc = cls(f"{peer_name} could not answer key {request.key}: {message}")
+            exc.__cause__ = cause
+            return exc
+
+        table.fail_waiters(request.key, error)
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def step(self, step_id: int) -> Step:
+        """A view of this node bound to one step id."""
+        return Step(self, step_id)
+
+    async def cleanup_step(self, step_id: int, message: str | None = None) -> None:
+        """Abort ``step_id`` here and on every node that took part in it."""
+        text = message or f"step {step_id} was cleaned up by {self.name}"
+        self._abort_step(step_id, text, None, origin=None)
+        for conn in list(self._conns):
+            conn.flush()
+        await asyncio.sleep(0)
+
+    def _abort_step(self, step: int, message: str, cause: BaseException | None,
+                    origin: Peer | None) -> None:
+        if step in self._dead_steps:
+            return
+        if len(self._dead_steps) >= _DEAD_STEPS_MAX:
+            del self._dead_steps[next(iter(self._dead_steps))]
+        self._dead_steps[step] = message
+        self._drop_table(step, message, cause)
+        for key in [k for k in self._outstanding if k[0] == step]:
+            for request_id in self._outstanding.pop(key):
+                self._requests.pop(request_id, None)
+        for peer in self._step_peers.pop(step, ()):
+            if peer is origin:
+                continue
+            for conn in peer.live_connections()[:1]:
+                conn.write_frame(_codec.encode_abort_step(step, message))
+
+    def _drop_table(self, step: int, message: str, cause: BaseException | None) -> None:
+        table = self._tables.pop(step, None)
+        if table is None:
+            return
+        for key, value in table.abort(message, cause):
+            route = self._route(key)
+            if route.src == self.id and route.dst != self.id:
+                self._released_held(_nbytes(value))
+            elif route.src != self.id:
+                self._consumed(route.src, value)
+
+
+class Step:
+    """``node.step(42)``: send and recv scoped to one step, and its clean-up."""
+
+    def __init__(self, node: Node, step_id: int) -> None:
+        self.node = node
+        self.id = step_id
+
+    async def send(self, key: Any, value: Any, *, mode: str | None = None,
+                   timeout: float | None = None) -> None:
+        await self.node.send(key, value, mode=mode, step=self.id, timeout=timeout)
+
+    async def recv(self, key: Any, *, mode: str | None = None, timeout: float | None = None) -> Any:
+        return await self.node.recv(key, mode=mode, step=self.id, timeout=timeout)
+
+    async def cleanup(self, message: str | None = None) -> None:
+        await self.node.cleanup_step(self.id, message)
+
+    def __repr__(self) -> str:
+        return f"<Step {self.id} of {self.node.name}>"

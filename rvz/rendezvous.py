@@ -1,0 +1,56 @@
+"""``rvz.Rendezvous``: the in-process table (TF LocalRendezvous) as a public API."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from . import _impl
+
+_table = _impl.table
+_keys = _impl.keys
+
+
+def _text(key: Any) -> str:
+    if isinstance(key, _keys.Key):
+        return str(key)
+    return str(_keys.as_key(key))
+
+
+class Rendezvous:
+    """Keyed FIFO exchange inside one process, on the running event loop.
+
+    ``send`` never blocks; ``recv`` returns at once when a value is queued and otherwise
+    waits for the next ``send`` of that key.  ``abort(exc)`` fails every pending and every
+    later operation with ``rvz.Aborted`` whose ``__cause__`` is ``exc``.
+    """
+
+    def __init__(self) -> None:
+        self._table = _table.Table()
+
+    def send(self, key: Any, value: Any) -> None:
+        self._table.put(_text(key), value)
+
+    async def recv(self, key: Any, timeout: float | None = None) -> Any:
+        text = _text(key)
+        table = self._table
+        value = table.take(text)
+        if value is not _table.EMPTY:
+            return value
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        table.take_or_wait(text, waiter)
+        return await _table.wait_value(table, text, waiter, loop, timeout, f"recv of {text}")
+
+    def abort(self, exc: BaseException | None = None, message: str | None = None) -> None:
+        cause = exc if exc is not None else None
+        self._table.abort(message or f"rendezvous aborted: {exc!r}", cause)
+
+    @property
+    def aborted(self) -> bool:
+        return bool(self._table.aborted)
+
+    def pending(self, key: Any) -> tuple[int, int]:
+        """``(queued values, waiting receivers)`` of ``key``."""
+        text = _text(key)
+        return self._table.queued(text), self._table.waiting(text)

@@ -1,0 +1,26 @@
+"""Compiles the hot paths in rvz/_fast with Cython (see rvz/_fast/__init__.py).
+
+Set RVZ_NO_EXTENSIONS=1 at build time to skip compiling; the package then runs in pure
+Python, and rvz.implementation() says so.
+"""
+
+import os
+
+from setuptools import Extension, setup
+
+MODULES = ["keys", "table", "codec"]
+
+
+def extensions():
+    if os.environ.get("RVZ_NO_EXTENSIONS", "") not in ("", "0"):
+        return []
+    from Cython.Build import cythonize
+
+    exts = [Extension(f"rvz._fast.{name}", [f"rvz/_fast/{name}.py"]) for name in MODULES]
+    return cythonize(exts, language_level=3, compiler_directives={
+        "boundscheck": False, "wraparound": False, "cdivision": True,
+        "embedsignature": True, "annotation_typing": False,
+    })
+
+
+setup(ext_modules=extensions())
