@@ -65,9 +65,9 @@ def load(variant: str) -> SimpleNamespace:
         saved = {name: sys.modules.get(f"{_PACKAGE}.{name}") for name in MODULES}
         # keys first: table and codec import only errors, but the order documents intent.
         mods = {name: _load_source(name) for name in MODULES}
-        for name, module in saved.items():
-            if module is not None:
-                sys.modules[f"{_PACKAGE}.{name}"] = module
+        for name, previous in saved.items():
+            if previous is not None:
+                sys.modules[f"{_PACKAGE}.{name}"] = previous
         return SimpleNamespace(name="python", **mods)
     raise ValueError(f"unknown implementation {variant!r}: 'compiled' or 'python'")
 

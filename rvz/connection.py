@@ -50,7 +50,7 @@ class Connection(asyncio.BufferedProtocol):
         self.seen_in = 0                  # decoder.bytes_in at the last heartbeat tick
         self.seen_out = 0
         self.idle_ticks = 0
-        self._transport: asyncio.Transport | None = None
+        self._transport: Any = None
         self._out = bytearray()
         self._flush_scheduled = False
         self._paused = False
@@ -59,18 +59,19 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- asyncio protocol callbacks -------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+    def connection_made(self, transport: Any) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
-        self._transport = transport  # type: ignore[assignment]
+        self._transport = transport
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
         self.write_frame(_codec.encode_hello(self.node.hello_fields()))
         self.node._on_connection_made(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self.decoder.get_buffer(sizehint)  # type: ignore[no-any-return]
+        view: memoryview = self.decoder.get_buffer(sizehint)
+        return view
 
     def buffer_updated(self, nbytes: int) -> None:
         try:

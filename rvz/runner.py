@@ -27,7 +27,7 @@ def new_event_loop(name: str = "auto") -> asyncio.AbstractEventLoop:
                 raise RuntimeError("uvloop was asked for but is not installed "
                                    "(pip install uvloop)") from None
         else:
-            return uvloop.new_event_loop()  # type: ignore[no-any-return]
+            return uvloop.new_event_loop()
     return asyncio.new_event_loop()
 
 

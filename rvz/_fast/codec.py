@@ -22,6 +22,7 @@ frames land in a staging buffer; the payload of a large tensor lands straight in
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -68,12 +69,12 @@ _U8 = np.dtype(np.uint8)
 _EMPTY_LIST: list = []
 
 
-def dtype_code(dtype: object) -> int:
+def dtype_code(dtype: Any) -> int:
     """The wire code of a numpy dtype; -1 if rvz does not carry it."""
     return _CODES.get(dtype.str, -1)
 
 
-def describe(value: object) -> tuple:
+def describe(value: Any) -> tuple:
     """``(value, dtype_code, shape, nbytes)`` of a value about to be sent.
 
     Arrays come back C-contiguous and in little-endian order (a copy only when the caller's
@@ -99,12 +100,13 @@ def describe(value: object) -> tuple:
     raise TypeError(f"rvz sends numpy arrays or bytes, not {type(value).__name__}")
 
 
-def payload_view(value: object) -> memoryview:
+def payload_view(value: Any) -> memoryview:
     """A flat byte view of a described value (no copy)."""
     if isinstance(value, np.ndarray):
         if value.size == 0:
             return memoryview(b"")
-        return memoryview(value).cast("B")
+        array: Any = value  # numpy's stubs do not declare the buffer protocol for 3.10
+        return memoryview(array).cast("B")
     return memoryview(value)
 
 
@@ -199,12 +201,12 @@ class Decoder:
         # A payload at least this large is received straight into its array.
         self._direct_min = direct_min
         self._max_payload = max_payload
-        self._dest = None
+        self._dest: Any = None
         self._dest_filled = 0
         self._dest_len = 0
-        self._pending = None
+        self._pending: Any = None
         self._state = 0  # 0: expect HELLO, 1: open, 2: BYE received
-        self._failed = None
+        self._failed: Any = None
         self.frames = 0
         self.bytes_in = 0
 
@@ -252,7 +254,7 @@ class Decoder:
         raise ProtocolError(message)
 
     def _parse(self) -> list:
-        events = []
+        events: list[Any] = []
         buf = self._buf
         view = self._view
         pos = self._start
@@ -289,6 +291,7 @@ class Decoder:
                 kstart = mstart + 20 + 8 * ndim
                 key = self._key(view, kstart, klen)
                 dtype = DTYPES[code]
+                value: Any
                 if dtype is None:
                     if ndim != 0:
                         self._fail(f"bytes value for key {key} has a shape")

@@ -8,6 +8,8 @@ use it, so two spellings of one key (say an unpadded incarnation) always meet.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..errors import KeyFormatError
 
 _MAX_U64 = (1 << 64) - 1
@@ -62,9 +64,9 @@ class Key:
         self.frame = frame
         self.iter = iter
         self.incarnation = incarnation
-        self._text = None
-        self._src_task = None
-        self._dst_task = None
+        self._text: Any = None
+        self._src_task: Any = None
+        self._dst_task: Any = None
 
     @classmethod
     def parse(cls, text: str) -> Key:
@@ -92,8 +94,8 @@ class Key:
     def __str__(self) -> str:
         text = self._text
         if text is None:
-            text = "%s;%016x;%s;%s;%d:%d" % (self.src, self.incarnation, self.dst, self.name,
-                                              self.frame, self.iter)
+            text = (f"{self.src};{self.incarnation:016x};{self.dst};{self.name};"
+                    f"{self.frame}:{self.iter}")
             self._text = text
         return text
 

@@ -13,6 +13,7 @@ rvz runs on one event loop thread, so the table needs no lock: callbacks run fro
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from ..errors import Aborted
 
@@ -25,10 +26,10 @@ class Table:
     __slots__ = ("_values", "_waiters", "_abort_cause", "_abort_message")
 
     def __init__(self) -> None:
-        self._values = {}   # key -> deque of values nobody has received yet
-        self._waiters = {}  # key -> deque of waiters that no value has reached yet
-        self._abort_cause = None
-        self._abort_message = None
+        self._values: dict[str, deque[Any]] = {}   # key -> values nobody received yet
+        self._waiters: dict[str, deque[Any]] = {}  # key -> waiters no value reached yet
+        self._abort_cause: Any = None
+        self._abort_message: Any = None
 
     def aborted_error(self, key: str) -> Aborted:
         """A fresh ``Aborted`` for ``key`` carrying the abort's original cause."""
@@ -138,7 +139,7 @@ class Table:
     def keys_waiting(self) -> list:
         return list(self._waiters)
 
-    def fail_waiters(self, key: str, exc_factory: object) -> int:
+    def fail_waiters(self, key: str, exc_factory: Any) -> int:
         """Fail every live waiter of ``key`` with ``exc_factory()``; the key stays usable."""
         waiters = self._waiters.pop(key, None)
         if waiters is None:
@@ -150,7 +151,7 @@ class Table:
                 n += 1
         return n
 
-    def abort(self, message: str, cause: object) -> list:
+    def abort(self, message: str, cause: Any) -> list:
         """Fail every pending waiter and every later operation with ``Aborted``.
 
         Returns the ``(key, value)`` pairs that were queued and are now dropped, so the
@@ -174,8 +175,8 @@ class Table:
         return dropped
 
 
-async def wait_value(table: Table, key: str, waiter: object, loop: object, timeout: object,
-                     describe: str) -> object:
+async def wait_value(table: Table, key: str, waiter: Any, loop: Any, timeout: Any,
+                     describe: str) -> Any:
     """Await ``waiter`` (already queued in ``table``) with an optional timeout.
 
     If the caller is cancelled after the value was delivered, the value goes back to the
@@ -198,7 +199,7 @@ async def wait_value(table: Table, key: str, waiter: object, loop: object, timeo
             handle.cancel()
 
 
-def _expire(table: Table, key: str, waiter: object, timeout: object, describe: str) -> None:
+def _expire(table: Table, key: str, waiter: Any, timeout: Any, describe: str) -> None:
     if not waiter.done():
         table.remove_waiter(key, waiter)
         waiter.set_exception(TimeoutError(f"{describe} timed out after {timeout}s"))
