@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import _impl
@@ -27,6 +28,9 @@ _codec = _impl.codec
 # A payload up to this size is copied into the coalescing buffer; above it, it is written
 # as a separate view.  Copying 16 KiB costs less than a second write call.
 COALESCE_MAX = 16384
+# A producer that never yields to the loop still gets its frames out once this many bytes
+# are pending, so the consumer can work in parallel.
+FLUSH_AT = 65536
 WRITE_HIGH_WATER = 8 << 20
 WRITE_LOW_WATER = 2 << 20
 
@@ -42,10 +46,14 @@ class Connection(asyncio.BufferedProtocol):
         self.ready = False                # HELLO received
         self.hello_waiter: asyncio.Future[None] | None = None
         self.bye_received = False
+        self.closed_here = False          # we closed it gracefully: not a lost peer
         self.closed = False
         self.close_reason: BaseException | None = None
         self.decoder = _codec.Decoder(max_payload=max_payload)
         self.parked: dict[int, Any] = {}  # request id -> RemoteWaiter parked in our table
+        # The rvz.onesided Channel this connection negotiated at HELLO (shm, verbs): DATA
+        # then goes one-sided through it, and its control frames are handed to it.
+        self.dataplane: Any = None
         self.bytes_out = 0
         self.seen_in = 0                  # decoder.bytes_in at the last heartbeat tick
         self.seen_out = 0
@@ -54,6 +62,7 @@ class Connection(asyncio.BufferedProtocol):
         self._out = bytearray()
         self._flush_scheduled = False
         self._paused = False
+        self.on_resume: Callable[[Connection], None] | None = None  # the node's push queue
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._loop = asyncio.get_running_loop()
 
@@ -66,7 +75,11 @@ class Connection(asyncio.BufferedProtocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
-        self.write_frame(_codec.encode_hello(self.node.hello_fields()))
+        fields = self.node.hello_fields()
+        hub = getattr(self.node, "_onesided", None)
+        if hub is not None:
+            fields.update(hub.offer(self))  # one-sided endpoints this connection may use
+        self.write_frame(_codec.encode_hello(fields))
         self.node._on_connection_made(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -80,6 +93,15 @@ class Connection(asyncio.BufferedProtocol):
             self.fail(exc)
             return
         if events:
+            if not self.ready and len(events) > 1:
+                # HELLO (always the first frame) may attach a dataplane; the frames that came
+                # in the same read after it must already go through that dataplane.
+                self.node._dispatch(self, events[:1])
+                events = events[1:]
+                if self.closed:
+                    return
+            if self.dataplane is not None:
+                events = self.dataplane.on_frames(events)
             self.node._dispatch(self, events)
 
     def eof_received(self) -> bool:
@@ -93,6 +115,8 @@ class Connection(asyncio.BufferedProtocol):
             elif not self.bye_received:
                 self.close_reason = ConnectionResetError("connection closed by the peer without BYE")
         self._wake_drain()
+        if self.dataplane is not None:
+            self.dataplane.close()  # delivers what already arrived one-sided, frees the rest
         self.node._on_connection_lost(self)
 
     def pause_writing(self) -> None:
@@ -101,6 +125,10 @@ class Connection(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         self._paused = False
         self._wake_drain()
+        callback = self.on_resume
+        if callback is not None:
+            self.on_resume = None
+            callback(self)
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -108,8 +136,11 @@ class Connection(asyncio.BufferedProtocol):
         """Queue a small frame; it leaves with the others of this loop iteration."""
         if self.closed:
             return
-        self._out += frame
-        if not self._flush_scheduled:
+        out = self._out
+        out += frame
+        if len(out) >= FLUSH_AT:
+            self._write_out()
+        elif not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self.flush)
 
@@ -118,22 +149,31 @@ class Connection(asyncio.BufferedProtocol):
         """Queue a DATA frame: header in the coalescing buffer, a large payload by reference."""
         if self.closed:
             raise self.lost_error()
+        if self.dataplane is not None:  # shm / verbs: the payload goes one-sided
+            self.dataplane.write_value(step, request_id, key, value, code, shape, nbytes)
+            return
         header = _codec.encode_data(step, request_id, key, code, shape, nbytes)
         if nbytes <= COALESCE_MAX:
             out = self._out
             out += header
             if nbytes:
                 out += _codec.payload_view(value)
-            if not self._flush_scheduled:
+            if len(out) >= FLUSH_AT:
+                self._write_out()
+            elif not self._flush_scheduled:
                 self._flush_scheduled = True
                 self._loop.call_soon(self.flush)
         else:
             self._out += header
-            self.flush()
+            self._write_out()
             self._write(_codec.payload_view(value))
 
     def flush(self) -> None:
+        """Write what is pending (the end-of-iteration callback)."""
         self._flush_scheduled = False
+        self._write_out()
+
+    def _write_out(self) -> None:
         if self._out and not self.closed:
             data = self._out
             self._out = bytearray()  # the transport may keep a reference to ``data``
@@ -141,6 +181,8 @@ class Connection(asyncio.BufferedProtocol):
 
     def _write(self, data: Any) -> None:
         assert self._transport is not None
+        if self.closed_here:
+            return  # after write_eof() the transport refuses writes; nothing more may go out
         self.bytes_out += len(data) if not isinstance(data, memoryview) else data.nbytes
         self._transport.write(data)
 
@@ -174,10 +216,21 @@ class Connection(asyncio.BufferedProtocol):
         return err
 
     def close(self) -> None:
-        """Flush and close after what is already queued."""
+        """Flush and close after what is already queued (our side's graceful close).
+
+        A half-close: EOF goes out after the queued bytes and we keep reading until the peer
+        closes its side (``connection_lost`` follows).  Closing outright while the peer's
+        pings or credits are still unread makes the kernel send RST, which throws away what
+        we sent that is still in flight.
+        """
         self.flush()
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.close()
+        self.closed_here = True
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            if transport.can_write_eof():
+                transport.write_eof()
+            else:
+                transport.close()
 
     def fail(self, reason: BaseException) -> None:
         """Close at once: a protocol error, a heartbeat timeout, an abort."""

@@ -36,7 +36,17 @@ from typing import Any
 from . import _impl
 from .cluster import ClusterSpec, split_address
 from .connection import Connection
-from .errors import Aborted, NodeClosed, PeerLost, ProtocolError, RemoteError, RvzError, WrongEndpoint
+from .errors import (
+    Aborted,
+    KeyFormatError,
+    NodeClosed,
+    PeerLost,
+    ProtocolError,
+    RemoteError,
+    RvzError,
+    TransportError,
+    WrongEndpoint,
+)
 
 log = logging.getLogger("rvz")
 
@@ -49,6 +59,7 @@ wait_value = _table.wait_value
 describe = _codec.describe
 
 MODES = ("recv", "send")
+TRANSPORTS = ("tcp", "shm", "verbs", "auto")  # all but tcp: rvz.onesided
 _ROUTE_CACHE_MAX = 1 << 16
 _DEAD_STEPS_MAX = 1 << 16
 
@@ -58,6 +69,16 @@ TaskId = tuple  # (job, task)
 def _nbytes(value: Any) -> int:
     n = getattr(value, "nbytes", None)
     return len(value) if n is None else int(n)
+
+
+# What one message costs in the push window beyond its payload: it bounds the count of tiny
+# (or empty) messages in flight, not only their bytes.  Both ends use the same figure.
+MESSAGE_COST = 64
+
+
+def _log_unclaimed_failure(done: asyncio.Future[None]) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.warning("rvz: an unclaimed value could not be pushed: %s", done.exception())
 
 
 class Route:
@@ -84,11 +105,18 @@ class Peer:
         self.dialling: asyncio.Future[Connection] | None = None
         self.inbound: set[Connection] = set()       # connections it dialled to us
         self.incarnation: int | None = None
+        # The connection our requests and pushes use: the first ready one either side
+        # dialled, so both directions share one socket (an answer and the next request leave
+        # in one write).  It only changes when it dies, which keeps pushes in order.
+        self.link: Connection | None = None
         self.credit = node.push_window              # bytes we may still push to it
-        self.credit_waiter: asyncio.Future[None] | None = None
-        self.tail: asyncio.Future[None] | None = None  # the last push still in progress
+        self.asked = False                          # we asked it for credit it holds back
+        # Pushes waiting for the link, credit or the socket, in call order:
+        # (done future, step, route, value, dtype code, shape, nbytes).
+        self.queue: deque[tuple[Any, ...]] = deque()
         self.owed = 0                               # bytes of its values we consumed, to return
         self.owed_scheduled = False
+        self.owe_now = False                        # it asked: return credit at the next consumption
 
     def live_connections(self) -> list[Connection]:
         conns = [c for c in self.inbound if not c.closed]
@@ -103,13 +131,14 @@ class Peer:
 class Request:
     """A Recv-Driven request we sent and that has not been answered yet."""
 
-    __slots__ = ("id", "peer", "step", "key")
+    __slots__ = ("id", "peer", "step", "key", "conn")
 
     def __init__(self, request_id: int, peer: Peer, step: int, key: str) -> None:
         self.id = request_id
         self.peer = peer
         self.step = step
         self.key = key
+        self.conn: Connection | None = None  # where it went: a CANCEL must follow it there
 
 
 class RemoteWaiter:
@@ -160,11 +189,12 @@ class Node:
                  peer_timeout: float = 10.0, linger: float = 5.0,
                  push_window: int = 64 << 20, hold_limit: int = 256 << 20,
                  claim_timeout: float | None = 2.0, incarnation: int | None = None,
-                 max_payload: int = _codec.DEFAULT_MAX_PAYLOAD) -> None:
+                 max_payload: int = _codec.DEFAULT_MAX_PAYLOAD,
+                 onesided: dict[str, Any] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be 'recv' or 'send', not {mode!r}")
-        if transport != "tcp":
-            raise ValueError(f"transport {transport!r} is not available; this build has 'tcp'")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
         if heartbeat <= 0 or peer_timeout <= heartbeat:
             raise ValueError("need 0 < heartbeat < peer_timeout")
         self.cluster = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec(cluster)
@@ -204,6 +234,10 @@ class Node:
         self._hold_waiters: deque[asyncio.Future[None]] = deque()
         self._claims: deque[tuple[float, int, str]] = deque()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._deliveries: set[asyncio.Task[Any]] = set()  # the tasks close() must wait for
+        # One-sided transports (rvz.onesided): options, and the hub start() opens for them.
+        self._onesided_options = onesided
+        self._onesided: Any = None
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -220,9 +254,18 @@ class Node:
         host, port = split_address(self.address)
         if self._host is not None:
             host = self._host
-        self._server = await self._loop.create_server(
-            lambda: Connection(self, outbound=False, max_payload=self.max_payload),
-            host, port, reuse_address=True)
+        if self.transport != "tcp" and self._onesided is None:
+            from .onesided.hub import Hub  # TransportError here names what is missing
+            self._onesided = Hub(self, self._onesided_options)
+        try:
+            self._server = await self._loop.create_server(
+                lambda: Connection(self, outbound=False, max_payload=self.max_payload),
+                host, port, reuse_address=True)
+        except BaseException:
+            if self._onesided is not None:  # its completion queues are on this loop
+                self._onesided.close()
+                self._onesided = None
+            raise
         self._set_state("running")
         self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
         return self
@@ -240,15 +283,27 @@ class Node:
     def state(self) -> str:
         return self._state
 
-    def _check_running(self) -> None:
+    def _check_running(self, key: str | None = None) -> None:
         if self._state != "running":
-            err = RvzError(f"node {self.name} is {self._state}")
+            where = f" (key {key})" if key else ""
+            err: RvzError
+            if self._state == "closed" and self._close_cause is not None:
+                # abort()/close() promise that every later operation fails with Aborted.
+                err = Aborted(f"node {self.name} is closed: {self._close_cause}{where}")
+            else:
+                err = RvzError(f"node {self.name} is {self._state}{where}")
             raise err from self._close_cause
 
     def transport_for(self, peer: str | TaskId) -> str:
-        """The transport used toward ``peer`` (a device name or ``(job, task)``)."""
+        """The transport used toward ``peer`` (a device name or ``(job, task)``).
+
+        With ``transport="auto"`` it is ``"auto"`` until a connection to the peer agreed on
+        one (``"shm"``, ``"verbs"`` or ``"tcp"``); the choice is also logged.
+        """
         task_id = _keys.parse_device(peer) if isinstance(peer, str) else tuple(peer)
         self.cluster.address(*task_id)
+        if self._onesided is not None:
+            return str(self._onesided.transport_for(task_id))
         return self.transport
 
     def hello_fields(self) -> dict[str, Any]:
@@ -271,8 +326,11 @@ class Node:
         self._set_state("closing")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.linger
-        while loop.time() < deadline and (self._held_count or self._tasks or any(
-                p.tail is not None for p in self._peers.values())):
+        # Not every background task: a dial retrying toward a dead peer would hold the close
+        # for the whole linger although it delivers nothing.
+        while loop.time() < deadline and (self._held_count or self._deliveries or any(
+                p.queue for p in self._peers.values()) or (
+                self._onesided is not None and self._onesided.busy())):
             await asyncio.sleep(min(0.005, max(0.0, deadline - loop.time())))
         if self._server is not None:
             self._server.close()
@@ -288,7 +346,16 @@ class Node:
                 except (asyncio.TimeoutError, RvzError):
                     pass
                 conn.close()
-        self._finish(NodeClosed(f"node {self.name} was closed"))
+        # conn.close() only half-closes: wait until each peer has read everything and closed
+        # its side (a silent peer for at most peer_timeout), then cut what is left.
+        handshake = loop.time() + self.peer_timeout
+        while any(c.closed_here and not c.closed for c in self._conns) and loop.time() < handshake:
+            await asyncio.sleep(0.005)
+        cause = NodeClosed(f"node {self.name} was closed")
+        for conn in list(self._conns):
+            if not conn.closed:
+                conn.fail(cause)
+        self._finish(cause)
         # Give the transports one iteration to run their close callbacks.
         await asyncio.sleep(0)
 
@@ -312,13 +379,15 @@ class Node:
         for step in list(self._tables):
             self._drop_table(step, message, cause)
         for peer in self._peers.values():
-            self._fail_credit_waiter(peer, self._closed_error(cause))
+            self._fail_queued_pushes(peer, lambda key: self._closed_error(cause))
         for waiter in self._hold_waiters:
             if not waiter.done():
                 waiter.set_exception(self._closed_error(cause))
         self._hold_waiters.clear()
         for task in list(self._tasks):
             task.cancel()
+        if self._onesided is not None:
+            self._onesided.close()  # pool blocks under live arrays stay until those die
 
     def _closed_error(self, cause: BaseException) -> Aborted:
         err = Aborted(f"node {self.name} closed: {cause}")
@@ -333,6 +402,12 @@ class Node:
         if route is None:
             parsed = _keys.as_key(key)
             route = Route(str(parsed), parsed.src_task, parsed.dst_task)
+            for task_id in (route.src, route.dst):
+                try:  # here, before a recv queues its waiter: not a KeyError from deep inside
+                    self.cluster.address(*task_id)
+                except KeyError:
+                    raise WrongEndpoint(f"key {route.text} names /job:{task_id[0]}/task:{task_id[1]}, "
+                                        f"which is not in the cluster {self.cluster!r}") from None
             if len(self._routes) >= _ROUTE_CACHE_MAX:
                 self._routes.clear()
             self._routes[text] = route
@@ -376,7 +451,7 @@ class Node:
             raise WrongEndpoint(f"cannot send key {route.text} from {self.name}: its source is "
                                 f"/job:{route.src[0]}/task:{route.src[1]}")
         if self._state != "running":
-            self._check_running()
+            self._check_running(route.text)
         value, code, shape, nbytes = describe(value)
         table = self._table(step)
         if route.dst == self.id:
@@ -392,6 +467,19 @@ class Node:
             await self._push(peer, step, route, value, code, shape, nbytes, timeout)
             return
         # Recv-Driven (or a consumer already asked for it): a parked request takes it now.
+        # Else wait for room under hold_limit *before* queuing it, so that a send that times
+        # out or is cancelled did not send (one value alone may exceed the limit).
+        if self._held_count and self._held_bytes + nbytes > self.hold_limit:
+            assert self._loop is not None
+            end = None if timeout is None else self._loop.time() + timeout
+            while (self._held_count and self._held_bytes + nbytes > self.hold_limit
+                   and not table.waiting(route.text)):
+                left = None if end is None else max(0.0, end - self._loop.time())
+                try:
+                    await self._wait(self._hold_waiters, left, "hold limit")
+                except TimeoutError:
+                    raise TimeoutError(f"send of {route.text} to {peer.name} timed out after "
+                                       f"{timeout}s (hold limit: values not yet fetched)") from None
         if table.put(route.text, value):
             return
         self._held_bytes += nbytes
@@ -399,68 +487,77 @@ class Node:
         if self.claim_timeout is not None:
             assert self._loop is not None
             self._claims.append((self._loop.time() + self.claim_timeout, step, route.text))
-        if self._held_bytes > self.hold_limit and self._held_count > 1:
-            await self._wait(self._hold_waiters, timeout, f"send of {route.text}: hold limit")
-
-    def _fits(self, peer: Peer, nbytes: int) -> bool:
-        # A value larger than the whole window may go when nothing else is in flight.
-        return peer.credit >= nbytes or peer.credit >= self.push_window
 
     async def _push(self, peer: Peer, step: int, route: Route, value: Any, code: int,
                     shape: tuple[int, ...], nbytes: int, timeout: float | None) -> None:
-        """Send-Driven: write the value to its consumer, in call order per peer."""
-        conn = peer.out
-        if (peer.tail is None and conn is not None and conn.ready and not conn.closed
-                and not conn.paused and self._fits(peer, nbytes)):
-            peer.credit -= nbytes
+        """Send-Driven: write the value to its consumer, in call order per peer.
+
+        The fast path writes at once.  Otherwise the push joins the peer's queue, which
+        ``_pump`` drains in order, synchronously, whenever the connection, the consumer's
+        credit or the socket allows: many queued pushes then leave in one write.
+        """
+        conn = peer.link
+        cost = nbytes + MESSAGE_COST
+        if (not peer.queue and conn is not None and conn.ready and not conn.closed
+                and not conn.paused and (peer.credit >= cost or peer.credit >= self.push_window)):
+            peer.credit -= cost
             conn.write_value(step, 0, route.wire, value, code, shape, nbytes)
             return
-        # Slow path: wait for the pushes before this one, a connection, credit, the socket.
-        assert self._loop is not None
-        prev = peer.tail
-        mine: asyncio.Future[None] = self._loop.create_future()
-        peer.tail = mine
+        done = self._queue_push(peer, step, route, value, code, shape, nbytes)
+        if done.done():
+            return done.result()
         try:
-            waiting = self._push_wait(peer, prev, route, nbytes)
             if timeout is None:
-                conn = await waiting
+                await done
             else:
-                try:
-                    conn = await asyncio.wait_for(waiting, timeout)
-                except asyncio.TimeoutError:
-                    raise TimeoutError(f"send of {route.text} to {peer.name} timed out after "
-                                       f"{timeout}s (connection, push window or socket)") from None
-            peer.credit -= nbytes
+                await asyncio.wait_for(done, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"send of {route.text} to {peer.name} timed out after {timeout}s "
+                               "(connection, push window or socket)") from None
+        # A cancelled or timed-out push is cancelled in the queue too: _pump skips it.
+
+    def _queue_push(self, peer: Peer, step: int, route: Route, value: Any, code: int,
+                    shape: tuple[int, ...], nbytes: int) -> asyncio.Future[None]:
+        assert self._loop is not None
+        done: asyncio.Future[None] = self._loop.create_future()
+        peer.queue.append((done, step, route, value, code, shape, nbytes))
+        self._pump(peer)
+        return done
+
+    def _pump(self, peer: Peer) -> None:
+        """Write queued pushes while the link, credit and socket allow; else arrange a wake-up."""
+        queue = peer.queue
+        while queue:
+            done, step, route, value, code, shape, nbytes = queue[0]
+            if done.done():  # cancelled or timed out before it went out
+                queue.popleft()
+                continue
+            conn = peer.link
+            if conn is None or conn.closed or not conn.ready:
+                self._start_link(peer)  # _link_ready pumps again
+                return
+            if conn.paused:
+                conn.on_resume = self._pump_later  # resume_writing pumps again
+                return
+            cost = nbytes + MESSAGE_COST
+            if not (peer.credit >= cost or peer.credit >= self.push_window):
+                if not peer.asked:  # the consumer may be holding back a batch: ask for it
+                    peer.asked = True
+                    conn.write_frame(_codec.encode_credit(0))
+                return  # _on_credit pumps again
+            queue.popleft()
+            peer.credit -= cost
             conn.write_value(step, 0, route.wire, value, code, shape, nbytes)
-        finally:
-            if prev is None or prev.done():
-                self._push_done(peer, mine)
-            else:  # cancelled early: the next push still waits for the one before us
-                prev.add_done_callback(lambda _: self._push_done(peer, mine))
+            done.set_result(None)
 
-    def _push_done(self, peer: Peer, mine: asyncio.Future[None]) -> None:
-        if not mine.done():
-            mine.set_result(None)
-        if peer.tail is mine:
-            peer.tail = None
+    def _pump_later(self, conn: Connection) -> None:
+        if conn.peer is not None:
+            self._pump(conn.peer)
 
-    async def _push_wait(self, peer: Peer, prev: asyncio.Future[None] | None, route: Route,
-                         nbytes: int) -> Connection:
-        if prev is not None and not prev.done():
-            await asyncio.shield(prev)
-        conn = await self._link(peer, route.text)
-        while not self._fits(peer, nbytes):
-            assert self._loop is not None
-            waiter: asyncio.Future[None] = self._loop.create_future()
-            peer.credit_waiter = waiter
-            try:
-                await waiter
-            finally:
-                peer.credit_waiter = None
-            conn = await self._link(peer, route.text)
-        if conn.paused:
-            await conn.drain()
-        return conn
+    def _start_link(self, peer: Peer) -> None:
+        """Make sure a connection to ``peer`` is on its way (without waiting for it)."""
+        if peer.dialling is None or peer.dialling.done():
+            self._spawn(self._link(peer))
 
     def _loop_call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._loop is not None
@@ -487,7 +584,7 @@ class Node:
         """Send ``value`` as the answer to a Recv-Driven request."""
         value, code, shape, nbytes = describe(value)
         if conn.peer is not None:
-            conn.peer.credit -= nbytes  # answers are asked for: they never wait for credit
+            conn.peer.credit -= nbytes + MESSAGE_COST  # answers are asked for: they never wait for credit
         conn.write_value(step, request_id, route.wire, value, code, shape, nbytes)
 
     def _released_held(self, nbytes: int) -> None:
@@ -512,7 +609,7 @@ class Node:
             raise WrongEndpoint(f"cannot recv key {route.text} on {self.name}: its destination is "
                                 f"/job:{route.dst[0]}/task:{route.dst[1]}")
         if self._state != "running":
-            self._check_running()
+            self._check_running(route.text)
         table = self._table(step)
         value = table.take(route.text)
         if value is not EMPTY:
@@ -540,8 +637,13 @@ class Node:
             return await wait_value(table, route.text, waiter, self._loop, timeout,
                                     f"recv of {route.text} from {peer.name}")
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                peer.owed -= _nbytes(waiter.result())  # it went back to the table, unconsumed
+            # wait_value gave the delivered value back: to the queue, where it is unconsumed
+            # again (its credit is returned when it is taken), or to the next waiter, which
+            # consumed it (the credit already counted stands).  A queue and waiters never
+            # coexist, so a non-empty queue means the former.
+            if (waiter.done() and not waiter.cancelled() and waiter.exception() is None
+                    and table.queued(route.text)):
+                peer.owed -= _nbytes(waiter.result()) + MESSAGE_COST
             raise
         finally:
             if mode == "recv":
@@ -549,22 +651,28 @@ class Node:
 
     def _request(self, peer: Peer, step: int, route: Route) -> None:
         request_id = next(self._request_ids)
-        self._requests[request_id] = Request(request_id, peer, step, route.text)
+        request = self._requests[request_id] = Request(request_id, peer, step, route.text)
         pending = self._outstanding.get((step, route.text))
         if pending is None:
             self._outstanding[(step, route.text)] = deque((request_id,))
         else:
             pending.append(request_id)
-        frame = _codec.encode_request(step, request_id, route.wire)
-        conn = peer.out
+        conn = peer.link
         if conn is not None and conn.ready and not conn.closed:
-            conn.write_frame(frame)
+            self._send_request(conn, request, route.wire)
         else:
-            self._spawn(self._send_when_linked(peer, route.text, frame))
+            self._spawn(self._send_when_linked(request, route.wire))
 
-    async def _send_when_linked(self, peer: Peer, key: str, frame: bytes) -> None:
-        conn = await self._link(peer, key)
-        conn.write_frame(frame)
+    def _send_request(self, conn: Connection, request: Request, wire: bytes) -> None:
+        request.conn = conn
+        if conn.dataplane is not None:  # one-sided: offer the destination first
+            conn.dataplane.on_request(request.step, request.id, request.key)
+        conn.write_frame(_codec.encode_request(request.step, request.id, wire))
+
+    async def _send_when_linked(self, request: Request, wire: bytes) -> None:
+        conn = await self._link(request.peer, request.key)
+        if request.id in self._requests:  # not cancelled while we dialled
+            self._send_request(conn, request, wire)
 
     def _rebalance(self, step: int, key: str, table: Any) -> None:
         """Cancel requests that no local waiter needs any more (newest first)."""
@@ -576,7 +684,7 @@ class Node:
             request = self._requests.pop(pending.pop(), None)
             surplus -= 1
             if request is not None:
-                conn = request.peer.out
+                conn = request.conn
                 if conn is not None and not conn.closed:
                     conn.write_frame(_codec.encode_cancel(request.id))
         if not pending:
@@ -587,8 +695,10 @@ class Node:
         peer = self._peers.get(src)
         if peer is None:
             return
-        peer.owed += _nbytes(value)
-        if not peer.owed_scheduled:
+        peer.owed += _nbytes(value) + MESSAGE_COST
+        # Credit goes back in batches of a quarter window (one frame per many messages),
+        # or at once when the producer said it is waiting for it.
+        if (peer.owe_now or peer.owed >= self.push_window >> 2) and not peer.owed_scheduled:
             peer.owed_scheduled = True
             self._loop_call_soon(self._flush_credit, peer)
 
@@ -601,16 +711,24 @@ class Node:
             return
         conns = peer.live_connections()
         if conns:
-            conns[0].write_frame(_codec.encode_credit(peer.owed))
+            peer.owe_now = False
+            if conns[0].dataplane is not None:  # one-sided: with the data, one wake-up less
+                conns[0].dataplane.send_credit(peer.owed)
+            else:
+                conns[0].write_frame(_codec.encode_credit(peer.owed))
             peer.owed = 0
 
     # -- connections ---------------------------------------------------------------------------
 
     async def _link(self, peer: Peer, key: str | None = None) -> Connection:
-        """Our outbound connection to ``peer``, dialled on first use (with retry/backoff)."""
-        conn = peer.out
+        """The connection our traffic to ``peer`` uses, dialled on first use (with retry/backoff)."""
+        conn = peer.link
         if conn is not None and not conn.closed and conn.ready:
             return conn
+        for conn in peer.live_connections():
+            if conn.ready:
+                self._link_ready(peer, conn)
+                return conn
         if self._state == "closed":
             raise self._closed_error(self._close_cause or NodeClosed(self.name))
         if peer.dialling is None or peer.dialling.done():
@@ -638,10 +756,14 @@ class Node:
                     lambda: Connection(self, outbound=True, peer=peer, max_payload=self.max_payload),
                     host, port), max(0.01, deadline - self._loop.time()))
                 if not conn.ready:  # HELLO may already have arrived
+                    if conn.closed:  # ... and failed it (e.g. no common transport)
+                        raise conn.lost_error()
                     hello = self._loop.create_future()
                     conn.hello_waiter = hello
                     await asyncio.wait_for(hello, max(0.01, deadline - self._loop.time()))
                 peer.out = conn
+                if peer.link is None or peer.link.closed:
+                    self._link_ready(peer, conn)
                 if not result.done():
                     result.set_result(conn)
                 return
@@ -649,6 +771,8 @@ class Node:
                 last = exc
             if self._state == "closed" or self._loop.time() + delay >= deadline:
                 break
+            if isinstance(last, TransportError) or isinstance(last.__cause__, TransportError):
+                break  # the pair cannot agree on a transport: retrying will not change that
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
         err = PeerLost(f"could not connect to {peer.name} at {peer.address} within "
@@ -658,6 +782,11 @@ class Node:
             result.set_exception(err)
             result.exception()  # retrieved: waiters get it through the shield
         self._peer_lost(peer, err)
+
+    def _link_ready(self, peer: Peer, conn: Connection) -> None:
+        peer.link = conn
+        if peer.queue:
+            self._loop_call_soon(self._pump, peer)
 
     def _on_connection_made(self, conn: Connection) -> None:
         self._conns.add(conn)
@@ -672,12 +801,14 @@ class Node:
             return
         if peer.out is conn:
             peer.out = None
+        if peer.link is conn:
+            peer.link = None
         peer.inbound.discard(conn)
         for parked in conn.parked.values():
             parked.cancel()
         conn.parked.clear()
-        if self._state == "closed":
-            return
+        if self._state == "closed" or conn.closed_here or isinstance(conn.close_reason, PeerLost):
+            return  # our own close, or the loss was already handled by _peer_lost
         if conn.bye_received:
             if not peer.live_connections():
                 err = PeerLost(f"peer {peer.name} closed")
@@ -694,15 +825,20 @@ class Node:
 
         ``keep`` is a fresh connection from the peer's new incarnation, which survives.
         """
-        log.warning("rvz %s: %s", self.name, err)
+        graceful = isinstance(err.__cause__, NodeClosed)
+        log.log(logging.INFO if graceful else logging.WARNING, "rvz %s: %s", self.name, err)
         for conn in peer.live_connections():
             if conn is not keep:
                 conn.fail(err)
         if peer.out is not keep:
             peer.out = None
         peer.inbound = {c for c in peer.inbound if c is keep}
+        if peer.link is not keep:
+            peer.link = None
         peer.credit = self.push_window
+        peer.asked = False
         peer.owed = 0
+        peer.owe_now = False
 
         def lost(key: str) -> PeerLost:
             exc = PeerLost(f"{err} (key {key})")
@@ -724,27 +860,36 @@ class Node:
             for key in table.keys_waiting():
                 if self._route(key).src == peer.id:
                     table.fail_waiters(key, lambda key=key: lost(key))
-        self._fail_credit_waiter(peer, lost("push"))
+        self._fail_queued_pushes(peer, lost)
 
-    def _fail_credit_waiter(self, peer: Peer, exc: BaseException) -> None:
-        waiter = peer.credit_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(exc)
+    def _fail_queued_pushes(self, peer: Peer, error: Callable[[str], BaseException]) -> None:
+        queue = peer.queue
+        peer.queue = deque()
+        for item in queue:
+            done, route = item[0], item[2]
+            if not done.done():
+                done.set_exception(error(route.text))
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
+    def _spawn(self, coro: Awaitable[Any], delivery: bool = False) -> None:
+        """Run ``coro`` in the background; ``delivery`` if it carries a value that close()
+        must let finish (dials and requests of our own need not hold up a close)."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
+        if delivery:
+            self._deliveries.add(task)
         task.add_done_callback(self._task_done)
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
+        self._deliveries.discard(task)
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
             if not isinstance(exc, RvzError):
                 log.error("rvz %s: background task failed", self.name, exc_info=exc)
 
     def _tick(self) -> None:
-        """Heartbeat: ping idle connections, drop silent ones, push unclaimed values."""
+        """Heartbeat: ping idle connections, drop silent ones, push unclaimed values,
+        return credit held back in a batch."""
         assert self._loop is not None
         limit = max(1, round(self.peer_timeout / self.heartbeat))
         for conn in list(self._conns):
@@ -766,6 +911,9 @@ class Node:
             conn.seen_out = conn.bytes_out
         if self._claims:
             self._push_unclaimed(self._loop.time())
+        for peer in self._peers.values():
+            if peer.owed > 0:  # a batch below a quarter window still goes back when idle
+                self._flush_credit_now(peer)
         self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
 
     def _push_unclaimed(self, now: float) -> None:
@@ -782,7 +930,8 @@ class Node:
             peer = self._peer(route.dst)
             log.info("rvz %s: pushing unclaimed %s to %s after %ss", self.name, key, peer.name,
                      self.claim_timeout)
-            self._spawn(self._push(peer, step, route, value, code, shape, nbytes, None))
+            done = self._queue_push(peer, step, route, value, code, shape, nbytes)
+            done.add_done_callback(_log_unclaimed_failure)
 
     # -- frames from peers ---------------------------------------------------------------------
 
@@ -808,12 +957,20 @@ class Node:
                 elif kind == _codec.ERROR:
                     self._on_error(conn, event[1])
                 elif kind == _codec.ABORT_STEP:
-                    self._abort_step(event[1], event[2], RemoteError(event[2], self._peer_name(conn)),
-                                     origin=conn.peer)
+                    name = self._peer_name(conn)
+                    text = event[2] if name in event[2] else f"{event[2]} (aborted by {name})"
+                    self._abort_step(event[1], text, RemoteError(event[2], name), origin=conn.peer)
                 elif kind == _codec.BYE:
                     conn.bye_received = True
-            except ProtocolError as exc:
+            except (ProtocolError, TransportError) as exc:
                 conn.fail(exc)
+                return
+            except (KeyFormatError, WrongEndpoint) as exc:
+                # A key from the wire that does not parse or route is the peer's protocol
+                # violation: close that connection only, never raise into the event loop.
+                err = ProtocolError(f"{self._peer_name(conn)} sent a key we cannot route: {exc}")
+                err.__cause__ = exc
+                conn.fail(err)
                 return
 
     def _peer_name(self, conn: Connection) -> str:
@@ -844,6 +1001,8 @@ class Node:
                 raise ProtocolError(f"/job:{task_id[0]}/task:{task_id[1]} is not in our cluster") from None
             conn.peer = peer
             peer.inbound.add(conn)
+        if self._onesided is not None:  # agree on the transport; TransportError fails conn
+            self._onesided.on_hello(conn, fields)
         if peer.incarnation is not None and peer.incarnation != incarnation:
             err = PeerLost(f"peer {peer.name} restarted (new incarnation)")
             err.__cause__ = ConnectionResetError(f"{peer.name} restarted")
@@ -911,15 +1070,24 @@ class Node:
         peer = conn.peer
         if peer is None:
             return
+        if nbytes == 0:  # the producer waits for credit we hold back in a batch
+            peer.owe_now = True
+            self._flush_credit_now(peer)
+            return
         peer.credit = min(peer.credit + nbytes, self.push_window)
-        waiter = peer.credit_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        peer.asked = False
+        if peer.queue:
+            self._pump(peer)
 
     def _on_error(self, conn: Connection, fields: dict[str, Any]) -> None:
-        request = self._requests.pop(int(fields.get("req", 0)), None)
-        if request is None:
-            return
+        request_id = fields.get("req", 0)
+        if not isinstance(request_id, int):  # int("x") would raise into the event loop
+            raise ProtocolError(f"{self._peer_name(conn)} sent an ERROR frame whose request id "
+                                f"is not a number: {fields!r}")
+        request = self._requests.get(request_id)
+        if request is None or request.peer is not conn.peer:
+            return  # a stray answer, or about a request we did not send to this peer
+        del self._requests[request_id]
         pending = self._outstanding.get((request.step, request.key))
         if pending is not None and request.id in pending:
             pending.remove(request.id)
@@ -948,6 +1116,13 @@ class Node:
     async def cleanup_step(self, step_id: int, message: str | None = None) -> None:
         """Abort ``step_id`` here and on every node that took part in it."""
         text = message or f"step {step_id} was cleaned up by {self.name}"
+        if step_id not in self._dead_steps:
+            # A Send-Driven consumer waits for this step's keys without telling us, so every
+            # peer we are connected to may be waiting on it: tell them all, not only the
+            # peers we saw in this step (a receiver that never heard of it just records it).
+            for peer in self._peers.values():
+                if peer.live_connections():
+                    self._joined(step_id, peer)
         self._abort_step(step_id, text, None, origin=None)
         for conn in list(self._conns):
             conn.flush()

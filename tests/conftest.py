@@ -8,9 +8,12 @@ test_implementation.py), so a build that silently fell back to Python fails.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import inspect
 import os
 import socket
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -80,3 +83,65 @@ PS = "/job:ps/replica:0/task:0/device:CPU:0"
 
 def key(name: str = "t", src: str = WORKER, dst: str = PS, **kw: Any) -> rvz.Key:
     return rvz.Key(src=src, dst=dst, name=name, **kw)
+
+
+# Node settings that keep tests fast: quick heartbeats and claims, short linger.
+FAST: dict[str, Any] = dict(heartbeat=0.05, peer_timeout=2.0, linger=1.0, connect_timeout=5.0,
+                            claim_timeout=0.3)
+
+
+@contextlib.asynccontextmanager
+async def pair(cluster: rvz.ClusterSpec, mode: str = "recv", *, worker: dict[str, Any] | None = None,
+               ps: dict[str, Any] | None = None,
+               **kw: Any) -> AsyncIterator[tuple[rvz.Node, rvz.Node]]:
+    """The producer (worker/0) and the consumer (ps/0) of ``key()``, both running."""
+    settings = {**FAST, **kw}
+    async with rvz.Node(cluster, "worker", 0, mode, **{**settings, **(worker or {})}) as w, \
+            rvz.Node(cluster, "ps", 0, mode, **{**settings, **(ps or {})}) as p:
+        yield w, p
+
+
+async def eventually(predicate: Callable[[], bool], what: str, within: float = 5.0) -> None:
+    """Wait until ``predicate()`` holds; fail naming ``what`` if it never does."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        await asyncio.sleep(0.005)
+
+
+async def settle(n: int = 5) -> None:
+    """Let the loop run a few iterations."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def pending(aw: Awaitable[Any], time: float = 0.1) -> asyncio.Future[Any]:
+    """Start ``aw`` as a task, let it run ``time`` seconds, and check it is still waiting."""
+    task = asyncio.ensure_future(aw)
+    await asyncio.sleep(time)
+    if task.done():
+        raise AssertionError(f"expected a pending operation, it finished: {task.result()!r}"
+                             if not task.exception() else
+                             f"expected a pending operation, it failed: {task.exception()!r}")
+    return task
+
+
+def in_loop(test: Callable[..., None]) -> Callable[..., None]:
+    """Run a synchronous test body inside a coroutine on the test's loop, through ``run``.
+
+    For checks of pure code (keys, codec, table): every test still runs on both loops.
+    """
+
+    @functools.wraps(test)
+    def wrapper(run: Runner, *args: Any, **kwargs: Any) -> None:
+        async def body() -> None:
+            test(*args, **kwargs)
+
+        run(body(), timeout=30)
+
+    params = list(inspect.signature(test).parameters.values())
+    run_param = inspect.Parameter("run", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    wrapper.__signature__ = inspect.Signature([run_param, *params])  # type: ignore[attr-defined]
+    return wrapper

@@ -40,10 +40,11 @@ ABORT_STEP = 6
 PING = 7
 CREDIT = 8
 BYE = 9
+ONESIDED = 10  # control of a one-sided transport (rvz.onesided): a msgpack map
 
 FRAME_NAMES = {HELLO: "HELLO", DATA: "DATA", REQUEST: "REQUEST", CANCEL: "CANCEL",
                ERROR: "ERROR", ABORT_STEP: "ABORT_STEP", PING: "PING", CREDIT: "CREDIT",
-               BYE: "BYE"}
+               BYE: "BYE", ONESIDED: "ONESIDED"}
 
 HEADER_SIZE = 16
 MAX_NDIM = 32
@@ -66,6 +67,7 @@ _WIRE_DTYPES = ["|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8",
 DTYPES = [None] + [np.dtype(s) for s in _WIRE_DTYPES]
 _CODES = {np.dtype(s).str: i + 1 for i, s in enumerate(_WIRE_DTYPES)}
 _U8 = np.dtype(np.uint8)
+_MAX_ARRAY_BYTES = (1 << 63) - 1  # numpy's limit on itemsize times the non-zero dims
 _EMPTY_LIST: list = []
 
 
@@ -174,6 +176,11 @@ def encode_error(request_id: int, step: int, key: str, code: str, message: str) 
                                "msg": message[:4096]})
 
 
+def encode_onesided(fields: dict) -> bytes:
+    """A one-sided transport's control message (slot grants, destinations; see docs/rdma.md)."""
+    return _encode_map(ONESIDED, fields)
+
+
 class Decoder:
     """Turns received bytes into frame events, never copying a large payload twice.
 
@@ -181,7 +188,8 @@ class Decoder:
     ``(HELLO, fields)``, ``(DATA, step, request_id, key, value)``,
     ``(REQUEST, step, request_id, key)``, ``(CANCEL, request_id)``,
     ``(ERROR, fields)``, ``(ABORT_STEP, step, message)``, ``(PING,)``,
-    ``(CREDIT, nbytes)``, ``(BYE,)``.  Any malformed input raises ``ProtocolError`` and the
+    ``(CREDIT, nbytes)``, ``(BYE,)``, ``(ONESIDED, fields)``.  Any malformed input raises
+    ``ProtocolError`` and the
     decoder stays failed.  The first frame must be HELLO and nothing may follow BYE.
     """
 
@@ -220,6 +228,8 @@ class Decoder:
         return self._view[self._end:]
 
     def buffer_updated(self, nbytes: int) -> list:
+        if self._failed is not None:  # a failed decoder stays failed: never parse past an error
+            raise ProtocolError(self._failed)
         self.bytes_in += nbytes
         if self._dest is not None:
             self._dest_filled += nbytes
@@ -302,6 +312,14 @@ class Decoder:
                     expected = dtype.itemsize
                     for dim in shape:
                         expected *= dim
+                    if expected == 0:
+                        # np.empty refuses an empty shape whose other dims overflow its size.
+                        size = dtype.itemsize
+                        for dim in shape:
+                            if dim:
+                                size *= dim
+                        if size > _MAX_ARRAY_BYTES:
+                            self._fail(f"DATA frame for key {key}: shape {shape} is too large")
                 if expected != payload_len:
                     self._fail(f"DATA frame for key {key}: payload of {payload_len} bytes does not "
                                f"match dtype {dtype} and shape {shape} ({expected} bytes)")
@@ -315,9 +333,10 @@ class Decoder:
                     if dtype is None:
                         value = bytes(view[pstart:pend])
                     else:
-                        value = np.empty(shape, dtype)
-                        if payload_len:
-                            payload_view(value)[:] = view[pstart:pend]
+                        # One copy out of the staging buffer into an array the caller owns.
+                        value = np.frombuffer(buf, dtype, payload_len // dtype.itemsize, pstart).copy()
+                        if ndim != 1:
+                            value = value.reshape(shape)
                     events.append((DATA, step, request_id, key, value))
                     self.frames += 1
                     pos = pend
@@ -371,6 +390,8 @@ class Decoder:
                         self._fail("second HELLO on one connection")
                     self._state = 1
                 events.append((ftype, fields))
+            elif ftype == ONESIDED:
+                events.append((ONESIDED, self._map(view, mstart, meta_len, ftype)))
             elif ftype == BYE:
                 if meta_len != 0:
                     self._fail("BYE frame carries metadata")

@@ -13,6 +13,13 @@ from typing import Any
 from ..errors import KeyFormatError
 
 _MAX_U64 = (1 << 64) - 1
+_DIGITS = "0123456789"
+_HEX_DIGITS = "0123456789abcdefABCDEF"
+
+
+def _is_digits(text: str) -> bool:
+    """Only ASCII digits: ``str.isdigit`` and ``int`` also take '²', signs, '_' and spaces."""
+    return bool(text) and not text.strip(_DIGITS)
 
 
 def parse_device(device: str) -> tuple:
@@ -31,7 +38,7 @@ def parse_device(device: str) -> tuple:
         if name == "job":
             job = value
         elif name == "task":
-            if not value.isdigit():
+            if not _is_digits(value):
                 raise KeyFormatError(f"device name {device!r}: task {value!r} is not a number")
             task = int(value)
     if job is None or task is None:
@@ -77,14 +84,12 @@ class Key:
         src, inc, dst, name, frame_iter = parts
         if not name:
             raise KeyFormatError(f"key {text!r} has an empty edge name")
-        if not inc or len(inc) > 16:
+        # int(x, 16) alone would also take "0x1", "+1", "-1", " 1" and "1_0".
+        if not inc or len(inc) > 16 or inc.strip(_HEX_DIGITS):
             raise KeyFormatError(f"key {text!r}: incarnation {inc!r} is not 1-16 hex digits")
-        try:
-            incarnation = int(inc, 16)
-        except ValueError:
-            raise KeyFormatError(f"key {text!r}: incarnation {inc!r} is not hexadecimal") from None
+        incarnation = int(inc, 16)
         frame_s, sep, iter_s = frame_iter.partition(":")
-        if not sep or not frame_s.isdigit() or not iter_s.isdigit():
+        if not sep or not _is_digits(frame_s) or not _is_digits(iter_s):
             raise KeyFormatError(f"key {text!r}: {frame_iter!r} is not frame_id:iter_id")
         if not src or not dst:
             raise KeyFormatError(f"key {text!r} has an empty device name")

@@ -1,5 +1,679 @@
-"""Placeholder replaced by the benchmark CLI."""
+"""``rvz-bench``: throughput, latency and rendezvous-order benchmarks of rvz, with baselines.
+
+Every figure comes from two worker processes (``rvz.bench.worker``): side ``a`` produces
+(or echoes), side ``b`` consumes (or pings) and measures.  Every ``stream`` and ``pingpong``
+result is printed next to baselines measured in the same run, on the same sizes and host
+pair: plain blocking sockets and raw asyncio/uvloop streams, and rvz's figure as a ratio of
+them.  The development machine is shared and noisy, so only the ratios mean much.
+
+Two hosts: run ``rvz-bench --server --addr 0.0.0.0:7300`` on one (it plays side ``a``) and
+``rvz-bench stream --client --addr HOST:7300`` on the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, TextIO
+
+import rvz
+
+from . import control, report
+from .control import LocalWorker, RemoteWorker, WorkerError, WorkerLink
+from .report import rate_label, ratio_label, size_label
+from .worker import machine, versions
+
+COMMANDS = ("stream", "pingpong", "rendezvous", "all")
+MODES = {"recv": ["recv"], "send": ["send"], "both": ["send", "recv"]}
+ORDERS = ("producer-first", "consumer-first", "random")
+DEFAULT_SIZES = {"stream": "64,4K,256K,4M,64M", "pingpong": "64", "rendezvous": "64",
+                 "all": "64,4K,256K,4M,64M"}
+# What ``all`` runs unless told otherwise: short, but every target gets its figure.
+ALL_DURATION = 0.2
+ALL_REPEAT = 3
+ALL_ROUNDS = 100
+RDV_PERIOD_NS = 5_000_000   # one round of the rendezvous experiment
+RDV_GAP_NS = 1_000_000      # how much earlier the first side calls in an ordered round
+RDV_SPREAD_NS = 2_000_000   # random order: each side waits uniformly in [0, spread)
+RDV_LEAD_NS = 300_000_000   # time for both workers to set up before round 0
 
 
-def main() -> int:
+class UsageError(Exception):
+    """A bad option: printed without a traceback, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("what to run")
+    g.add_argument("--transport", default="tcp", choices=("tcp", "shm", "verbs", "auto"),
+                   help="rvz transport (default tcp; shm/verbs fail with the reason when this "
+                   "host or build lacks them; the baselines stay on TCP)")
+    g.add_argument("--mode", default="both", choices=tuple(MODES),
+                   help="Recv-Driven, Send-Driven or both (default both)")
+    g.add_argument("--sizes", help="tensor sizes, e.g. 64,4K,256K,4M,64M (K/M/G are binary; "
+                   "default: that list for stream and all, 64 for pingpong and rendezvous)")
+    n = g.add_mutually_exclusive_group()
+    n.add_argument("--iters", type=int, help="measured messages (stream), round trips "
+                   "(pingpong) or rounds (rendezvous) per case")
+    n.add_argument("--duration", type=float, help="seconds per case instead of --iters "
+                   "(default 1.0 for stream and pingpong; all: 0.2, three times)")
+    g.add_argument("--repeat", type=int, help="measure each stream/pingpong case this many "
+                   "times, interleaved with its baselines, and keep the median (default 1; all: 3)")
+    g.add_argument("--warmup", type=int, help="messages (rounds) before measuring; default "
+                   "depends on size")
+    g.add_argument("--concurrency", type=int, help="operations in flight (stream lanes; "
+                   "default 64 up to 4K tensors, 4 up to 256K, 1 above; pingpong 1)")
+    g.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"),
+                   help="event loop of the workers (default: uvloop when installed)")
+    g.add_argument("--impl", choices=("compiled", "python"),
+                   help="rvz hot paths in the workers (default: what this process loads; "
+                   "python sets RVZ_NO_EXTENSIONS=1)")
+    g.add_argument("--order", default="all", help="rendezvous arrival orders: "
+                   "producer-first, consumer-first, random or all (comma-separated)")
+    g.add_argument("--no-baselines", action="store_true",
+                   help="skip the socket and streams baselines (no ratios)")
+    g.add_argument("--compare-impl", action="store_true",
+                   help="also run 64B stream on the pure-Python hot paths (all does)")
+    o = common.add_argument_group("output")
+    o.add_argument("--json", metavar="FILE", help="write every figure, the machine, versions "
+                   "and the exact options")
+    o.add_argument("--plot", metavar="FILE.png", help="throughput and latency plots (matplotlib)")
+    o.add_argument("--profile", metavar="DIR", help="cProfile each worker, one .prof per case and side")
+    o.add_argument("--quiet", action="store_true", help="no progress lines")
+    h = common.add_argument_group("two hosts")
+    h.add_argument("--server", action="store_true", help="serve one side for a --client")
+    h.add_argument("--client", action="store_true", help="run against a --server at --addr")
+    h.add_argument("--addr", metavar="HOST:PORT", help="--server: where to listen; "
+                   "--client: where the server is")
+    h.add_argument("--once", action="store_true", help="--server: exit after one client")
+
+    parser = argparse.ArgumentParser(
+        prog="rvz-bench", parents=[common],
+        description="Benchmarks of rvz over two processes, with same-run baselines. "
+        "Without a subcommand: all (a short run of the three, under a minute).")
+    sub = parser.add_subparsers(dest="command", metavar="{stream,pingpong,rendezvous,all}")
+    helps = {"stream": "one-way throughput of tensors (GB/s, tensors/s)",
+             "pingpong": "round-trip latency of a key exchanged back and forth",
+             "rendezvous": "latency from the later of send/recv to recv done, by arrival order",
+             "all": "a short representative run of the three and the issue-3 targets"}
+    for name in COMMANDS:
+        sub.add_parser(name, parents=[common], help=helps[name], description=helps[name])
+    return parser
+
+
+# -- options ------------------------------------------------------------------------------------
+
+class Options:
+    """The parsed command line with every default resolved (recorded in --json)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.command: str = args.command or "all"
+        self.args = args
+        command = self.command
+        try:
+            self.sizes = report.parse_sizes(args.sizes or DEFAULT_SIZES[command])
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if not self.sizes:
+            raise UsageError("--sizes is empty")
+        self.modes = MODES[args.mode]
+        self.loop = args.loop if args.loop != "auto" else rvz.loop_name(rvz.new_event_loop("auto"))
+        self.impl = args.impl or rvz.implementation()
+        self.transport = args.transport
+        self.iters: int | None = args.iters
+        self.duration: float | None = args.duration
+        if self.iters is None and self.duration is None:
+            self.duration = ALL_DURATION if command == "all" else 1.0
+        if self.iters is not None and self.iters < 1:
+            raise UsageError("--iters must be at least 1")
+        if self.duration is not None and self.duration <= 0:
+            raise UsageError("--duration must be positive")
+        self.repeat: int = args.repeat or (ALL_REPEAT if command == "all" else 1)
+        if self.repeat < 1:
+            raise UsageError("--repeat must be at least 1")
+        if args.concurrency is not None and args.concurrency < 1:
+            raise UsageError("--concurrency must be at least 1")
+        if args.warmup is not None and args.warmup < 0:
+            raise UsageError("--warmup must not be negative")
+        orders = ORDERS if args.order == "all" else tuple(o.strip() for o in args.order.split(","))
+        for order in orders:
+            if order not in ORDERS:
+                raise UsageError(f"--order {order!r}: choose from {', '.join(ORDERS)} or all")
+        self.orders = orders
+        self.baselines = not args.no_baselines
+        self.compare_impl = args.compare_impl or command == "all"
+        if args.client and not args.addr:
+            raise UsageError("--client needs --addr HOST:PORT of the server")
+        self.remote: str | None = args.addr if args.client else None
+
+    def stream_concurrency(self, size: int) -> int:
+        if self.args.concurrency is not None:
+            return int(self.args.concurrency)
+        return 64 if size <= 4096 else 4 if size <= 262144 else 1
+
+    def stream_warmup(self, size: int) -> int:
+        if self.args.warmup is not None:
+            return int(self.args.warmup)
+        return max(2, min(2000, (64 << 20) // size))
+
+    def rounds(self) -> tuple[int, int]:
+        """(measured, warmup) rounds of the rendezvous experiment."""
+        if self.iters is not None:
+            measured = self.iters
+        elif self.command == "all" and self.args.duration is None:
+            measured = ALL_ROUNDS
+        else:
+            assert self.duration is not None
+            measured = max(1, int(self.duration * 1e9 / RDV_PERIOD_NS))
+        warmup = self.args.warmup if self.args.warmup is not None else 20
+        return measured, warmup
+
+    def record(self) -> dict[str, Any]:
+        out = {k: v for k, v in vars(self.args).items()}
+        out.update(command=self.command, sizes=self.sizes, modes=self.modes, loop=self.loop,
+                   impl=self.impl, iters=self.iters, duration=self.duration,
+                   orders=list(self.orders), baselines=self.baselines, repeat=self.repeat,
+                   compare_impl=self.compare_impl)
+        return out
+
+
+# -- running cases -------------------------------------------------------------------------------
+
+class Bench:
+    """Owns the workers of one run and executes its cases."""
+
+    def __init__(self, opts: Options, out: TextIO, err: TextIO) -> None:
+        self.opts = opts
+        self.out = out
+        self.err = err
+        self.sessions: dict[str, tuple[WorkerLink, WorkerLink]] = {}
+        self.done = 0
+        self.total = 0
+        self.case_no = 0
+
+    # workers
+
+    def session(self, impl: str) -> tuple[WorkerLink, WorkerLink]:
+        pair = self.sessions.get(impl)
+        if pair is not None:
+            return pair
+        a: WorkerLink
+        b: WorkerLink
+        if self.opts.remote:
+            ra = RemoteWorker("a (server)", self.opts.remote, impl)
+            self.sessions[impl] = (ra, ra)  # registered at once so close() finds it
+            b = LocalWorker("b", impl)
+            self.sessions[impl] = (ra, b)
+            b.host = ra.local_host
+            a = ra
+        else:
+            a = LocalWorker("a", impl)
+            self.sessions[impl] = (a, a)
+            b = LocalWorker("b", impl)
+            self.sessions[impl] = (a, b)
+        for link in (a, b):
+            hello = link.start()
+            loaded = hello.get("implementation")
+            if loaded != impl:
+                raise WorkerError(
+                    f"worker {link.name} was asked for the {impl} hot paths but loaded {loaded} "
+                    f"(RVZ_NO_EXTENSIONS={hello.get('env_no_extensions')!r}); "
+                    + ("are the compiled modules built? (pip install -e .)" if impl == "compiled"
+                       else ""))
+        if self.opts.remote:
+            a.offset_ns = control.clock_offset(a)
+        return a, b
+
+    def close(self, interrupted: bool = False) -> None:
+        """Stop every worker: politely after a run, at once after Ctrl-C or an error
+        (a worker in the middle of a case would not read its quit command)."""
+        grace = 0.0 if interrupted else 3.0
+        for a, b in self.sessions.values():
+            for link in (b, a):
+                try:
+                    link.close(grace)
+                except Exception:  # closing must not hide the error that brought us here
+                    pass
+        self.sessions.clear()
+
+    def progress(self, text: str) -> None:
+        if not self.opts.args.quiet:
+            print(text, file=self.err, flush=True)
+
+    def run_case(self, case: dict[str, Any], impl: str | None = None,
+                 timeout: float | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        a, b = self.session(impl or self.opts.impl)
+        self.case_no += 1
+        sides = {}
+        for role, link in (("a", a), ("b", b)):
+            side = dict(case, role=role, bind_host=link.host, transport=self.opts.transport,
+                        loop=self.opts.loop)
+            if self.opts.args.profile:
+                os.makedirs(self.opts.args.profile, exist_ok=True)
+                name = f"{self.case_no:02d}-{case['kind']}-{case['impl']}-{case.get('mode', '')}-" \
+                       f"{size_label(int(case.get('size', 0)))}-{role}.prof"
+                side["profile"] = os.path.abspath(os.path.join(self.opts.args.profile, name))
+            sides[role] = side
+        addrs = {"a": a.request({"op": "prepare", "case": sides["a"]})["addr"],
+                 "b": b.request({"op": "prepare", "case": sides["b"]})["addr"]}
+        if "t0_ns" in case:  # the rendezvous schedule, in each worker's own clock
+            for role, link in (("a", a), ("b", b)):
+                sides[role]["t0_ns"] = case["t0_ns"] + link.offset_ns
+        a.send({"op": "run", "case": sides["a"], "addrs": addrs})
+        b.send({"op": "run", "case": sides["b"], "addrs": addrs})
+        if timeout is None:
+            timeout = 60.0 + (20.0 * self.opts.duration if self.opts.duration else 540.0)
+        ra, rb = control.wait_all([a, b], timeout)
+        return ra["result"], rb["result"]
+
+    def step(self, text: str) -> None:
+        self.done += 1
+        self.progress(f"[{self.done:>2}/{self.total}] {text}")
+
+    # stream
+
+    def stream_case(self, variant: str, mode: str, size: int, impl: str | None = None) -> dict[str, Any]:
+        opts = self.opts
+        concurrency = opts.stream_concurrency(size) if variant == "rvz" else 1
+        case = {"kind": "stream", "impl": variant, "mode": mode, "size": size,
+                "warmup": opts.stream_warmup(size), "iters": opts.iters,
+                "duration": opts.duration, "concurrency": concurrency,
+                # --duration: still a few large messages (the slow streams baseline fewer)
+                "min_messages": 3 if variant == "streams" else 10}
+        ra, rb = self.run_case(case, impl)
+        row: dict[str, Any] = {"variant": variant, "mode": mode if variant == "rvz" else None,
+                               "size": size, "loop": opts.loop, "impl": impl or opts.impl,
+                               "concurrency": concurrency, "label": label(variant, mode, opts.loop)}
+        row.update(rb)
+        row["process"] = {"a": ra.get("process"), "b": rb.get("process")}
+        self.step(f"stream {row['label']:<16} {size_label(size):>5}: "
+                  f"{row['gbytes_per_s']:.3f} GB/s, {rate_label(row['msgs_per_s'])} msg/s")
+        return row
+
+    def stream(self) -> list[dict[str, Any]]:
+        opts = self.opts
+        rows = []
+        for size in opts.sizes:
+            runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+            for _ in range(opts.repeat):  # interleaved, so a burst of noise hits them all
+                for variant, mode in self.variants():
+                    runs.setdefault((variant, mode), []).append(self.stream_case(variant, mode, size))
+            for same in runs.values():
+                same.sort(key=lambda r: r["gbytes_per_s"])
+                row = dict(same[(len(same) - 1) // 2])  # the median run (lower median)
+                row["runs_gbytes_per_s"] = [r["gbytes_per_s"] for r in same]
+                row["runs_msgs_per_s"] = [r["msgs_per_s"] for r in same]
+                row["runs_peak_above_idle"] = [r["memory"]["peak_above_idle"] for r in same
+                                               if r.get("memory")]
+                if row.get("memory") and row["runs_peak_above_idle"]:
+                    # the worst peak of all runs counts, not the median's
+                    worst = max(same, key=lambda r: r["memory"]["peak_above_idle"])
+                    row["memory"] = worst["memory"]
+                rows.append(row)
+        for row in rows:
+            base = {r["variant"]: r for r in rows if r["size"] == row["size"] and r["variant"] != "rvz"}
+            sock, strm = base.get("socket"), base.get("streams")
+            row["baseline_socket_gbps"] = sock["gbytes_per_s"] if sock else None
+            row["baseline_streams_msgs"] = strm["msgs_per_s"] if strm else None
+            row["ratio_socket"] = _ratio(row["gbytes_per_s"], sock["gbytes_per_s"] if sock else None)
+            row["ratio_streams"] = _ratio(row["gbytes_per_s"], strm["gbytes_per_s"] if strm else None)
+        return rows
+
+    def variants(self) -> list[tuple[str, str]]:
+        base = [("socket", ""), ("streams", "")] if self.opts.baselines else []
+        return base + [("rvz", mode) for mode in self.opts.modes]
+
+    def impl_compare(self) -> dict[str, Any] | None:
+        """64B stream (Send-Driven if asked for) on compiled and on pure-Python workers,
+        interleaved ``--repeat`` times; the medians are compared."""
+        mode = "send" if "send" in self.opts.modes else self.opts.modes[0]
+        runs: dict[str, list[float]] = {"compiled": [], "python": []}
+        try:
+            for _ in range(self.opts.repeat):
+                for impl in runs:
+                    runs[impl].append(self.stream_case("rvz", mode, 64, impl=impl)["msgs_per_s"])
+        except WorkerError as exc:
+            # e.g. the compiled modules are not built: say so, keep the rest of the run
+            self.progress(f"compiled vs python: {exc}")
+            return {"mode": mode, "size": 64, "error": str(exc), "ratio": None}
+        finally:
+            for impl in ("python", "compiled"):
+                if impl != self.opts.impl and impl in self.sessions:
+                    a, b = self.sessions.pop(impl)
+                    b.close()
+                    a.close()
+        median = {impl: sorted(v)[(len(v) - 1) // 2] for impl, v in runs.items()}
+        return {"mode": mode, "size": 64, "compiled_msgs_per_s": median["compiled"],
+                "python_msgs_per_s": median["python"], "runs_msgs_per_s": runs,
+                "ratio": _ratio(median["compiled"], median["python"])}
+
+    # pingpong
+
+    def pingpong_case(self, variant: str, mode: str, size: int) -> dict[str, Any]:
+        opts = self.opts
+        concurrency = opts.args.concurrency or 1 if variant == "rvz" else 1
+        warmup = opts.args.warmup if opts.args.warmup is not None else 200
+        case = {"kind": "pingpong", "impl": variant, "mode": mode, "size": size,
+                "warmup": warmup, "iters": opts.iters, "duration": opts.duration,
+                "concurrency": concurrency}
+        ra, rb = self.run_case(case)
+        samples = rb.pop("samples_ns")
+        row = {"variant": variant, "mode": mode if variant == "rvz" else None, "size": size,
+               "loop": opts.loop, "impl": opts.impl, "concurrency": concurrency,
+               "label": label(variant, mode, opts.loop)}
+        row.update(report.latency_stats(samples))
+        row["process"] = {"a": ra.get("process"), "b": rb.get("process")}
+        row["_samples"] = samples
+        self.step(f"pingpong {row['label']:<16} {size_label(size):>5}: p50 {row['p50_us']:.1f} us, "
+                  f"p99 {row['p99_us']:.1f} us")
+        return row
+
+    def pingpong(self) -> list[dict[str, Any]]:
+        opts = self.opts
+        rows = []
+        sizes = opts.sizes if opts.command == "pingpong" else [64]
+        for size in sizes:
+            runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+            for _ in range(opts.repeat):
+                for variant, mode in self.variants():
+                    runs.setdefault((variant, mode), []).append(self.pingpong_case(variant, mode, size))
+            for same in runs.values():
+                # one distribution from every run's round trips
+                samples = [s for r in same for s in r.pop("_samples")]
+                row = dict(same[0])
+                row.update(report.latency_stats(samples))
+                row["runs_p50_us"] = [r["p50_us"] for r in same]
+                row["samples_us"] = [s / 1e3 for s in report.subsample(samples)]
+                rows.append(row)
+        for row in rows:
+            base = {r["variant"]: r for r in rows if r["size"] == row["size"] and r["variant"] != "rvz"}
+            sock, strm = base.get("socket"), base.get("streams")
+            row["baseline_socket_p50_us"] = sock["p50_us"] if sock else None
+            row["baseline_streams_p50_us"] = strm["p50_us"] if strm else None
+            row["ratio_socket"] = _ratio(row["p50_us"], sock["p50_us"] if sock else None)
+            row["ratio_streams"] = _ratio(row["p50_us"], strm["p50_us"] if strm else None)
+        return rows
+
+    # rendezvous
+
+    def rendezvous_case(self, order: str, size: int) -> list[dict[str, Any]]:
+        """One arrival order; the modes alternate round by round (same conditions)."""
+        modes = self.opts.modes
+        measured, warmup = self.opts.rounds()
+        rounds = measured * len(modes) + warmup
+        t0 = time.monotonic_ns() + RDV_LEAD_NS
+        case = {"kind": "rendezvous", "impl": "rvz", "mode": modes[0], "modes": modes,
+                "size": size, "order": order, "rounds": rounds, "period_ns": RDV_PERIOD_NS,
+                "gap_ns": RDV_GAP_NS, "spread_ns": RDV_SPREAD_NS,
+                "seed": 20240 + ORDERS.index(order), "t0_ns": t0, "warmup": warmup,
+                "concurrency": 1}
+        a, b = self.session(self.opts.impl)
+        ra, rb = self.run_case(case, timeout=60.0 + rounds * RDV_PERIOD_NS / 1e9 * 3)
+        # Into the parent's clock (offsets are 0 on one host: CLOCK_MONOTONIC is system-wide).
+        sends = [t - a.offset_ns for t in ra["send_ns"]]
+        calls = [t - b.offset_ns for t in rb["recv_ns"]]
+        done = [t - b.offset_ns for t in rb["done_ns"]]
+        rows = []
+        for k, mode in enumerate(modes):
+            idx = [i for i in range(warmup, rounds) if i % len(modes) == k]
+            latency = [done[i] - max(sends[i], calls[i]) for i in idx]
+            n = len(idx)
+            row = {"order": order, "mode": mode, "size": size, "rounds": n,
+                   "warmup_rounds": warmup, "interleaved_with": [m for m in modes if m != mode],
+                   "loop": self.opts.loop, "impl": self.opts.impl,
+                   "producer_waited": sum(1 for i in idx if sends[i] < calls[i]) / n,
+                   "consumer_waited": sum(1 for i in idx if calls[i] < sends[i]) / n,
+                   "recv_call_p50_us": report.latency_stats([done[i] - calls[i] for i in idx])["p50_us"],
+                   "clock": "CLOCK_MONOTONIC (one host)" if not self.opts.remote else
+                            "offset estimated over the control channel (two hosts)"}
+            row.update(report.latency_stats(latency))
+            row["samples_us"] = [x / 1e3 for x in latency]
+            rows.append(row)
+            self.step(f"rendezvous {order:<14} {mode}-driven: p50 {row['p50_us']:.1f} us, "
+                      f"producer waited {row['producer_waited']:.0%}, consumer waited "
+                      f"{row['consumer_waited']:.0%}")
+        return rows
+
+    def rendezvous(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        rows = []
+        size = self.opts.sizes[0] if self.opts.command == "rendezvous" else 64
+        for order in self.opts.orders:
+            rows.extend(self.rendezvous_case(order, size))
+        summary = []
+        for order in self.opts.orders:
+            send = _find_row(rows, order=order, mode="send")
+            recv = _find_row(rows, order=order, mode="recv")
+            if send and recv:
+                summary.append({"order": order, "send_p50_us": send["p50_us"],
+                                "recv_p50_us": recv["p50_us"],
+                                "send_over_recv_p50": _ratio(send["p50_us"], recv["p50_us"])})
+        return rows, summary
+
+    # the whole run
+
+    def count_cases(self) -> int:
+        opts = self.opts
+        n = 0
+        base = 2 if opts.baselines else 0
+        if opts.command in ("stream", "all"):
+            n += len(opts.sizes) * (base + len(opts.modes)) * opts.repeat
+            if opts.compare_impl:
+                n += 2 * opts.repeat
+        if opts.command in ("pingpong", "all"):
+            n += ((len(opts.sizes) if opts.command == "pingpong" else 1) * (base + len(opts.modes))
+                  * opts.repeat)
+        if opts.command in ("rendezvous", "all"):
+            n += len(opts.orders) * len(opts.modes)
+        return n
+
+    def run(self) -> dict[str, Any]:
+        opts = self.opts
+        self.total = self.count_cases()
+        started = time.time()
+        results: dict[str, Any] = {
+            "tool": "rvz-bench", "schema": 1, "command": opts.command,
+            "argv": sys.argv[1:], "options": opts.record(),
+            "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine(), "versions": versions(),
+            "transport": opts.transport, "loop": opts.loop, "impl": opts.impl,
+            "stream": [], "pingpong": [], "rendezvous": [], "rendezvous_summary": [],
+            "impl_compare": None,
+        }
+        self.progress(f"rvz-bench {opts.command}: {self.total} cases, {opts.loop}, {opts.impl} hot "
+                      f"paths, {opts.transport}" + (f", server {opts.remote}" if opts.remote else ""))
+        if opts.command in ("stream", "all"):
+            results["stream"] = self.stream()
+            if opts.compare_impl:
+                results["impl_compare"] = self.impl_compare()
+        if opts.command in ("pingpong", "all"):
+            results["pingpong"] = self.pingpong()
+        if opts.command in ("rendezvous", "all"):
+            results["rendezvous"], results["rendezvous_summary"] = self.rendezvous()
+        results["workers"] = {impl: {"a": a.hello, "b": b.hello} for impl, (a, b) in self.sessions.items()}
+        results["memory"] = [{"mode": r["mode"], "size": r["size"], **r["memory"]}
+                             for r in results["stream"] if r["variant"] == "rvz" and r.get("memory")]
+        results["targets"] = report.evaluate_targets(results)
+        results["elapsed_s"] = time.time() - started
+        return results
+
+
+def label(variant: str, mode: str, loop: str) -> str:
+    if variant == "socket":
+        return "blocking socket"
+    if variant == "streams":
+        return f"{loop} streams"
+    return f"rvz {mode}-driven"
+
+
+def _ratio(x: float | None, base: float | None) -> float | None:
+    if x is None or not base:
+        return None
+    return x / base
+
+
+def _find_row(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
+    for row in rows:
+        if all(row.get(k) == v for k, v in match.items()):
+            return row
+    return None
+
+
+# -- the printed report ---------------------------------------------------------------------------
+
+def render(results: dict[str, Any]) -> str:
+    parts = []
+    m = results["machine"]
+    parts.append(f"rvz-bench {results['command']}: rvz {results['versions']['rvz']}, "
+                 f"{results['impl']} hot paths, {results['loop']}, {results['transport']}, "
+                 f"2 processes on {m.get('hostname')} ({m.get('cpus')} CPUs, "
+                 f"{m.get('cpu_model', m.get('machine'))}); {results['elapsed_s']:.1f} s")
+    if results["stream"]:
+        rows = []
+        for r in results["stream"]:
+            mem = r.get("memory") or {}
+            peak = mem.get("peak_above_idle")
+            rows.append([size_label(r["size"]), r["label"], f"{r['gbytes_per_s']:.3f}",
+                         rate_label(r["msgs_per_s"]), ratio_label(r.get("ratio_socket")),
+                         ratio_label(r.get("ratio_streams")), r["concurrency"],
+                         "-" if peak is None else f"{peak / 2**20:.0f}"])
+        parts.append("\nstream: one-way throughput (GB/s = 1e9 B/s; ratios of GB/s to the same-run "
+                     "baselines; peak = consumer RSS high-water above idle)")
+        parts.append(report.table(["size", "variant", "GB/s", "msg/s", "vs socket", "vs streams",
+                                   "in flight", "peak MiB"], rows,
+                                  right=[True, False, True, True, True, True, True, True]))
+    comp = results.get("impl_compare")
+    if comp and comp.get("ratio") is not None:
+        parts.append(f"\n  compiled vs pure Python, 64B {comp['mode']}-driven stream: "
+                     f"{rate_label(comp['compiled_msgs_per_s'])} vs "
+                     f"{rate_label(comp['python_msgs_per_s'])} msg/s = {comp['ratio']:.2f}x")
+    if results["pingpong"]:
+        rows = []
+        for r in results["pingpong"]:
+            rows.append([size_label(r["size"]), r["label"], f"{r['p50_us']:.1f}",
+                         f"{r['p90_us']:.1f}", f"{r['p99_us']:.1f}", f"{r['max_us']:.0f}",
+                         ratio_label(r.get("ratio_socket")), ratio_label(r.get("ratio_streams"))])
+        parts.append("\npingpong: round-trip latency in us (ratios of p50 to the same-run baselines)")
+        parts.append(report.table(["size", "variant", "p50", "p90", "p99", "max", "vs socket",
+                                   "vs streams"], rows,
+                                  right=[True, False, True, True, True, True, True, True]))
+    if results["rendezvous"]:
+        rows = []
+        ratios = {s["order"]: s["send_over_recv_p50"] for s in results["rendezvous_summary"]}
+        for r in results["rendezvous"]:
+            rows.append([r["order"], f"{r['mode']}-driven", f"{r['p50_us']:.1f}", f"{r['p90_us']:.1f}",
+                         f"{r['p99_us']:.1f}", f"{r['max_us']:.0f}", f"{r['producer_waited']:.0%}",
+                         f"{r['consumer_waited']:.0%}",
+                         ratio_label(ratios.get(r["order"])) if r["mode"] == "send" else ""])
+        parts.append("\nrendezvous: us from the later of send/recv to recv done "
+                     f"({results['rendezvous'][0]['rounds']} rounds each; who called first = who waited)")
+        parts.append(report.table(["order", "mode", "p50", "p90", "p99", "max", "producer waited",
+                                   "consumer waited", "send/recv p50"], rows,
+                                  right=[False, False, True, True, True, True, True, True, True]))
+    parts.append("")
+    parts.append(report.targets_table(results["targets"]))
+    return "\n".join(parts)
+
+
+# -- entry point ---------------------------------------------------------------------------------
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop workers
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["_worker"]:
+        from .worker import main as worker_main
+        return worker_main()
+    parser = build_parser()
+    args = parser.parse_args(command_first(parser, argv))
+    if threading_is_main():
+        signal.signal(signal.SIGTERM, _terminate)
+    err = sys.stderr
+    if args.server:
+        if not args.addr:
+            print("rvz-bench: --server needs --addr HOST:PORT to listen on", file=err)
+            return 2
+        try:
+            return control.serve(args.addr, args.once, lambda text: print(text, file=err, flush=True))
+        except KeyboardInterrupt:
+            return 130
+    try:
+        opts = Options(args)
+        check_transport(opts.transport)
+    except UsageError as exc:
+        print(f"rvz-bench: {exc}", file=err)
+        return 2
+    bench = Bench(opts, sys.stdout, err)
+    finished = False
+    try:
+        results = bench.run()
+        finished = True
+    except WorkerError as exc:
+        print(f"rvz-bench: {exc}", file=err)
+        return 1
+    except KeyboardInterrupt:
+        print("rvz-bench: interrupted; workers stopped", file=err)
+        return 130
+    finally:
+        bench.close(interrupted=not finished)
+    print(render(results), file=sys.stdout, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+            f.write("\n")
+    if args.plot:
+        try:
+            report.plot(results, args.plot)
+        except RuntimeError as exc:
+            print(f"rvz-bench: {exc}", file=err)
+            return 1
     return 0
+
+
+def command_first(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """Move the subcommand to the front (``all`` when there is none).
+
+    Options may come before or after it; parsing them all after it keeps argparse's
+    subparser defaults from overwriting options given first.
+    """
+    if any(a in ("-h", "--help") for a in argv) and not any(a in COMMANDS for a in argv):
+        return argv
+    takes_value = {opt for action in parser._actions if action.nargs != 0
+                   for opt in action.option_strings}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token in COMMANDS:
+            return [token, *argv[:i], *argv[i + 1:]]
+        if token in takes_value:
+            i += 1  # skip the option's value (``--order all`` is not the command)
+        i += 1
+    return ["all", *argv]
+
+
+def threading_is_main() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def check_transport(transport: str) -> None:
+    """Fail early, in the node's own words, if this build or host lacks ``transport``."""
+    try:
+        rvz.Node({"a": ["127.0.0.1:1"]}, "a", 0, transport=transport)
+    except ValueError as exc:
+        raise UsageError(f"--transport {transport}: {exc}") from None
+    if transport in ("shm", "verbs"):
+        try:
+            onesided = importlib.import_module("rvz.onesided")
+        except ImportError as exc:
+            raise UsageError(f"--transport {transport} is not available in this build: {exc}") from None
+        why = onesided.available().get(transport)
+        if why:
+            raise UsageError(f"--transport {transport} is not available: {why}")

@@ -1,0 +1,94 @@
+"""A synthetic sparse workload for the demo workers, and the Zipf id sampler it uses.
+
+Each sample is a bag of ids drawn from a Zipf law (a few hot ids, a long tail: the shape of
+real feature ids, and what makes frequency eviction worth having). The task is a regression:
+the sum of a bag's embeddings must match the sum of hidden "teacher" vectors of its ids.
+Its gradient couples the ids of a bag, so it is a real (if small) learning problem.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import rvz
+
+from .client import PSClient
+from .launch import PSConfig
+from .protocol import WORKER_JOB
+from .sparse import mix64, seeded_uniform
+
+
+class ZipfIds:
+    """Samples int64 ids: rank r is drawn with probability ~ 1/(r+1)**exponent, then
+    scrambled into a large, sparse id (as hashed feature ids are)."""
+
+    def __init__(self, vocab: int, exponent: float = 1.1, salt: int = 0) -> None:
+        weights = 1.0 / np.arange(1, vocab + 1, dtype=np.float64) ** exponent
+        self.cdf = np.cumsum(weights / weights.sum())
+        ranks = np.arange(vocab, dtype=np.uint64) + np.uint64(salt) * np.uint64(vocab)
+        # >> 1 keeps the ids non-negative as int64.
+        self.ids = (mix64(ranks) >> np.uint64(1)).astype(np.int64)
+
+    def sample(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+        ranks = np.searchsorted(self.cdf, rng.random(shape), side="right")
+        return self.ids[np.minimum(ranks, len(self.ids) - 1)]
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    steps: int = 200
+    batch: int = 256
+    bag: int = 4
+    vocab: int = 20000
+    zipf: float = 1.1
+    seed: int = 0
+    timeout: float = 30.0
+
+
+def teacher(ids: np.ndarray, dim: int, seed: int) -> np.ndarray:
+    """The hidden vector each id should learn (a fixed function of the id)."""
+    return seeded_uniform(ids.reshape(-1), dim, seed + 1_000_003).reshape(ids.shape + (dim,))
+
+
+async def train_worker(client: PSClient, cfg: WorkerConfig) -> dict[str, Any]:
+    """Run ``cfg.steps`` synchronous steps (lookup, gradient, push) against the shards."""
+    worker = client.worker
+    rng = np.random.default_rng([cfg.seed, worker])
+    sampler = ZipfIds(cfg.vocab, cfg.zipf)
+    losses = []
+    started = time.perf_counter()
+    acks = np.zeros((client.num_shards, 2), dtype=np.int64)
+    for step in range(cfg.steps):
+        ids = sampler.sample(rng, (cfg.batch, cfg.bag))
+        target = teacher(ids, client.dim, cfg.seed).sum(axis=1)
+        emb = await client.lookup(ids, step)                     # [batch, bag, dim]
+        err = emb.sum(axis=1) - target                           # [batch, dim]
+        losses.append(0.5 * float(np.mean(np.sum(err * err, axis=1))))
+        grads = np.broadcast_to((err / cfg.batch)[:, None, :], emb.shape)
+        acks = await client.push(ids, grads, step)
+    await client.close()
+    seconds = time.perf_counter() - started
+    head = max(1, cfg.steps // 10)
+    return {"worker": worker, "steps": cfg.steps, "seconds": seconds,
+            "ids_per_s": cfg.steps * cfg.batch * cfg.bag / seconds,
+            "loss_first": float(np.mean(losses[:head])), "loss_last": float(np.mean(losses[-head:])),
+            "acks": acks.tolist()}
+
+
+async def run_worker(cluster: dict[str, list[str]], worker: int, ps: PSConfig,
+                     cfg: WorkerConfig) -> dict[str, Any]:
+    num_shards = len(cluster["ps"])
+    async with rvz.Node(cluster, WORKER_JOB, worker, mode=ps.mode) as node:
+        client = PSClient(node, num_shards, ps.dim, timeout=cfg.timeout)
+        return await train_worker(client, cfg)
+
+
+def worker_process(cluster: dict[str, list[str]], worker: int, ps: PSConfig, cfg: WorkerConfig,
+                   results: Any) -> None:
+    """Entry point of a demo worker process."""
+    summary = rvz.run(run_worker(cluster, worker, ps, cfg), loop=ps.loop)
+    results.put((WORKER_JOB, worker, summary))

@@ -1,0 +1,802 @@
+"""The worker side of rvz-bench: one process that runs one side of every measurement.
+
+The parent (``rvz.bench.cli``) never measures anything itself: it starts two workers (two
+processes, so producer and consumer never share an interpreter or an event loop) and sends
+each of them JSON commands, one per line:
+
+* ``{"op": "prepare", "case": {...}}``: get ready for a case and answer the address the
+  peer should use (a listening socket for the baselines, a free port for an rvz node);
+* ``{"op": "run", "case": {...}, "addrs": {"a": ..., "b": ...}}``: run this side and answer
+  its figures;
+* ``{"op": "clock"}``: answer ``time.monotonic_ns()`` (for the rendezvous schedule);
+* ``{"op": "quit"}``.
+
+Side ``a`` is the producer (stream, rendezvous) or the echoing side (pingpong); side ``b``
+is the consumer or the pinging side, which takes the measurements.
+
+The protocol runs over the process's stdin and its *original* stdout; file descriptor 1 is
+pointed at stderr at start-up, so a stray ``print`` in the library cannot corrupt it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import cProfile
+import json
+import math
+import os
+import platform
+import random
+import resource
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from typing import IO, Any
+
+import numpy as np
+
+import rvz
+
+A_JOB = "a"
+B_JOB = "b"
+# Baselines frame each message with this header: payload length and a "last message" flag.
+FRAME = struct.Struct("<II")
+CONNECT_TIMEOUT = 30.0
+
+
+def device(job: str) -> str:
+    return f"/job:{job}/replica:0/task:0/device:CPU:0"
+
+
+def lane_key(name: str, lane: int, iteration: int = 0) -> str:
+    """The key string of one lane (``a`` produces, ``b`` consumes)."""
+    return str(rvz.Key(src=device(A_JOB), dst=device(B_JOB), name=f"{name}{lane}",
+                       iter=iteration, incarnation=1))
+
+
+def back_key(name: str, lane: int) -> str:
+    """A key from ``b`` to ``a`` (the pong of pingpong)."""
+    return str(rvz.Key(src=device(B_JOB), dst=device(A_JOB), name=f"{name}{lane}", incarnation=1))
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def rss_bytes() -> int:
+    value = _status_bytes("VmRSS")
+    if value is None:  # not Linux: the high-water mark is the best we have
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return value
+
+
+def peak_rss_bytes() -> int:
+    value = _status_bytes("VmHWM")
+    if value is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return value
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False if this kernel cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def syscall_counts() -> tuple[int, int] | None:
+    """(read-like, write-like) system calls of this process so far (Linux /proc/self/io)."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["syscr"]), int(fields["syscw"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+class MemoryProbe:
+    """Idle RSS before a run and the RSS high-water mark during it."""
+
+    def __init__(self) -> None:
+        self.idle = 0
+        self.reset = False
+
+    def start(self) -> None:
+        self.reset = reset_peak_rss()
+        self.idle = rss_bytes()
+
+    def result(self) -> dict[str, Any]:
+        peak = peak_rss_bytes()
+        return {"idle_rss": self.idle, "peak_rss": peak, "peak_above_idle": peak - self.idle,
+                "peak_was_reset": self.reset}
+
+
+# -- plans: how many messages, or for how long ------------------------------------------------
+
+class Plan:
+    """Message counts of one lane: ``warmup`` first, then ``iters`` or ``duration`` seconds.
+
+    The last message of a lane carries a flag (first payload byte 1, or the baseline frame's
+    flag), so the receiving side needs no count and ``--duration`` works the same way.
+    """
+
+    def __init__(self, case: dict[str, Any], lanes: int) -> None:
+        self.lanes = lanes
+        self.warmup = max(1, math.ceil(int(case["warmup"]) / lanes))
+        iters = case.get("iters")
+        self.iters = None if iters is None else max(1, math.ceil(int(iters) / lanes))
+        duration = case.get("duration")
+        self.duration = None if duration is None else float(duration)
+        # --duration still measures a few messages of a large size on a slow machine
+        self.min_messages = int(case.get("min_messages", 10))
+
+    @property
+    def warmup_total(self) -> int:
+        return self.warmup * self.lanes
+
+
+def payloads(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """An ordinary message and the last one of a lane (first byte set)."""
+    body = np.zeros(size, np.uint8)
+    last = np.zeros(size, np.uint8)
+    last[0] = 1
+    return body, last
+
+
+async def produce(plan: Plan, send_one: Callable[[Any], Awaitable[None]], body: Any,
+                  last: Any, check_every: int) -> int:
+    """Send one lane's messages through ``send_one``; returns how many were sent."""
+    for _ in range(plan.warmup):
+        await send_one(body)
+    sent = plan.warmup
+    if plan.iters is not None:
+        for _ in range(plan.iters - 1):
+            await send_one(body)
+        sent += plan.iters - 1
+    else:
+        assert plan.duration is not None
+        deadline = time.perf_counter() + plan.duration
+        measured = 0
+        while time.perf_counter() < deadline or measured < plan.min_messages:
+            for _ in range(check_every):
+                await send_one(body)
+            measured += check_every
+        sent += measured
+    await send_one(last)
+    return sent + 1
+
+
+def stream_figures(count: int, size: int, start: int | None, end: int | None) -> dict[str, Any]:
+    seconds = (end - start) / 1e9 if start is not None and end is not None else 0.0
+    return {"messages": count, "bytes": count * size, "seconds": seconds,
+            "msgs_per_s": count / seconds if seconds > 0 else 0.0,
+            "gbytes_per_s": count * size / seconds / 1e9 if seconds > 0 else 0.0}
+
+
+def check_every(size: int) -> int:
+    """How many messages between two clock reads in --duration mode."""
+    return max(1, min(256, (1 << 20) // max(size, 1)))
+
+
+# -- rvz ----------------------------------------------------------------------------------------
+
+DONE_KEY = str(rvz.Key(src=device(B_JOB), dst=device(A_JOB), name="done", incarnation=1))
+
+
+async def finish(node: rvz.Node, role: str) -> None:
+    """End of a case: ``b`` says it has everything, ``a`` waits for that before closing.
+
+    Without it the producer may close while its last messages are still in the kernel's
+    buffers; rvz's close (at the time of writing) can then reset the connection and the
+    consumer loses them (see bench/README.md).
+    """
+    if role == "a":
+        await node.recv(DONE_KEY, timeout=60.0)
+    else:
+        await node.send(DONE_KEY, b"done")
+
+
+def make_node(case: dict[str, Any], addrs: dict[str, str], job: str) -> rvz.Node:
+    cluster = rvz.ClusterSpec({A_JOB: [addrs["a"]], B_JOB: [addrs["b"]]})
+    options = case.get("node_options") or {}
+    return rvz.Node(cluster, job, 0, mode=case["mode"], transport=case["transport"], **options)
+
+
+async def rvz_stream(case: dict[str, Any], addrs: dict[str, str], role: str) -> dict[str, Any]:
+    size = int(case["size"])
+    lanes = int(case["concurrency"])
+    plan = Plan(case, lanes)
+    keys = [lane_key("s", lane) for lane in range(lanes)]
+    probe = MemoryProbe()
+    result: dict[str, Any] = {}
+    async with make_node(case, addrs, A_JOB if role == "a" else B_JOB) as node:
+        if role == "a":
+            body, last = payloads(size)
+            send = node.send
+            yield_each = bool(case.get("producer_yield", True))
+            sleep = asyncio.sleep
+
+            async def lane_a(key: str) -> int:
+                async def one(value: Any) -> None:
+                    await send(key, value)
+                    if yield_each:
+                        # Each lane is one operation in flight; an application task yields
+                        # between steps, and this is where the library may coalesce.
+                        await sleep(0)
+                return await produce(plan, one, body, last, check_every(size))
+
+            counts = await asyncio.gather(*(lane_a(k) for k in keys))
+            result["sent"] = sum(counts)
+            await finish(node, role)
+        else:
+            recv = node.recv
+            received = 0
+            warm = plan.warmup_total
+            start: int | None = None
+            end: int | None = None
+            probe.start()
+
+            async def lane_b(key: str) -> None:
+                nonlocal received, start, end
+                while True:
+                    value = await recv(key)
+                    received += 1
+                    if received == warm:
+                        start = time.perf_counter_ns()
+                    if value[0]:
+                        break
+                    del value  # do not keep a tensor alive while waiting for the next
+                end = time.perf_counter_ns()
+
+            await asyncio.gather(*(lane_b(k) for k in keys))
+            result.update(stream_figures(received - warm, size, start, end))
+            result["memory"] = probe.result()
+            await finish(node, role)
+    return result
+
+
+async def rvz_pingpong(case: dict[str, Any], addrs: dict[str, str], role: str) -> dict[str, Any]:
+    size = int(case["size"])
+    lanes = int(case["concurrency"])
+    plan = Plan(case, lanes)
+    result: dict[str, Any] = {}
+    async with make_node(case, addrs, A_JOB if role == "a" else B_JOB) as node:
+        send = node.send
+        recv = node.recv
+        if role == "a":
+            async def echo(lane: int) -> None:
+                ping, pong = back_key("ping", lane), lane_key("pong", lane)
+                while True:
+                    value = await recv(ping)
+                    await send(pong, value)
+                    if value[0]:
+                        return
+
+            await asyncio.gather(*(echo(lane) for lane in range(lanes)))
+            await finish(node, role)
+        else:
+            samples: list[int] = []
+            clock = time.perf_counter_ns
+
+            async def pinger(lane: int) -> None:
+                ping, pong = back_key("ping", lane), lane_key("pong", lane)
+
+                async def one(value: Any) -> None:
+                    t = clock()
+                    await send(ping, value)
+                    await recv(pong)
+                    samples.append(clock() - t)
+                await produce(plan, one, body, last, 16)
+
+            body, last = payloads(size)
+            await asyncio.gather(*(pinger(lane) for lane in range(lanes)))
+            result["samples_ns"] = samples[plan.warmup_total:]
+            await finish(node, role)
+    return result
+
+
+async def wait_until(t_ns: int) -> None:
+    """Sleep until monotonic time ``t_ns``: coarse sleep, then yield to the loop until it.
+
+    The last stretch keeps the loop turning (``sleep(0)``) instead of spinning in Python,
+    so this side still answers the peer's frames while it waits.
+    """
+    sleep = asyncio.sleep
+    clock = time.monotonic_ns
+    while True:
+        left = t_ns - clock()
+        if left <= 0:
+            return
+        if left > 1_500_000:
+            await sleep((left - 1_000_000) / 1e9)
+        else:
+            await sleep(0)
+
+
+def rendezvous_delays(case: dict[str, Any]) -> list[tuple[int, int]]:
+    """Per round: (producer delay, consumer delay) in ns after the round's start.
+
+    Both workers draw the same sequence from the same seed.
+    """
+    rounds = int(case["rounds"])
+    gap = int(case["gap_ns"])
+    order = case["order"]
+    if order == "producer-first":
+        return [(0, gap)] * rounds
+    if order == "consumer-first":
+        return [(gap, 0)] * rounds
+    rng = random.Random(int(case["seed"]))
+    spread = int(case["spread_ns"])
+    return [(rng.randrange(spread), rng.randrange(spread)) for _ in range(rounds)]
+
+
+async def rvz_rendezvous(case: dict[str, Any], addrs: dict[str, str], role: str) -> dict[str, Any]:
+    """Timed rounds, one key each; round ``i`` runs in mode ``modes[i % len(modes)]``.
+
+    Interleaving the modes round by round (per-call ``mode=``) puts them in the same
+    conditions: the same connections, and the same bursts of noise from the rest of the
+    machine.
+    """
+    # Timestamps are time.monotonic_ns(): CLOCK_MONOTONIC is one clock for every process on
+    # a Linux host, so the producer's send times and the consumer's recv times can be
+    # compared directly.  Across two hosts they cannot: the parent then estimates each
+    # worker's offset over the control channel (control.clock_offset) and shifts the
+    # schedule; that estimate is off by up to half the control round trip (plus any
+    # asymmetry of the path), which the two-host latencies carry.
+    size = int(case["size"])
+    delays = rendezvous_delays(case)
+    modes = list(case["modes"])
+    period = int(case["period_ns"])
+    t0 = int(case["t0_ns"])
+    keys = [lane_key("rdv", 0, i) for i in range(len(delays))]
+    body = np.zeros(size, np.uint8)
+    clock = time.monotonic_ns
+    async with make_node(dict(case, mode=modes[0]), addrs, A_JOB if role == "a" else B_JOB) as node:
+        if role == "a":
+            send = node.send
+            sends: list[int] = []
+            for i, (mine, _) in enumerate(delays):
+                await wait_until(t0 + i * period + mine)
+                t = clock()
+                await send(keys[i], body, mode=modes[i % len(modes)])
+                sends.append(t)
+            await finish(node, role)
+            return {"send_ns": sends}
+        recv = node.recv
+        calls: list[int] = []
+        done: list[int] = []
+        for i, (_, mine) in enumerate(delays):
+            await wait_until(t0 + i * period + mine)
+            t = clock()
+            await recv(keys[i], mode=modes[i % len(modes)])
+            done.append(clock())
+            calls.append(t)
+        await finish(node, role)
+        return {"recv_ns": calls, "done_ns": done}
+
+
+# -- baselines: blocking sockets ----------------------------------------------------------------
+
+def _nodelay(sock: socket.socket) -> None:
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    n = view.nbytes
+    got = sock.recv_into(view, n, socket.MSG_WAITALL)
+    while got < n:
+        if got == 0:
+            raise ConnectionError("peer closed the baseline connection")
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        if k == 0:
+            raise ConnectionError("peer closed the baseline connection")
+        got += k
+
+
+def _frames(size: int) -> tuple[bytearray, bytearray]:
+    body = bytearray(FRAME.size + size)
+    FRAME.pack_into(body, 0, size, 0)
+    last = bytearray(body)
+    FRAME.pack_into(last, 0, size, 1)
+    return body, last
+
+
+def _socket_connect(addr: str) -> socket.socket:
+    host, port = rvz.cluster.split_address(addr)
+    sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
+    sock.settimeout(None)
+    _nodelay(sock)
+    return sock
+
+
+def _socket_accept(listener: socket.socket) -> socket.socket:
+    listener.settimeout(CONNECT_TIMEOUT)
+    conn, _ = listener.accept()
+    conn.settimeout(None)
+    _nodelay(conn)
+    return conn
+
+
+def socket_stream(case: dict[str, Any], addrs: dict[str, str], role: str,
+                  listener: socket.socket | None) -> dict[str, Any]:
+    """Blocking sockets: ``sendall`` of each framed message, ``recv_into`` one buffer."""
+    size = int(case["size"])
+    plan = Plan(case, 1)
+    if role == "a":
+        assert listener is not None
+        sock = _socket_accept(listener)
+        try:
+            body, last = _frames(size)
+            sendall = sock.sendall
+
+            async def one(frame: Any) -> None:
+                sendall(frame)
+            sent = _run_sync(produce(plan, one, body, last, check_every(size)))
+            sock.shutdown(socket.SHUT_WR)
+            sock.recv(1)  # wait for the consumer to finish before closing
+            return {"sent": sent}
+        finally:
+            sock.close()
+    sock = _socket_connect(addrs["a"])
+    try:
+        probe = MemoryProbe()
+        probe.start()
+        frame = bytearray(FRAME.size + size)
+        view = memoryview(frame)
+        flag = FRAME.size - 4
+        received = 0
+        start = None
+        warm = plan.warmup
+        while True:
+            _recv_exactly(sock, view)
+            received += 1
+            if received == warm:
+                start = time.perf_counter_ns()
+            if frame[flag]:
+                break
+        end = time.perf_counter_ns()
+        result = stream_figures(received - warm, size, start, end)
+        result["memory"] = probe.result()
+        return result
+    finally:
+        sock.close()
+
+
+def socket_pingpong(case: dict[str, Any], addrs: dict[str, str], role: str,
+                    listener: socket.socket | None) -> dict[str, Any]:
+    size = int(case["size"])
+    plan = Plan(case, 1)
+    inbound = bytearray(FRAME.size + size)
+    view = memoryview(inbound)
+    flag = FRAME.size - 4
+    if role == "a":
+        assert listener is not None
+        sock = _socket_accept(listener)
+        try:
+            while True:
+                _recv_exactly(sock, view)
+                sock.sendall(inbound)
+                if inbound[flag]:
+                    return {}
+        finally:
+            sock.close()
+    sock = _socket_connect(addrs["a"])
+    try:
+        samples: list[int] = []
+        clock = time.perf_counter_ns
+        sendall = sock.sendall
+        body, last = _frames(size)
+
+        async def one(frame: Any) -> None:
+            t = clock()
+            sendall(frame)
+            _recv_exactly(sock, view)
+            samples.append(clock() - t)
+        _run_sync(produce(plan, one, body, last, 16))
+        return {"samples_ns": samples[plan.warmup:]}
+    finally:
+        sock.close()
+
+
+def _run_sync(coro: Awaitable[Any]) -> Any:
+    """Drive a coroutine that never suspends (the blocking baselines reuse ``produce``)."""
+    gen = coro.__await__()
+    try:
+        next(gen)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("a blocking baseline suspended")
+
+
+# -- baselines: asyncio / uvloop streams --------------------------------------------------------
+
+async def _streams_pair(addrs: dict[str, str], role: str, listener: socket.socket | None,
+                        limit: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Any]:
+    if role == "a":
+        assert listener is not None
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = loop.create_future()
+
+        async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if not accepted.done():
+                accepted.set_result((reader, writer))
+
+        listener.setblocking(False)
+        server = await asyncio.start_server(on_client, sock=listener, limit=limit)
+        reader, writer = await asyncio.wait_for(accepted, CONNECT_TIMEOUT)
+        return reader, writer, server
+    host, port = rvz.cluster.split_address(addrs["a"])
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=limit),
+                                            CONNECT_TIMEOUT)
+    return reader, writer, None
+
+
+async def _streams_close(writer: asyncio.StreamWriter, server: Any) -> None:
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except (ConnectionError, OSError):
+        pass
+    if server is not None:
+        server.close()
+
+
+async def streams_stream(case: dict[str, Any], addrs: dict[str, str], role: str,
+                         listener: socket.socket | None) -> dict[str, Any]:
+    """Raw asyncio/uvloop streams: one ``write`` per framed message, ``readexactly``."""
+    size = int(case["size"])
+    plan = Plan(case, 1)
+    reader, writer, server = await _streams_pair(addrs, role, listener, 1 << 16)
+    try:
+        if role == "a":
+            body, last = (bytes(f) for f in _frames(size))
+            write = writer.write
+            drain = writer.drain
+
+            async def one(frame: Any) -> None:
+                write(frame)
+                await drain()
+            sent = await produce(plan, one, body, last, check_every(size))
+            await reader.read(1)  # the consumer closes when it has everything
+            return {"sent": sent}
+        probe = MemoryProbe()
+        probe.start()
+        n = FRAME.size + size
+        flag = FRAME.size - 4
+        readexactly = reader.readexactly
+        received = 0
+        start = None
+        warm = plan.warmup
+        while True:
+            frame = await readexactly(n)
+            received += 1
+            if received == warm:
+                start = time.perf_counter_ns()
+            if frame[flag]:
+                break
+            del frame
+        end = time.perf_counter_ns()
+        result = stream_figures(received - warm, size, start, end)
+        result["memory"] = probe.result()
+        return result
+    finally:
+        await _streams_close(writer, server)
+
+
+async def streams_pingpong(case: dict[str, Any], addrs: dict[str, str], role: str,
+                           listener: socket.socket | None) -> dict[str, Any]:
+    size = int(case["size"])
+    plan = Plan(case, 1)
+    n = FRAME.size + size
+    flag = FRAME.size - 4
+    reader, writer, server = await _streams_pair(addrs, role, listener, 1 << 16)
+    try:
+        if role == "a":
+            while True:
+                frame = await reader.readexactly(n)
+                writer.write(frame)
+                if frame[flag]:
+                    await writer.drain()
+                    await reader.read(1)
+                    return {}
+        samples: list[int] = []
+        clock = time.perf_counter_ns
+        body, last = (bytes(f) for f in _frames(size))
+
+        async def one(frame: Any) -> None:
+            t = clock()
+            writer.write(frame)
+            await reader.readexactly(n)
+            samples.append(clock() - t)
+        await produce(plan, one, body, last, 16)
+        return {"samples_ns": samples[plan.warmup:]}
+    finally:
+        await _streams_close(writer, server)
+
+
+# -- the worker process -------------------------------------------------------------------------
+
+def versions() -> dict[str, str]:
+    out = {"rvz": rvz.__version__, "python": platform.python_version(), "numpy": np.__version__}
+    for name in ("uvloop", "msgpack", "Cython"):
+        try:
+            module = __import__(name)
+            out[name] = str(getattr(module, "__version__", getattr(module, "version", "?")))
+        except ImportError:
+            out[name] = "not installed"
+    return out
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"hostname": socket.gethostname(), "platform": platform.platform(),
+                            "machine": platform.machine(), "cpus": os.cpu_count()}
+    if hasattr(os, "sched_getaffinity"):
+        info["cpus_usable"] = len(os.sched_getaffinity(0))
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            info["memory_bytes"] = int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return info
+
+
+def free_addr(host: str) -> str:
+    """A free TCP port on ``host`` for an rvz node to listen on."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Worker:
+    """Runs the commands the parent sends; state lives from ``prepare`` to ``run``."""
+
+    def __init__(self) -> None:
+        self.listener: socket.socket | None = None
+
+    def prepare(self, case: dict[str, Any]) -> dict[str, Any]:
+        self._drop_listener()
+        host = case["bind_host"]
+        if case["impl"] == "rvz":
+            return {"addr": free_addr(host)}
+        if case["role"] == "b":
+            return {"addr": None}
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, 0))
+        listener.listen(4)
+        self.listener = listener
+        port = listener.getsockname()[1]
+        return {"addr": f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"}
+
+    def _drop_listener(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+    def run(self, case: dict[str, Any], addrs: dict[str, str]) -> dict[str, Any]:
+        profile_path: str | None = case.get("profile")
+        profiler = cProfile.Profile() if profile_path else None
+        if profiler is not None:
+            profiler.enable()
+        io_before = syscall_counts()
+        cpu_before = resource.getrusage(resource.RUSAGE_SELF)
+        try:
+            result = self._run(case, addrs)
+            cpu = resource.getrusage(resource.RUSAGE_SELF)
+            io_after = syscall_counts()
+            # The whole case (setup and warm-up included): a diagnostic, not a figure.
+            result["process"] = {
+                "user_s": cpu.ru_utime - cpu_before.ru_utime,
+                "system_s": cpu.ru_stime - cpu_before.ru_stime,
+                "voluntary_switches": cpu.ru_nvcsw - cpu_before.ru_nvcsw,
+                "minor_faults": cpu.ru_minflt - cpu_before.ru_minflt,
+                "read_syscalls": io_after[0] - io_before[0] if io_after and io_before else None,
+                "write_syscalls": io_after[1] - io_before[1] if io_after and io_before else None,
+            }
+            return result
+        finally:
+            if profiler is not None and profile_path:
+                profiler.disable()
+                profiler.dump_stats(profile_path)
+            self._drop_listener()
+
+    def _run(self, case: dict[str, Any], addrs: dict[str, str]) -> dict[str, Any]:
+        kind, impl, role = case["kind"], case["impl"], case["role"]
+        listener = self.listener
+        if impl == "socket":
+            body = {"stream": socket_stream, "pingpong": socket_pingpong}[kind]
+            return dict(body(case, addrs, role, listener))
+        if impl == "streams":
+            sbody = {"stream": streams_stream, "pingpong": streams_pingpong}[kind]
+            return self._on_loop(case, sbody(case, addrs, role, listener))
+        rbody = {"stream": rvz_stream, "pingpong": rvz_pingpong, "rendezvous": rvz_rendezvous}[kind]
+        return self._on_loop(case, rbody(case, addrs, role))
+
+    def _on_loop(self, case: dict[str, Any], coro: Any) -> dict[str, Any]:
+        wanted = case["loop"]
+
+        async def checked() -> dict[str, Any]:
+            actual = rvz.loop_name()
+            if actual != wanted:
+                raise RuntimeError(f"asked for the {wanted} loop but {actual} runs")
+            out: dict[str, Any] = await coro
+            return out
+
+        try:
+            return rvz.run(checked(), loop=wanted)
+        finally:
+            coro.close()  # harmless once it ran; frees it if the loop could not start
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit if the parent went away (even SIGKILLed) while a case was running."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os._exit(3)
+
+
+def serve(rfile: IO[bytes], wfile: IO[bytes]) -> int:
+    def reply(message: dict[str, Any]) -> None:
+        wfile.write(json.dumps(message).encode() + b"\n")
+        wfile.flush()
+
+    reply({"event": "hello", "pid": os.getpid(), "implementation": rvz.implementation(),
+           "env_no_extensions": os.environ.get("RVZ_NO_EXTENSIONS", ""),
+           "versions": versions(), "machine": machine()})
+    worker = Worker()
+    for line in rfile:
+        try:
+            command = json.loads(line)
+            op = command.get("op")
+            if op == "quit":
+                reply({"ok": True})
+                return 0
+            if op == "clock":
+                reply({"ok": True, "t": time.monotonic_ns()})
+            elif op == "prepare":
+                reply({"ok": True, **worker.prepare(command["case"])})
+            elif op == "run":
+                reply({"ok": True, "result": worker.run(command["case"], command["addrs"])})
+            else:
+                reply({"ok": False, "error": f"unknown command {op!r}"})
+        except Exception as exc:
+            reply({"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                   "traceback": traceback.format_exc()})
+    return 0
+
+
+def main() -> int:
+    """Entry point of ``python -m rvz.bench _worker``."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # stray prints go to stderr, not into the protocol
+    sys.stdout = sys.stderr
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    return serve(sys.stdin.buffer, out)

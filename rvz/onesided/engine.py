@@ -1,0 +1,822 @@
+"""The one-sided engine: Send-Driven and Recv-Driven over any provider.
+
+One ``Engine`` per provider and node owns the registered pool and the completion queues
+(each watched by the event loop with ``add_reader`` and drained by its own handler);
+one ``Channel`` per TCP connection that negotiated the provider carries the protocol.
+Control messages (slot grants, destinations, metadata updates) travel as ONESIDED frames on
+that TCP connection, in order with its REQUEST/CANCEL/ERROR frames; payloads travel
+one-sided.  Everything a channel delivers enters the node exactly like a TCP DATA frame:
+``Node._dispatch(conn, [(DATA, step, request_id, key, value)])``.
+
+Send-Driven (``request_id == 0``): the consumer grants the producer *slots* per key
+(``want`` -> ``slots``); the producer caches them per (peer, key) and writes header and
+tensor into one slot with the slot's id as the immediate.  The consumer's completion
+handler turns the slot into the numpy array it hands to the table (no copy) and grants a
+fresh slot of the same size: slots are the credits, so a producer never overruns.
+Values without a slot wait in the producer's per-key queue, in order.
+
+Recv-Driven (``request_id != 0``): before its REQUEST the consumer sends ``dest``: the
+address of a destination array it allocated from its pool for the dtype/shape it saw last
+on that key.  The producer writes the tensor straight into it.  When dtype or shape differ
+(or the consumer knew nothing yet) the producer answers ``meta``; the consumer reallocates
+and sends ``dest`` again (a re-ask); later answers on that key wait behind it, so FIFO
+order per key holds.
+
+Small values (header + key + payload within one provider message) go as an inline
+message, in order with the writes of the same endpoint.
+
+Failures never escape into the event loop: a failed completion, an unreachable peer file,
+a malformed control message or an exhausted pool fails the channel with
+``TransportError``; its TCP connection is aborted, which fails every operation waiting on
+that peer with ``PeerLost`` (whose ``__cause__`` is the ``TransportError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import struct
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import _impl
+from ..errors import ProtocolError, TransportError
+from .pool import Block, Pool, address_of, align
+from .provider import FAILED, RECV_MSG, RECV_WRITE, SEND_DONE, Provider
+
+if TYPE_CHECKING:
+    from ..connection import Connection
+    from ..node import Node
+
+log = logging.getLogger("rvz")
+
+_codec = _impl.codec
+DTYPES = _codec.DTYPES
+payload_view = _codec.payload_view
+
+# Slot header, written in front of the tensor in a Send-Driven slot:
+#   u64 step | u64 nbytes | u8 dtype code | u8 ndim | u16 0 | u64 shape[ndim], padded to 64
+SLOT_HDR = struct.Struct("<QQBBH")
+# Inline value message: u8 kind | u8 code | u8 ndim | u8 0 | u32 key_len | u64 step |
+#   u64 request_id | u64 nbytes | u64 shape[ndim] | key | payload
+MSG_HDR = struct.Struct("<BBBBIQQQ")
+MSG_VALUE = 1
+MSG_CREDIT = 2   # the node's push-window credit (nbytes field), with the data it frees
+_SHAPES = [struct.Struct("<" + "Q" * n) for n in range(_codec.MAX_NDIM + 1)]
+_WAITING = object()      # remote_dests marker: we sent META and wait for the re-ask
+_IMM_MAX = (1 << 32) - 1
+_REMOTE_DESTS_MAX = 1 << 16
+_META_MAX = 1 << 16
+
+SLOT = 1
+DEST = 2
+
+
+def slot_header_size(ndim: int) -> int:
+    return align(SLOT_HDR.size + 8 * ndim)
+
+
+class Options:
+    """Tunables of the one-sided transports (``Node(..., onesided={...})``)."""
+
+    KNOWN = {"chunk_size", "pool_limit", "cqs", "max_slots", "slot_budget", "inline_max",
+             "pipe_size", "device", "port", "gid_index", "recv_depth", "send_depth",
+             "grant_timeout"}
+
+    def __init__(self, values: dict[str, Any] | None = None) -> None:
+        values = dict(values or {})
+        unknown = set(values) - self.KNOWN
+        if unknown:
+            raise ValueError(f"unknown onesided option(s) {sorted(unknown)}; known: {sorted(self.KNOWN)}")
+        self.chunk_size = int(values.get("chunk_size", 64 << 20))
+        self.pool_limit = int(values.get("pool_limit", 16 << 30))
+        self.cqs = int(values.get("cqs", 2))
+        self.max_slots = int(values.get("max_slots", 8))
+        self.slot_budget = int(values.get("slot_budget", 64 << 20))
+        self.inline_max = values.get("inline_max")
+        self.pipe_size = int(values.get("pipe_size", 1 << 20))
+        self.device = values.get("device")
+        self.port = int(values.get("port", 1))
+        self.gid_index = values.get("gid_index")
+        self.recv_depth = int(values.get("recv_depth", 256))
+        self.send_depth = int(values.get("send_depth", 256))
+        self.grant_timeout = values.get("grant_timeout")
+        if self.cqs < 1 or self.max_slots < 1 or self.slot_budget < 1:
+            raise ValueError("onesided cqs, max_slots and slot_budget must be positive")
+
+
+class _Target:
+    """Memory of ours that the peer may write: a granted slot or a request's destination."""
+
+    __slots__ = ("kind", "block", "key", "step", "request_id", "code", "shape", "nbytes")
+
+    def __init__(self, kind: int, block: Block, key: str, step: int = 0, request_id: int = 0,
+                 code: int = 0, shape: tuple[int, ...] = (), nbytes: int = 0) -> None:
+        self.kind = kind
+        self.block = block
+        self.key = key
+        self.step = step
+        self.request_id = request_id
+        self.code = code
+        self.shape = shape
+        self.nbytes = nbytes
+
+
+class Engine:
+    """A provider's pool, completion queues and channels, for one node."""
+
+    def __init__(self, node: Node, provider: Provider, options: Options) -> None:
+        self.node = node
+        self.provider = provider
+        self.name = provider.name
+        self.options = options
+        self.loop: asyncio.AbstractEventLoop = asyncio.get_running_loop()
+        self.pool = Pool(provider, options.chunk_size, options.pool_limit)
+        self.needs_registered_source = provider.needs_registered_source
+        limit = provider.max_message
+        if options.inline_max is not None:
+            limit = min(limit, int(options.inline_max))
+        self.inline_limit = limit
+        self.channels: dict[int, Channel] = {}
+        self.meta: dict[str, tuple[int, tuple[int, ...], int]] = {}
+        self._ep_ids = itertools.count(1)
+        self._next_cq = 0
+        self.cqs: list[Any] = []
+        self.closed = False
+        try:
+            for _ in range(options.cqs):
+                cq = provider.create_cq()
+                self.cqs.append(cq)
+                self.loop.add_reader(cq.fd, self._on_cq, cq)
+        except BaseException:
+            self.close()
+            raise
+        self._watchdog = self.loop.call_later(1.0, self._watch)
+
+    # -- endpoints and channels ------------------------------------------------------------
+
+    def endpoint(self) -> Any:
+        """A new endpoint on the next completion queue (channels spread across them)."""
+        cq = self.cqs[self._next_cq % len(self.cqs)]
+        self._next_cq += 1
+        return self.provider.create_endpoint(cq, next(self._ep_ids))
+
+    def attach(self, conn: Connection, ep: Any, remote: dict[str, Any]) -> Channel:
+        ep.connect(remote)
+        channel = Channel(self, conn, ep)
+        self.channels[ep.ep_id] = channel
+        return channel
+
+    def busy(self) -> bool:
+        return any(ch.busy() for ch in self.channels.values())
+
+    # -- completions ------------------------------------------------------------------------
+
+    def _on_cq(self, cq: Any) -> None:
+        """The handler of one completion queue: drain it, deliver per channel."""
+        try:
+            completions = cq.poll()
+        except Exception as exc:  # never let a provider error reach the loop
+            completions = [(FAILED, 0, f"{self.name} completion queue failed: {exc!r}")]
+        if not completions:
+            return
+        touched: dict[int, Channel] = {}
+        channels = self.channels
+        for c in completions:
+            ep_id = c[1]
+            if c[0] == FAILED and ep_id == 0:
+                for every in list(channels.values()):
+                    if every.ep.cq is cq:
+                        every.fail(TransportError(str(c[2])))
+                continue
+            ch = channels.get(ep_id)
+            if ch is None:
+                continue  # a completion for a channel already closed
+            try:
+                ch.on_completion(c)
+            except (TransportError, ProtocolError, ValueError, TypeError, KeyError) as exc:
+                ch.fail(TransportError(f"{self.name}: bad completion from {ch.peer_name}: {exc}"))
+                continue
+            touched[ep_id] = ch
+        for ch in touched.values():
+            ch.deliver()
+
+    def drain(self, cq: Any) -> None:
+        if not self.closed:
+            self._on_cq(cq)
+
+    def _watch(self) -> None:
+        now = self.loop.time()
+        for ch in list(self.channels.values()):
+            ch.check_deadlines(now)
+        if not self.closed:
+            self._watchdog = self.loop.call_later(1.0, self._watch)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if hasattr(self, "_watchdog"):
+            self._watchdog.cancel()
+        for ch in list(self.channels.values()):
+            ch.close()
+        for cq in self.cqs:
+            try:
+                self.loop.remove_reader(cq.fd)
+            except Exception:
+                pass
+            cq.close()
+        self.pool.close()
+        self.provider.close()
+
+
+class Channel:
+    """The one-sided side of one TCP connection: both the producer's and the consumer's state."""
+
+    def __init__(self, engine: Engine, conn: Connection, ep: Any) -> None:
+        self.engine = engine
+        self.name = engine.name
+        self.conn = conn
+        self.ep = ep
+        self.pool = engine.pool
+        self.inline_limit = engine.inline_limit
+        ep.on_error = self.fail
+        self.failed: BaseException | None = None
+        self.closed = False
+        peer = conn.peer
+        self.peer_name = peer.name if peer is not None else "peer"
+        # consumer side: memory the peer may write
+        self._next_imm = 0
+        self.targets: dict[int, _Target] = {}
+        self.slot_imms: dict[str, set[int]] = {}
+        self.granted = 0
+        self.refill: dict[str, list[int]] = {}        # key -> [count, size] to grant again
+        self._refill_scheduled = False
+        self.dests: dict[int, int] = {}                # request id -> imm of its destination
+        self.asks: dict[int, tuple[int, str]] = {}     # request id -> (step, key)
+        self.regions_sent: set[int] = set()
+        self._events: list[tuple[Any, ...]] = []
+        self._keys: dict[bytes, str] = {}              # key on the wire -> key (a cache)
+        self._wires: dict[str, bytes] = {}
+        # producer side: the peer's memory we may write
+        self.remote_slots: dict[str, deque[tuple[int, int, int, int]]] = {}
+        self.out_pending: dict[str, deque[tuple[Any, ...]]] = {}
+        self.asked: dict[str, float] = {}              # key -> deadline of our want
+        self.remote_dests: dict[int, Any] = {}
+        self.answers: dict[str, deque[tuple[Any, ...]]] = {}
+        self.inflight: dict[int, Any] = {}             # wr_id -> what must live until done
+        self._wr_ids = itertools.count(1)
+        timeout = engine.options.grant_timeout
+        self.grant_timeout = float(timeout) if timeout is not None else engine.node.peer_timeout
+        self.stats = {"writes": 0, "inline": 0, "meta": 0, "grants": 0}
+
+    def __repr__(self) -> str:
+        return f"<{self.name} channel to {self.peer_name} ep={self.ep.ep_id}>"
+
+    # -- state ------------------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        return bool(self.out_pending or self.answers or self.inflight or self.ep.pending())
+
+    def _error(self, key: str) -> TransportError:
+        err = TransportError(f"{self.name} channel to {self.peer_name} failed (key {key}): {self.failed}")
+        err.__cause__ = self.failed
+        return err
+
+    def fail(self, exc: BaseException) -> None:
+        """The channel cannot carry data any more: abort its TCP connection."""
+        if self.failed is not None or self.closed:
+            return
+        self.failed = exc
+        log.warning("rvz %s: %s transport to %s failed: %s", self.engine.node.name, self.name,
+                    self.peer_name, exc)
+        self.conn.fail(exc)
+
+    def close(self) -> None:
+        """The TCP connection is gone: deliver what already arrived, then free everything."""
+        if self.closed:
+            return
+        try:
+            self.engine.drain(self.ep.cq)
+        except Exception:  # pragma: no cover - delivery is best effort at close
+            pass
+        self.closed = True
+        self.engine.channels.pop(self.ep.ep_id, None)
+        pool = self.pool
+        for target in self.targets.values():
+            pool.free(target.block)
+        self.targets.clear()
+        self.slot_imms.clear()
+        self.dests.clear()
+        self.asks.clear()
+        for keep in self.inflight.values():
+            if keep[1] is not None:
+                pool.free(keep[1])
+        self.inflight.clear()
+        self.out_pending.clear()
+        self.answers.clear()
+        self.remote_slots.clear()
+        self.remote_dests.clear()
+        self.ep.close()
+
+    def check_deadlines(self, now: float) -> None:
+        for key, deadline in self.asked.items():
+            if now > deadline:
+                self.fail(TransportError(
+                    f"{self.name}: {self.peer_name} granted no slot for key {key} within "
+                    f"{self.grant_timeout}s"))
+                return
+
+    def _control(self, fields: dict[str, Any]) -> None:
+        self.conn.write_frame(_codec.encode_onesided(fields))
+
+    def _new_imm(self) -> int:
+        imm = self._next_imm
+        targets = self.targets
+        while True:
+            imm = imm + 1 if imm < _IMM_MAX else 1
+            if imm not in targets:
+                self._next_imm = imm
+                return imm
+
+    def _descs(self, blocks: list[Block]) -> list[dict[str, Any]]:
+        out = []
+        for block in blocks:
+            region = block.region
+            if region.rkey not in self.regions_sent:
+                self.regions_sent.add(region.rkey)
+                out.append(region.describe())
+        return out
+
+    def _inline_ok(self, key: str, shape: tuple[int, ...], nbytes: int) -> bool:
+        klen = len(key) if key.isascii() else len(key.encode("utf-8"))
+        return MSG_HDR.size + 8 * len(shape) + klen + nbytes <= self.inline_limit
+
+    # -- producer: values out ------------------------------------------------------------------
+
+    def write_value(self, step: int, request_id: int, key_wire: bytes, value: Any, code: int,
+                    shape: tuple[int, ...], nbytes: int) -> None:
+        """``Connection.write_value`` for this connection: push or answer one-sided."""
+        key = self._keys.get(key_wire)
+        if key is None:
+            if len(self._keys) >= _META_MAX:
+                self._keys.clear()
+                self._wires.clear()
+            key = self._keys[key_wire] = key_wire.decode("utf-8")
+            self._wires[key] = key_wire
+        if self.failed is not None or self.closed:
+            if self.failed is None:
+                raise self.conn.lost_error(key)
+            raise self._error(key)
+        item = (step, request_id, key, value, code, shape, nbytes)
+        try:
+            if request_id == 0:
+                pending = self.out_pending.get(key)
+                if pending is not None:
+                    pending.append(item)
+                elif not self._try_push(item):
+                    self.out_pending[key] = deque((item,))
+            else:
+                queued = self.answers.get(key)
+                if queued is not None:
+                    queued.append(item)
+                elif not self._try_answer(item):
+                    self.answers[key] = deque((item,))
+        except TransportError as exc:
+            self.fail(exc)
+            raise self._error(key) from None
+
+    def _try_push(self, item: tuple[Any, ...]) -> bool:
+        step, _, key, value, code, shape, nbytes = item
+        if self._inline_ok(key, shape, nbytes):
+            self._send_inline(item)
+            return True
+        need = slot_header_size(len(shape)) + nbytes
+        slots = self.remote_slots.get(key)
+        if slots:
+            if slots[0][3] >= need:
+                self._write_slot(slots.popleft(), item)
+                return True
+            released = [s[0] for s in slots]   # too small now: give them back, ask anew
+            slots.clear()
+            self._want(key, need, released)
+        elif key not in self.asked:
+            self._want(key, need, [])
+        return False
+
+    def _want(self, key: str, need: int, released: list[int]) -> None:
+        self.asked[key] = self.engine.loop.time() + self.grant_timeout
+        self._control({"op": "want", "k": key, "n": need, "rel": released})
+
+    def _drain_pending(self, key: str) -> None:
+        pending = self.out_pending.get(key)
+        if pending is None:
+            return
+        while pending:
+            if not self._try_push(pending[0]):
+                return
+            pending.popleft()
+        del self.out_pending[key]
+
+    def _write_slot(self, slot: tuple[int, int, int, int], item: tuple[Any, ...]) -> None:
+        imm, addr, rkey, _ = slot
+        step, _, key, value, code, shape, nbytes = item
+        ndim = len(shape)
+        head = SLOT_HDR.pack(step, nbytes, code, ndim, 0) + _SHAPES[ndim].pack(*shape)
+        head += bytes(slot_header_size(ndim) - len(head))
+        self._post_write([memoryview(head), payload_view(value)], addr, rkey, imm, value)
+
+    def _post_write(self, views: list[memoryview], addr: int, rkey: int, imm: int, keep: Any) -> None:
+        wr_id = next(self._wr_ids)
+        staged = None
+        if self.engine.needs_registered_source:
+            sources, staged = self._registered(views)
+        else:
+            sources = [(v, 0, 0) for v in views]
+        self.stats["writes"] += 1
+        if not self.ep.write(sources, addr, rkey, imm, wr_id):
+            self.inflight[wr_id] = (keep, staged)
+        elif staged is not None:
+            self.pool.free(staged)
+
+    def _registered(self, views: list[memoryview]) -> tuple[list[tuple[Any, ...]], Block | None]:
+        """Sources in registered memory: as they are if they already are, else staged."""
+        lookup = self.pool.lookup
+        sources = []
+        for v in views:
+            n = v.nbytes
+            if n == 0:
+                continue
+            addr = address_of(v)
+            region = lookup(addr, n)
+            if region is None:
+                break
+            sources.append((v, addr, region.lkey))
+        else:
+            return sources, None
+        total = sum(v.nbytes for v in views)
+        block = self.pool.alloc(total)
+        off = 0
+        for v in views:
+            n = v.nbytes
+            block.view(off, n)[:] = v
+            off += n
+        return [(block.view(0, total), block.addr, block.region.lkey)], block
+
+    def _send_inline(self, item: tuple[Any, ...]) -> None:
+        step, request_id, key, value, code, shape, nbytes = item
+        wire = self._wires.get(key)
+        if wire is None:
+            wire = key.encode("utf-8")
+        ndim = len(shape)
+        parts = [MSG_HDR.pack(MSG_VALUE, code, ndim, 0, len(wire), step, request_id, nbytes),
+                 _SHAPES[ndim].pack(*shape), wire]
+        if nbytes:
+            parts.append(payload_view(value))
+        self.stats["inline"] += 1
+        wr_id = next(self._wr_ids)
+        if not self.ep.send(parts, wr_id):
+            self.inflight[wr_id] = (None, None)
+
+    def send_credit(self, nbytes: int) -> None:
+        """The node's push-window credit for the peer, in order with our one-sided traffic."""
+        if self.failed is None and not self.closed:
+            try:
+                self.ep.send([MSG_HDR.pack(MSG_CREDIT, 0, 0, 0, 0, 0, 0, nbytes)], next(self._wr_ids))
+                return
+            except TransportError as exc:
+                self.fail(exc)
+        self.conn.write_frame(_codec.encode_credit(nbytes))
+
+    def _try_answer(self, item: tuple[Any, ...]) -> bool:
+        step, request_id, key, value, code, shape, nbytes = item
+        dest = self.remote_dests.pop(request_id, None)
+        if dest is _WAITING:
+            self.remote_dests[request_id] = _WAITING
+            return False
+        if dest is not None:
+            imm, addr, rkey, _, dcode, dshape, dnbytes = dest
+            if dcode == code and dshape == shape and dnbytes == nbytes:
+                self._post_write([payload_view(value)], addr, rkey, imm, value)
+                return True
+        if self._inline_ok(key, shape, nbytes):
+            self._send_inline(item)   # the consumer frees the destination it had, if any
+            return True
+        self.remote_dests[request_id] = _WAITING
+        self.stats["meta"] += 1
+        self._control({"op": "meta", "r": request_id, "st": step, "k": key, "c": code,
+                       "s": list(shape), "n": nbytes})
+        return False
+
+    def _drain_answers(self, key: str) -> None:
+        queued = self.answers.get(key)
+        if queued is None:
+            return
+        while queued:
+            if not self._try_answer(queued[0]):
+                return
+            queued.popleft()
+        del self.answers[key]
+
+    # -- consumer: memory in ----------------------------------------------------------------
+
+    def on_request(self, step: int, request_id: int, key: str) -> None:
+        """Before REQUEST ``request_id`` leaves: offer a destination if we know the shape."""
+        if self.failed is not None or self.closed:
+            return
+        self.asks[request_id] = (step, key)
+        meta = self.engine.meta.get(key)
+        if meta is None:
+            return
+        code, shape, nbytes = meta
+        if self._inline_ok(key, shape, nbytes):
+            return
+        try:
+            self._send_dest(step, request_id, key, code, shape, nbytes, False)
+        except TransportError as exc:
+            self.fail(exc)
+
+    def _send_dest(self, step: int, request_id: int, key: str, code: int, shape: tuple[int, ...],
+                   nbytes: int, again: bool) -> None:
+        block = self.pool.alloc(nbytes)
+        imm = self._new_imm()
+        self.targets[imm] = _Target(DEST, block, key, step, request_id, code, shape, nbytes)
+        self.dests[request_id] = imm
+        self._control({"op": "dest", "r": request_id, "k": key, "i": imm, "a": block.addr,
+                       "rk": block.region.rkey, "c": code, "s": list(shape), "n": nbytes,
+                       "m": self._descs([block]), "re": again})
+
+    def _drop_dest(self, request_id: int) -> None:
+        imm = self.dests.pop(request_id, None)
+        if imm is not None:
+            target = self.targets.pop(imm, None)
+            if target is not None:
+                self.pool.free(target.block)
+
+    def _grant(self, key: str, size: int, count: int) -> None:
+        blocks = []
+        slots = []
+        imms = self.slot_imms.setdefault(key, set())
+        for _ in range(count):
+            block = self.pool.alloc(size)
+            imm = self._new_imm()
+            self.targets[imm] = _Target(SLOT, block, key)
+            imms.add(imm)
+            self.granted += block.size
+            blocks.append(block)
+            slots.append([imm, block.addr, block.region.rkey, block.size])
+        self.stats["grants"] += count
+        self._control({"op": "slots", "k": key, "s": slots, "m": self._descs(blocks)})
+
+    def _flush_refill(self) -> None:
+        self._refill_scheduled = False
+        if self.closed or self.failed is not None:
+            self.refill.clear()
+            return
+        refill = self.refill
+        self.refill = {}
+        try:
+            for key, (count, size) in refill.items():
+                self._grant(key, size, count)
+        except TransportError as exc:
+            self.fail(exc)
+
+    # -- control frames from the peer -----------------------------------------------------------
+
+    def on_frames(self, events: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """Take our ONESIDED frames out of a batch; watch CANCEL and ERROR on the way."""
+        out = []
+        for event in events:
+            kind = event[0]
+            if kind == _codec.ONESIDED:
+                if self.failed is None and not self.closed:
+                    try:
+                        self._on_control(event[1])
+                    except (TransportError, ValueError, TypeError, KeyError, IndexError) as exc:
+                        self.fail(TransportError(f"{self.name}: bad control message from "
+                                                 f"{self.peer_name}: {exc!r}"))
+                continue
+            if kind == _codec.CANCEL:
+                request_id = event[1]
+                if request_id in self.conn.parked:
+                    dest = self.remote_dests.pop(request_id, None)
+                    if dest is not None and dest is not _WAITING:
+                        self._control({"op": "gone", "r": request_id})
+            elif kind == _codec.ERROR:
+                try:
+                    request_id = int(event[1].get("req", 0))
+                except (TypeError, ValueError, AttributeError):
+                    request_id = 0
+                self._drop_dest(request_id)
+                self.asks.pop(request_id, None)
+            out.append(event)
+        return out
+
+    def _on_control(self, f: dict[str, Any]) -> None:
+        op = f["op"]
+        if op == "slots":
+            key = str(f["k"])
+            for desc in f.get("m", ()):
+                self.ep.add_region(desc)
+            self.asked.pop(key, None)
+            slots = self.remote_slots.get(key)
+            if slots is None:
+                slots = self.remote_slots[key] = deque()
+            for imm, addr, rkey, size in f["s"]:
+                slots.append((int(imm), int(addr), int(rkey), int(size)))
+            self._drain_pending(key)
+        elif op == "dest":
+            request_id = int(f["r"])
+            for desc in f.get("m", ()):
+                self.ep.add_region(desc)
+            self.remote_dests[request_id] = (int(f["i"]), int(f["a"]), int(f["rk"]), int(f["n"]),
+                                             int(f["c"]), tuple(int(d) for d in f["s"]), int(f["n"]))
+            if len(self.remote_dests) > _REMOTE_DESTS_MAX:
+                self._evict_dests()
+            if f.get("re"):
+                self._drain_answers(str(f["k"]))
+        elif op == "want":
+            key = str(f["k"])
+            imms = self.slot_imms.get(key)
+            for imm in f.get("rel", ()):
+                target = self.targets.get(imm)
+                if target is not None and target.kind == SLOT and target.key == key:
+                    del self.targets[imm]
+                    if imms is not None:
+                        imms.discard(imm)
+                    self.granted -= target.block.size
+                    self.pool.free(target.block)
+            size = int(f["n"])
+            if size <= 0 or size > self.engine.node.max_payload + 4096:
+                raise TransportError(f"slot of {size} bytes asked for key {key}")
+            # Slots already granted (maybe still on their way) or about to be re-granted count
+            # against max_slots: the producer asks when it runs dry, which races our refills.
+            targets = self.targets
+            have = sum(1 for imm in self.slot_imms.get(key, ()) if targets[imm].block.size >= size)
+            refill = self.refill.get(key)
+            if refill is not None and refill[1] >= size:
+                have += refill[0]
+            room = (self.engine.options.slot_budget - self.granted) // size
+            count = min(self.engine.options.max_slots - have, room)
+            if have == 0:
+                count = max(1, count)
+            if count > 0:
+                self._grant(key, size, count)
+        elif op == "meta":
+            request_id = int(f["r"])
+            self._drop_dest(request_id)
+            key = str(f["k"])
+            step = int(f["st"])
+            code = int(f["c"])
+            shape = tuple(int(d) for d in f["s"])
+            nbytes = int(f["n"])
+            self._check_meta(key, code, shape, nbytes)
+            self._remember(key, code, shape, nbytes)
+            self.asks[request_id] = (step, key)
+            self._send_dest(step, request_id, key, code, shape, nbytes, True)
+        elif op == "gone":
+            request_id = int(f["r"])
+            self._drop_dest(request_id)
+            self.asks.pop(request_id, None)
+        else:
+            raise ValueError(f"unknown operation {op!r}")
+
+    def _evict_dests(self) -> None:
+        # Entries of requests that were answered with ERROR are never claimed; drop the oldest.
+        for request_id in list(self.remote_dests)[: _REMOTE_DESTS_MAX // 4]:
+            if self.remote_dests[request_id] is not _WAITING:
+                del self.remote_dests[request_id]
+
+    def _check_meta(self, key: str, code: int, shape: tuple[int, ...], nbytes: int) -> None:
+        if code >= len(DTYPES) or len(shape) > _codec.MAX_NDIM:
+            raise TransportError(f"bad dtype code {code} or {len(shape)} dims for key {key}")
+        dtype = DTYPES[code]
+        if dtype is None:
+            expected = nbytes
+        else:
+            expected = dtype.itemsize
+            for dim in shape:
+                expected *= dim
+        if expected != nbytes or nbytes > self.engine.node.max_payload:
+            raise TransportError(f"key {key}: {nbytes} bytes do not match dtype {dtype} and shape "
+                                 f"{shape} or exceed the payload limit")
+
+    def _remember(self, key: str, code: int, shape: tuple[int, ...], nbytes: int) -> None:
+        meta = self.engine.meta
+        if len(meta) >= _META_MAX and key not in meta:
+            meta.clear()
+        meta[key] = (code, shape, nbytes)
+
+    # -- completions ------------------------------------------------------------------------
+
+    def on_completion(self, c: tuple[Any, ...]) -> None:
+        kind = c[0]
+        if kind == RECV_WRITE:
+            self._on_write(c[2], c[3])
+        elif kind == RECV_MSG:
+            self._on_message(c[2])
+        elif kind == SEND_DONE:
+            keep = self.inflight.pop(c[2], None)
+            if keep is not None and keep[1] is not None:
+                self.pool.free(keep[1])
+        elif kind == FAILED:
+            self.fail(TransportError(f"{self.name} to {self.peer_name}: {c[2]}"))
+
+    def _on_write(self, imm: int, nbytes: int) -> None:
+        target = self.targets.pop(imm, None)
+        if target is None:
+            raise TransportError(f"write with unknown immediate {imm}")
+        block = target.block
+        pool = self.pool
+        key = target.key
+        if target.kind == SLOT:
+            imms = self.slot_imms.get(key)
+            if imms is not None:
+                imms.discard(imm)
+            self.granted -= block.size
+            view = block.view()
+            step, size, code, ndim, _ = SLOT_HDR.unpack_from(view, 0)
+            if ndim > _codec.MAX_NDIM:
+                pool.free(block)
+                raise TransportError(f"slot of key {key} holds {ndim} dims")
+            shape = _SHAPES[ndim].unpack_from(view, SLOT_HDR.size)
+            start = slot_header_size(ndim)
+            try:
+                self._check_meta(key, code, shape, size)
+                if start + size > block.size or nbytes != start + size:
+                    raise TransportError(f"write of {nbytes} bytes into a slot of {block.size} "
+                                         f"does not match its header ({size} bytes)")
+            except TransportError:
+                pool.free(block)
+                raise
+            value = self._value(block, code, shape, size, start)
+            request_id = 0
+            refill = self.refill.get(key)
+            if refill is None:
+                self.refill[key] = [1, block.size]
+            else:
+                refill[0] += 1
+                refill[1] = max(refill[1], block.size)
+            if not self._refill_scheduled:
+                self._refill_scheduled = True
+                self.engine.loop.call_soon(self._flush_refill)
+        else:
+            if nbytes != target.nbytes:
+                pool.free(block)
+                raise TransportError(f"write of {nbytes} bytes into a destination of "
+                                     f"{target.nbytes} for key {key}")
+            request_id = target.request_id
+            self.dests.pop(request_id, None)
+            self.asks.pop(request_id, None)
+            step, code, shape, size = target.step, target.code, target.shape, target.nbytes
+            value = self._value(block, code, shape, size, 0)
+        self._remember(key, code, shape, size)
+        self._events.append((_codec.DATA, step, request_id, key, value))
+
+    def _value(self, block: Block, code: int, shape: tuple[int, ...], nbytes: int, start: int) -> Any:
+        dtype = DTYPES[code]
+        if dtype is None:
+            data = bytes(block.view(start, nbytes))
+            self.pool.free(block)
+            return data
+        return self.pool.array(block, dtype, shape, start)
+
+    def _on_message(self, data: bytes) -> None:
+        kind, code, ndim, _, klen, step, request_id, nbytes = MSG_HDR.unpack_from(data, 0)
+        if kind == MSG_CREDIT:
+            self._events.append((_codec.CREDIT, nbytes))
+            return
+        if kind != MSG_VALUE or ndim > _codec.MAX_NDIM:
+            raise TransportError(f"unknown message kind {kind} or {ndim} dims")
+        shape = _SHAPES[ndim].unpack_from(data, MSG_HDR.size)
+        kstart = MSG_HDR.size + 8 * ndim
+        key = data[kstart:kstart + klen].decode("utf-8")
+        self._check_meta(key, code, shape, nbytes)
+        pstart = kstart + klen
+        if pstart + nbytes != len(data):
+            raise TransportError(f"message of {len(data)} bytes does not hold {nbytes} bytes of key {key}")
+        dtype = DTYPES[code]
+        value: Any
+        if dtype is None:
+            value = data[pstart:]
+        elif nbytes == 0:
+            value = np.empty(shape, dtype)
+        else:  # one copy out of the message, into an array the receiver owns
+            value = np.frombuffer(data, dtype, nbytes // dtype.itemsize, pstart).copy()
+            if len(shape) != 1:
+                value = value.reshape(shape)
+        if request_id:
+            self._drop_dest(request_id)
+            self.asks.pop(request_id, None)
+        self._remember(key, code, shape, nbytes)
+        self._events.append((_codec.DATA, step, request_id, key, value))
+
+    def deliver(self) -> None:
+        """Hand what the completions produced to the node, like TCP DATA frames."""
+        events = self._events
+        if events:
+            self._events = []
+            self.engine.node._dispatch(self.conn, events)

@@ -1,0 +1,225 @@
+"""The registered memory pool: chunks registered up front, carved into blocks.
+
+Registering memory is slow (pinning pages costs about 2 ms per 10 MB on a NIC), so the
+pool registers large chunks (``chunk_size``, 64 MiB by default, or one larger chunk for a
+tensor that does not fit) and never registers per tensor.  Blocks are carved first-fit
+from the free ranges of the chunks and coalesce when freed.
+
+A block handed to the application as a numpy array stays allocated as long as that array
+(or any view of it) lives: the array's ``base`` is a small owner object whose finaliser
+returns the block.  Finalisers may run on any thread, so they only append to a deque that
+the event loop's thread drains on the next allocation.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from ..errors import TransportError
+from .provider import Provider, Region
+
+ALIGN = 64
+_U8 = np.dtype(np.uint8)
+
+
+def align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+class Block:
+    """``size`` bytes at ``offset`` of ``region``."""
+
+    __slots__ = ("region", "offset", "size", "addr", "chunk")
+
+    def __init__(self, chunk: _Chunk, offset: int, size: int) -> None:
+        self.chunk = chunk
+        self.region = chunk.region
+        self.offset = offset
+        self.size = size
+        self.addr = chunk.region.addr + offset
+
+    def view(self, start: int = 0, length: int | None = None) -> memoryview:
+        end = self.offset + (self.size if length is None else start + length)
+        return self.region.view[self.offset + start:end]
+
+    def __repr__(self) -> str:
+        return f"<Block {self.size}B at {self.addr:#x} (rkey {self.region.rkey})>"
+
+
+class _Owner:
+    """The ``base`` of an array that lives in a pool block; frees the block when it dies."""
+
+    __slots__ = ("__array_interface__", "_pool", "_block", "__weakref__")
+    __array_interface__: dict[str, Any]
+    _pool: Pool
+    _block: Block
+
+    def __del__(self) -> None:
+        pool = self._pool
+        if pool.closed:
+            pool.free(self._block)  # nobody drains the deque any more
+        else:
+            pool._released.append(self._block)
+
+
+class _Chunk:
+    __slots__ = ("region", "free", "live")
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+        self.free: list[list[int]] = [[0, region.length]]  # sorted [offset, size]
+        self.live = 0
+
+
+class Pool:
+    """Registered memory of one provider, shared by every channel of an engine."""
+
+    def __init__(self, provider: Provider, chunk_size: int = 64 << 20, limit: int = 16 << 30) -> None:
+        if chunk_size < (1 << 20):
+            raise ValueError(f"chunk_size must be at least 1 MiB, not {chunk_size}")
+        self.provider = provider
+        self.chunk_size = chunk_size
+        self.limit = limit
+        self.chunks: list[_Chunk] = []
+        self.registered = 0
+        self.in_use = 0
+        self._released: deque[Block] = deque()
+        self._by_addr: list[int] = []        # sorted chunk base addresses, for lookup()
+        self._addr_chunks: list[_Chunk] = []
+        self.closed = False
+
+    # -- allocation --------------------------------------------------------------------------
+
+    def alloc(self, nbytes: int) -> Block:
+        """A block of at least ``nbytes`` (``TransportError`` past ``limit``)."""
+        if self.closed:
+            raise TransportError("the one-sided memory pool is closed")
+        if self._released:
+            self.reclaim()
+        size = align(max(nbytes, 1))
+        for chunk in self.chunks:
+            block = self._carve(chunk, size)
+            if block is not None:
+                return block
+        chunk = self._grow(size)
+        block = self._carve(chunk, size)
+        assert block is not None
+        return block
+
+    def _carve(self, chunk: _Chunk, size: int) -> Block | None:
+        free = chunk.free
+        for i, span in enumerate(free):
+            if span[1] >= size:
+                offset = span[0]
+                if span[1] == size:
+                    del free[i]
+                else:
+                    span[0] += size
+                    span[1] -= size
+                chunk.live += 1
+                self.in_use += size
+                return Block(chunk, offset, size)
+        return None
+
+    def _grow(self, size: int) -> _Chunk:
+        length = max(self.chunk_size, align(size, 1 << 20))
+        if self.registered + length > self.limit:
+            raise TransportError(
+                f"the one-sided memory pool ({self.provider.name}) would grow past its limit of "
+                f"{self.limit} bytes ({self.registered} registered, {self.in_use} in use, "
+                f"{length} more asked); received arrays keep their blocks while they live; "
+                "raise onesided={'pool_limit': ...} on the Node")
+        region = self.provider.register(length)
+        chunk = _Chunk(region)
+        self.chunks.append(chunk)
+        self.registered += region.length
+        i = bisect.bisect(self._by_addr, region.addr)
+        self._by_addr.insert(i, region.addr)
+        self._addr_chunks.insert(i, chunk)
+        return chunk
+
+    def free(self, block: Block) -> None:
+        chunk = block.chunk
+        if chunk.live <= 0:
+            raise AssertionError(f"double free of {block!r}")
+        chunk.live -= 1
+        self.in_use -= block.size
+        free = chunk.free
+        start, size = block.offset, block.size
+        i = bisect.bisect(free, [start, 0])
+        # merge with the following span, then with the preceding one
+        if i < len(free) and free[i][0] == start + size:
+            size += free[i][1]
+            del free[i]
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == start:
+            free[i - 1][1] += size
+        else:
+            free.insert(i, [start, size])
+        if self.closed and chunk.live == 0:
+            self._drop(chunk)
+
+    def reclaim(self) -> int:
+        """Free the blocks whose arrays died (called on the loop's thread)."""
+        n = 0
+        released = self._released
+        while released:
+            self.free(released.popleft())
+            n += 1
+        return n
+
+    # -- numpy views -------------------------------------------------------------------------
+
+    def array(self, block: Block, dtype: np.dtype, shape: tuple[int, ...], start: int = 0) -> np.ndarray:
+        """A numpy array over ``block`` (from ``start``); the block is freed when it dies."""
+        owner = _Owner()
+        owner.__array_interface__ = {"shape": tuple(shape), "typestr": dtype.str,
+                                     "data": (block.addr + start, False), "version": 3}
+        owner._pool = self
+        owner._block = block
+        return np.asarray(owner)
+
+    def lookup(self, addr: int, length: int) -> Region | None:
+        """The registered region that holds ``[addr, addr + length)``, if any."""
+        i = bisect.bisect(self._by_addr, addr) - 1
+        if i < 0:
+            return None
+        region = self._addr_chunks[i].region
+        if addr + length <= region.addr + region.length:
+            return region
+        return None
+
+    # -- closing -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Deregister what is free; chunks still under live arrays go when those die."""
+        if self.closed:
+            return
+        self.reclaim()
+        self.closed = True
+        for chunk in list(self.chunks):
+            if chunk.live == 0:
+                self._drop(chunk)
+
+    def _drop(self, chunk: _Chunk) -> None:
+        if chunk in self.chunks:
+            self.chunks.remove(chunk)
+            self.registered -= chunk.region.length
+            try:
+                self.provider.deregister(chunk.region)
+            except Exception:  # pragma: no cover - best effort at close
+                pass
+
+    def stats(self) -> dict[str, Any]:
+        return {"chunks": len(self.chunks), "registered": self.registered, "in_use": self.in_use}
+
+
+def address_of(view: Any) -> int:
+    """The address of a contiguous buffer (numpy array, bytes, memoryview)."""
+    if isinstance(view, np.ndarray):
+        return int(view.__array_interface__["data"][0])
+    arr = np.frombuffer(view, _U8)
+    return int(arr.__array_interface__["data"][0]) if arr.size else 0

@@ -1,0 +1,470 @@
+"""The sans-IO frame codec: round trips, dtypes, chunked decoding, zero-copy, limits, fuzz.
+
+No sockets and no event loop: the decoder is driven exactly as ``asyncio.BufferedProtocol``
+drives it (``get_buffer`` then ``buffer_updated``).
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+from collections.abc import Iterable
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+import rvz
+from rvz import _impl
+
+from .conftest import in_loop, key
+
+codec = _impl.codec
+HEADER = struct.Struct("<BBHIQ")
+KEY = str(key("codec_key"))
+KEYB = KEY.encode()
+HELLO = codec.encode_hello({"v": codec.VERSION, "job": "worker", "task": 0, "inc": 7,
+                            "order": "little"})
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def feed(decoder: Any, data: bytes, chunks: Iterable[int] | None = None) -> list:
+    """Feed ``data`` through get_buffer/buffer_updated, ``chunks`` bytes at a time at most."""
+    view = memoryview(data)
+    sizes = iter(chunks) if chunks is not None else None
+    events: list = []
+    pos = 0
+    while pos < len(view):
+        buf = decoder.get_buffer(-1)
+        assert len(buf) > 0, "decoder offered an empty buffer"
+        n = min(len(buf), len(view) - pos)
+        if sizes is not None:
+            n = min(n, next(sizes))
+        buf[:n] = view[pos:pos + n]
+        pos += n
+        events.extend(decoder.buffer_updated(n))
+    return events
+
+
+def byte_by_byte() -> Iterable[int]:
+    while True:
+        yield 1
+
+
+def random_chunks(seed: int, top: int = 5000) -> Iterable[int]:
+    rng = random.Random(seed)
+    while True:
+        yield rng.choice((1, 2, 3, 7, 15, 16, 17, rng.randint(1, top)))
+
+
+def data_frame(value: Any, step: int = 1, request_id: int = 0, k: bytes = KEYB) -> bytes:
+    value, code, shape, nbytes = codec.describe(value)
+    return codec.encode_data(step, request_id, k, code, shape, nbytes) + bytes(codec.payload_view(value))
+
+
+def normalize(events: list) -> list:
+    """Events with arrays replaced by comparable (dtype, shape, bytes) tuples."""
+    out = []
+    for event in events:
+        if event[0] == codec.DATA:
+            value = event[4]
+            if isinstance(value, np.ndarray):
+                value = ("array", value.dtype.str, value.shape, value.tobytes())
+            out.append(event[:4] + (value,))
+        else:
+            out.append(event)
+    return out
+
+
+def all_ways(data: bytes, seed: int = 0) -> list:
+    """Decode ``data`` whole, byte by byte, and in random chunks; all must agree."""
+    whole = normalize(feed(codec.Decoder(), data))
+    assert normalize(feed(codec.Decoder(), data, byte_by_byte())) == whole
+    for s in range(3):
+        assert normalize(feed(codec.Decoder(), data, random_chunks(seed * 10 + s))) == whole
+    return whole
+
+
+def header(ftype: int, meta_len: int, payload_len: int = 0, version: int = codec.VERSION,
+           flags: int = 0) -> bytes:
+    return HEADER.pack(version, ftype, flags, meta_len, payload_len)
+
+
+def raw_data(step: int, rid: int, k: bytes, code: int, shape: tuple, payload: bytes,
+             ndim: int | None = None) -> bytes:
+    ndim = len(shape) if ndim is None else ndim
+    meta = struct.pack("<QQHBB", step, rid, len(k), code, ndim) + struct.pack(
+        "<" + "Q" * len(shape), *shape) + k
+    return header(codec.DATA, len(meta), len(payload)) + meta + payload
+
+
+# -- round trips -------------------------------------------------------------------------------
+
+
+@in_loop
+def test_every_frame_type_round_trips() -> None:
+    arr = np.arange(12, dtype=np.int32).reshape(3, 4)
+    stream = b"".join([
+        HELLO,
+        data_frame(arr, step=5, request_id=0),
+        data_frame(b"raw bytes", step=6, request_id=99),
+        codec.encode_request(7, 123, KEYB),
+        codec.encode_cancel(123),
+        codec.encode_error(9, 7, KEY, "aborted", "step 7 is gone"),
+        codec.encode_abort_step(42, "cleaned up: ünïcode"),
+        codec.encode_ping(),
+        codec.encode_credit(1 << 40),
+        codec.encode_onesided({"grant": 3, "addr": b"\x00\x01"}),
+        codec.encode_bye(),
+    ])
+    events = all_ways(stream)
+    kinds = [e[0] for e in events]
+    assert kinds == [codec.HELLO, codec.DATA, codec.DATA, codec.REQUEST, codec.CANCEL,
+                     codec.ERROR, codec.ABORT_STEP, codec.PING, codec.CREDIT, codec.ONESIDED,
+                     codec.BYE]
+    assert events[0][1] == {"v": codec.VERSION, "job": "worker", "task": 0, "inc": 7,
+                            "order": "little"}
+    assert events[1][:4] == (codec.DATA, 5, 0, KEY)
+    assert events[1][4] == ("array", "<i4", (3, 4), arr.tobytes())
+    assert events[2] == (codec.DATA, 6, 99, KEY, b"raw bytes")
+    assert events[3] == (codec.REQUEST, 7, 123, KEY)
+    assert events[4] == (codec.CANCEL, 123)
+    assert events[5][1] == {"req": 9, "step": 7, "key": KEY, "code": "aborted",
+                            "msg": "step 7 is gone"}
+    assert events[6] == (codec.ABORT_STEP, 42, "cleaned up: ünïcode")
+    assert events[8] == (codec.CREDIT, 1 << 40)
+    assert events[9] == (codec.ONESIDED, {"grant": 3, "addr": b"\x00\x01"})
+    dec = codec.Decoder()
+    feed(dec, stream)
+    assert dec.frames == 11 and dec.bytes_in == len(stream)
+
+
+@in_loop
+def test_max_u64_fields_round_trip() -> None:
+    top = (1 << 64) - 1
+    stream = HELLO + codec.encode_request(top, top, KEYB) + data_frame(np.zeros(1), top, top)
+    events = all_ways(stream)
+    assert events[1] == (codec.REQUEST, top, top, KEY)
+    assert events[2][1:3] == (top, top)
+
+
+DTYPE_VALUES = [
+    np.array([True, False, True]),
+    np.arange(-5, 5, dtype=np.int8),
+    np.arange(250, 256, dtype=np.uint8),
+    np.arange(-3, 3, dtype=np.int16),
+    np.arange(6, dtype=np.uint16) * 1000,
+    np.arange(-3, 3, dtype=np.int32) * 100000,
+    np.arange(6, dtype=np.uint32) * 4000000000 // 6,
+    np.array([-(2 ** 63), 0, 2 ** 63 - 1], dtype=np.int64),
+    np.array([0, 2 ** 64 - 1], dtype=np.uint64),
+    np.array([0.5, -1.25, np.inf, 65504], dtype=np.float16),
+    np.array([1.5, np.nan, -np.inf], dtype=np.float32),
+    np.array([np.pi, -0.0, 1e300], dtype=np.float64),
+    np.array([1 + 2j, -3.5j], dtype=np.complex64),
+    np.array([1e200 + 1e-200j, np.nan * 1j], dtype=np.complex128),
+    np.array(3.5),                                   # 0-d
+    np.array(True),                                  # 0-d bool
+    np.zeros((0,), np.float32),                      # empty
+    np.zeros((3, 0, 2), np.int64),                   # empty with dims
+    np.arange(2 * 3 * 4 * 5, dtype=np.float64).reshape(2, 3, 4, 5),
+    np.zeros((1,) * 32, np.uint8),                   # the dimension limit
+]
+
+
+@pytest.mark.parametrize("value", DTYPE_VALUES, ids=lambda v: f"{v.dtype}{list(v.shape)}")
+@in_loop
+def test_every_dtype_and_shape_round_trips(value: np.ndarray) -> None:
+    events = all_ways(HELLO + data_frame(value), seed=value.size)
+    (_, step, rid, k, got) = events[1]
+    assert (step, rid, k) == (1, 0, KEY)
+    assert got == ("array", value.dtype.str, value.shape, value.tobytes())
+    arr = feed(codec.Decoder(), HELLO + data_frame(value))[1][4]
+    assert arr.dtype == value.dtype and arr.shape == value.shape
+    np.testing.assert_array_equal(arr, value)
+
+
+@pytest.mark.parametrize("value", [b"", b"x", bytes(range(256)) * 3, bytearray(b"mutable"),
+                                   memoryview(b"a view"), memoryview(bytes(range(10)))[::2]])
+@in_loop
+def test_bytes_values_round_trip(value: Any) -> None:
+    events = all_ways(HELLO + data_frame(value))
+    assert events[1][4] == bytes(value)
+    assert type(feed(codec.Decoder(), HELLO + data_frame(value))[1][4]) is bytes
+
+
+@in_loop
+def test_non_contiguous_and_big_endian_input_are_sent_contiguous_little_endian() -> None:
+    base = np.arange(48, dtype=np.float64).reshape(6, 8)
+    for value in [base[::2, 1::3], base.T, np.asfortranarray(base), base.astype(">f8"),
+                  base.astype(">i4")[::-1]]:
+        sent, code, shape, nbytes = codec.describe(value)
+        assert sent.flags.c_contiguous and shape == value.shape and nbytes == value.size * value.itemsize
+        arr = feed(codec.Decoder(), HELLO + data_frame(value))[1][4]
+        assert arr.dtype.byteorder in ("<", "=")
+        np.testing.assert_array_equal(arr, value)
+
+
+@in_loop
+def test_contiguous_input_is_not_copied() -> None:
+    value = np.arange(10.0)
+    assert codec.describe(value)[0] is value
+
+
+@pytest.mark.parametrize("value", [np.array(["a", "b"]), np.array([b"a"]), np.array([{}, 1], dtype=object),
+                                   np.zeros(2, dtype=[("a", "i4")]), np.zeros(2, "datetime64[s]"),
+                                   [1, 2, 3], "text", 3.5, None])
+@in_loop
+def test_unsupported_values_are_refused_with_type_error(value: Any) -> None:
+    with pytest.raises(TypeError) as info:
+        codec.describe(value)
+    assert "rvz" in str(info.value)
+
+
+# -- chunked decoding and zero copy ---------------------------------------------------------
+
+
+@in_loop
+def test_mixed_stream_decodes_the_same_in_any_chunking() -> None:
+    rng = np.random.default_rng(1)
+    parts = [HELLO]
+    for i in range(40):
+        size = int(rng.choice([0, 1, 100, 5000, 70000, 200000]))
+        parts.append(data_frame(rng.integers(0, 255, size, dtype=np.uint8), step=i, request_id=i))
+        parts.append(codec.encode_request(i, i + 1, KEYB))
+        parts.append(codec.encode_ping())
+        if i % 7 == 0:
+            parts.append(data_frame(bytes(size), step=i))
+    parts.append(codec.encode_bye())
+    events = all_ways(b"".join(parts), seed=3)
+    assert len(events) == 1 + 40 * 3 + 6 + 1
+
+
+@in_loop
+def test_large_payload_lands_in_the_array_the_decoder_hands_out() -> None:
+    value = np.random.default_rng(0).standard_normal((512, 256)).astype(np.float32)  # 512 KiB
+    frame = data_frame(value, step=3, request_id=4)
+    hdr_len = len(frame) - value.nbytes
+    dec = codec.Decoder()
+    assert feed(dec, HELLO) [0][0] == codec.HELLO
+    # Header and the first 1000 payload bytes arrive in the staging buffer.
+    assert feed(dec, frame[:hdr_len + 1000]) == []
+    pos = hdr_len + 1000
+    handed_out = []
+    events: list = []
+    while pos < len(frame):
+        buf = dec.get_buffer(-1)
+        # In payload state the buffer is exactly the rest of the destination array.
+        assert buf.nbytes == len(frame) - pos
+        handed_out.append(buf)
+        n = min(buf.nbytes, 100000)
+        buf[:n] = frame[pos:pos + n]
+        pos += n
+        events += dec.buffer_updated(n)
+    assert len(events) == 1
+    kind, step, rid, k, arr = events[0]
+    assert (kind, step, rid, k) == (codec.DATA, 3, 4, KEY)
+    np.testing.assert_array_equal(arr, value)
+    # Copied at most once: every buffer the socket would have filled is the array's memory.
+    for buf in handed_out:
+        assert np.shares_memory(arr, np.frombuffer(buf, np.uint8))
+    assert arr.flags.owndata and arr.flags.writeable
+    # and the next frame goes back to the staging buffer
+    assert feed(dec, codec.encode_ping()) == [(codec.PING,)]
+
+
+@in_loop
+def test_small_payload_does_not_alias_the_staging_buffer() -> None:
+    value = np.arange(100, dtype=np.int64)
+    dec = codec.Decoder()
+    feed(dec, HELLO)
+    staging = dec.get_buffer(-1)
+    (event,) = feed(dec, data_frame(value))
+    arr = event[4]
+    assert not np.shares_memory(arr, np.frombuffer(staging, np.uint8))
+    feed(dec, data_frame(np.zeros(100, np.int64)))  # the staging buffer is reused
+    np.testing.assert_array_equal(arr, value)
+
+
+@in_loop
+def test_large_bytes_value() -> None:
+    value = bytes(range(256)) * 1024  # 256 KiB
+    events = all_ways(HELLO + data_frame(value) + codec.encode_ping(), seed=9)
+    assert events[1][4] == value and events[2] == (codec.PING,)
+
+
+# -- malformed frames -------------------------------------------------------------------------
+
+PING_WITH_META = header(codec.PING, 1) + b"x"
+MALFORMED = {
+    "bad-version": HELLO + header(codec.PING, 0, version=2),
+    "bad-version-first": header(codec.HELLO, 0, version=0),
+    "flags": HELLO + header(codec.PING, 0, flags=1),
+    "oversize-meta": HELLO + header(codec.ERROR, codec.MAX_META + 1),
+    "ndim-33": HELLO + raw_data(0, 0, KEYB, 3, (1,) * 33, b"\0"),
+    "key-too-long": HELLO + raw_data(0, 0, b"k" * (codec.MAX_KEY + 1), 3, (1,), b"\0"),
+    "payload-shape-mismatch": HELLO + raw_data(0, 0, KEYB, 11, (4,), b"\0" * 15),
+    "payload-shape-mismatch-large": HELLO + raw_data(0, 0, KEYB, 11, (100000,), b"\0" * 399996),
+    "data-meta-length": HELLO + header(codec.DATA, 20 + len(KEYB) + 1) + struct.pack(
+        "<QQHBB", 0, 0, len(KEYB), 3, 0) + KEYB + b"!",
+    "data-meta-short": HELLO + header(codec.DATA, 4) + b"\0" * 4,
+    "unknown-dtype": HELLO + raw_data(0, 0, KEYB, 99, (1,), b"\0"),
+    "bytes-with-shape": HELLO + raw_data(0, 0, KEYB, 0, (2,), b"\0\0"),
+    "key-not-utf8": HELLO + raw_data(0, 0, b"\xff\xfe", 3, (1,), b"\0"),
+    "unknown-type": HELLO + header(42, 0),
+    "unknown-type-zero": HELLO + header(0, 0),
+    "non-hello-first": codec.encode_ping() + HELLO,
+    "data-first": data_frame(np.zeros(2)),
+    "frame-after-bye": HELLO + codec.encode_bye() + codec.encode_ping(),
+    "second-hello": HELLO + HELLO,
+    "invalid-msgpack": header(codec.HELLO, 1) + b"\xc1",
+    "truncated-msgpack": header(codec.HELLO, 3) + msgpack.packb({"v": 1})[:3],
+    "msgpack-not-a-map": header(codec.HELLO, 2) + msgpack.packb([1]),
+    "msgpack-extra-data": header(codec.HELLO, 2) + b"\x80\x80",
+    "error-invalid-msgpack": HELLO + header(codec.ERROR, 2) + b"\xc1\xc1",
+    "ping-with-meta": HELLO + PING_WITH_META,
+    "ping-with-payload": HELLO + header(codec.PING, 0, 4) + b"\0" * 4,
+    "cancel-meta-7": HELLO + header(codec.CANCEL, 7) + b"\0" * 7,
+    "credit-meta-9": HELLO + header(codec.CREDIT, 9) + b"\0" * 9,
+    "request-short": HELLO + header(codec.REQUEST, 10) + b"\0" * 10,
+    "request-key-length": HELLO + header(codec.REQUEST, 18 + 3) + struct.pack("<QQH", 1, 1, 5) + b"abc",
+    "abort-short": HELLO + header(codec.ABORT_STEP, 4) + b"\0" * 4,
+    "bye-with-meta": HELLO + header(codec.BYE, 1) + b"x",
+    "zero-size-shape-overflow": HELLO + raw_data(0, 0, KEYB, 3, (2 ** 63, 0), b""),
+    "zero-size-too-big": HELLO + raw_data(0, 0, KEYB, 3, (2 ** 62, 0, 2 ** 62), b""),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+@in_loop
+def test_malformed_frames_raise_protocol_error_and_decoder_stays_failed(name: str) -> None:
+    data = MALFORMED[name]
+    for chunks in (None, byte_by_byte(), random_chunks(5)):
+        dec = codec.Decoder()
+        with pytest.raises(rvz.ProtocolError) as info:
+            feed(dec, data, chunks)
+        message = str(info.value)
+        assert message
+        with pytest.raises(rvz.ProtocolError):
+            dec.get_buffer(-1)
+        with pytest.raises(rvz.ProtocolError):
+            dec.buffer_updated(0)
+        with pytest.raises(rvz.ProtocolError):  # valid bytes do not revive it
+            feed(dec, codec.encode_ping())
+
+
+@in_loop
+def test_payload_above_the_limit_is_refused() -> None:
+    dec = codec.Decoder(max_payload=1000)
+    with pytest.raises(rvz.ProtocolError) as info:
+        feed(dec, HELLO + data_frame(np.zeros(1001, np.uint8)))
+    assert "1001" in str(info.value) and KEY in str(info.value)
+    ok = codec.Decoder(max_payload=1000)
+    assert len(feed(ok, HELLO + data_frame(np.zeros(1000, np.uint8)))) == 2
+
+
+@in_loop
+def test_mismatch_error_names_key_dtype_and_shape() -> None:
+    with pytest.raises(rvz.ProtocolError) as info:
+        feed(codec.Decoder(), MALFORMED["payload-shape-mismatch"])
+    message = str(info.value)
+    assert KEY in message and "float32" in message and "(4,)" in message
+
+
+@in_loop
+def test_encoder_limits() -> None:
+    with pytest.raises(ValueError):
+        codec.encode_data(0, 0, b"k" * (codec.MAX_KEY + 1), 3, (1,), 1)
+    with pytest.raises(ValueError):
+        codec.encode_data(0, 0, KEYB, 3, (1,) * 33, 1)
+    with pytest.raises(ValueError):
+        codec.encode_request(0, 0, b"k" * (codec.MAX_KEY + 1))
+
+
+# -- fuzz ---------------------------------------------------------------------------------------
+
+
+def _valid_stream(rng: random.Random) -> bytes:
+    parts = [HELLO]
+    for _ in range(rng.randint(1, 8)):
+        choice = rng.randrange(6)
+        if choice == 0:
+            parts.append(data_frame(np.arange(rng.randint(0, 20), dtype=np.int16),
+                                    step=rng.randint(0, 5), request_id=rng.randint(0, 5)))
+        elif choice == 1:
+            parts.append(codec.encode_request(rng.randint(0, 9), rng.randint(1, 9), KEYB))
+        elif choice == 2:
+            parts.append(codec.encode_error(1, 2, KEY, "aborted", "m" * rng.randint(0, 30)))
+        elif choice == 3:
+            parts.append(codec.encode_abort_step(rng.randint(0, 9), "gone"))
+        elif choice == 4:
+            parts.append(codec.encode_credit(rng.randint(0, 1 << 30)))
+        else:
+            parts.append(codec.encode_ping())
+    if rng.random() < 0.3:
+        parts.append(codec.encode_bye())
+    return b"".join(parts)
+
+
+def _mutate(rng: random.Random, data: bytes) -> bytes:
+    buf = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        op = rng.randrange(4)
+        pos = rng.randrange(len(buf)) if buf else 0
+        if op == 0 and buf:
+            buf[pos] = rng.randrange(256)
+        elif op == 1 and buf:
+            buf[pos] ^= 1 << rng.randrange(8)
+        elif op == 2:
+            buf[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+        elif buf:
+            del buf[pos:pos + rng.randint(1, 8)]
+    return bytes(buf)
+
+
+def _decode_or_protocol_error(data: bytes, chunks: Iterable[int] | None) -> None:
+    dec = codec.Decoder(max_payload=1 << 20)
+    try:
+        feed(dec, data, chunks)
+    except rvz.ProtocolError:
+        with pytest.raises(rvz.ProtocolError):
+            dec.get_buffer(-1)
+
+
+@in_loop
+def test_fuzz_random_bytes_decode_or_protocol_error() -> None:
+    rng = random.Random(20240611)
+    for i in range(300):
+        data = bytes(rng.randrange(256) for _ in range(rng.randint(0, 200)))
+        if i % 2:
+            data = HELLO + data  # get past the HELLO check too
+        _decode_or_protocol_error(data, random_chunks(i))
+
+
+@in_loop
+def test_fuzz_mutated_valid_streams_decode_or_protocol_error() -> None:
+    rng = random.Random(7)
+    for i in range(600):
+        data = _mutate(rng, _valid_stream(rng))
+        _decode_or_protocol_error(data, None if i % 3 == 0 else random_chunks(i, 64))
+
+
+@in_loop
+def test_fuzz_header_fields_decode_or_protocol_error() -> None:
+    """Valid frames whose header and DATA metadata fields take extreme values."""
+    rng = random.Random(99)
+    extremes = [0, 1, 2, 7, 8, 32, 33, 255, 4096, 65535, 65536, 2 ** 31, 2 ** 32 - 1]
+    for i in range(600):
+        shape = tuple(rng.choice([0, 1, 3, 2 ** 31, 2 ** 62, 2 ** 63, 2 ** 64 - 1])
+                      for _ in range(rng.randint(0, 4)))
+        code = rng.choice([0, 1, 3, 11, 14, 15, 255])
+        payload = bytes(rng.choice([0, 1, 4, 12, 24]))
+        frame = raw_data(rng.choice(extremes), rng.choice(extremes), KEYB, code, shape, payload)
+        if rng.random() < 0.5:
+            frame = bytearray(frame)
+            frame[rng.randrange(len(frame))] = rng.choice([0, 1, 32, 33, 255])
+            frame = bytes(frame)
+        _decode_or_protocol_error(HELLO + frame, random_chunks(i, 40))

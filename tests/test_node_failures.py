@@ -1,0 +1,298 @@
+"""Failures: a peer killed or frozen mid-wait, a peer not up yet or never up, a peer that
+sends garbage.  Every failure is an rvz error that names the key and the peer and keeps the
+original cause; none is a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+import rvz
+from rvz import _impl
+
+from .conftest import FAST, eventually, free_ports, key, pair, pending
+
+MODES = ["recv", "send"]
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER_ID = ("worker", 0)
+
+
+@contextmanager
+def peer_process(cluster: rvz.ClusterSpec, job: str, task: int, mode: str) -> Iterator[subprocess.Popen]:
+    """Run tests/peer_node.py; always killed and reaped on the way out."""
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "peer_node.py"), json.dumps(cluster.as_dict()), job,
+         str(task), mode],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 20)
+        line = proc.stdout.readline().decode() if ready else ""
+        if not line.startswith("ready"):
+            proc.kill()
+            _, err = proc.communicate(timeout=10)
+            raise AssertionError(f"peer process did not start: {line!r} {err.decode()[-2000:]}")
+        assert line.split()[1] == rvz.implementation()  # the child runs the same hot paths
+        yield proc
+    finally:
+        try:
+            proc.send_signal(signal.SIGCONT)  # resume a stopped peer, then kill it
+        except ProcessLookupError:
+            pass
+        proc.kill()
+        proc.wait(timeout=10)
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def connected(node: rvz.Node, task_id: tuple = WORKER_ID) -> bool:
+    peer = node._peers.get(task_id)
+    return peer is not None and any(c.ready for c in peer.live_connections())
+
+
+def check_names_key_and_peer(err: BaseException, k: rvz.Key, peer: str) -> None:
+    message = str(err)
+    assert str(k) in message, message
+    assert peer in message, message
+    assert err.__cause__ is not None, f"{err!r} lost its cause"
+
+
+# -- a peer process that dies or freezes ------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_peer_killed_while_recv_waits(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async def main(proc: subprocess.Popen) -> None:
+        async with rvz.Node(cluster, "ps", 0, mode, **{**FAST, "peer_timeout": 1.0}) as p:
+            k = key("from_the_dead")
+            task = asyncio.ensure_future(p.recv(k, timeout=20))
+            await eventually(lambda: connected(p), "connected to the peer process")
+            await asyncio.sleep(0.05)
+            assert not task.done()
+            proc.kill()
+            with pytest.raises(rvz.PeerLost) as info:
+                await task
+            check_names_key_and_peer(info.value, k, "/job:worker")
+            assert isinstance(info.value.__cause__, OSError)  # the connection reset, not a timeout
+
+    with peer_process(cluster, "worker", 0, mode) as proc:
+        run(main(proc), timeout=15)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_frozen_peer_is_lost_by_heartbeat(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async def main(proc: subprocess.Popen) -> None:
+        async with rvz.Node(cluster, "ps", 0, mode, **{**FAST, "peer_timeout": 0.5}) as p:
+            k = key("from_the_frozen")
+            task = asyncio.ensure_future(p.recv(k, timeout=20))
+            await eventually(lambda: connected(p), "connected to the peer process")
+            # Connected and alive: heartbeats keep it so for longer than peer_timeout.
+            await asyncio.sleep(0.8)
+            assert not task.done()
+            proc.send_signal(signal.SIGSTOP)  # the socket stays open, nothing answers
+            with pytest.raises(rvz.PeerLost) as info:
+                await task
+            check_names_key_and_peer(info.value, k, "/job:worker")
+            assert isinstance(info.value.__cause__, TimeoutError)
+            assert "heartbeat" in str(info.value)
+
+    with peer_process(cluster, "worker", 0, mode) as proc:
+        run(main(proc), timeout=15)
+
+
+def test_consumer_killed_while_a_push_waits_for_the_window(run, cluster) -> None:  # type: ignore[no-untyped-def]
+    async def main(proc: subprocess.Popen) -> None:
+        settings = {**FAST, "peer_timeout": 1.0, "push_window": 1 << 20}
+        async with rvz.Node(cluster, "worker", 0, "send", **settings) as w:
+            k = key("into_the_void")
+            chunk = np.zeros(256 << 10, np.uint8)
+            blocked = None
+            for _ in range(20):   # the consumer never receives: the window fills
+                send = asyncio.ensure_future(w.send(k, chunk))
+                await asyncio.sleep(0.05)
+                if not send.done():
+                    blocked = send
+                    break
+                send.result()
+            assert blocked is not None, "the push window never filled"
+            proc.kill()
+            with pytest.raises(rvz.PeerLost) as info:
+                await blocked
+            check_names_key_and_peer(info.value, k, "/job:ps")
+
+    with peer_process(cluster, "ps", 0, "send") as proc:
+        run(main(proc), timeout=15)
+
+
+# -- connecting -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_consumer_first_connects_once_the_producer_starts(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        async with rvz.Node(cluster, "ps", 0, mode, **FAST) as p:
+            task = await pending(p.recv(key(), timeout=10), 0.3)   # the producer is not up
+            async with rvz.Node(cluster, "worker", 0, mode, **FAST) as w:
+                await w.send(key(), np.arange(4))
+                assert (await task).tolist() == [0, 1, 2, 3]
+
+    run(main(), timeout=15)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_producer_first_connects_once_the_consumer_starts(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        async with rvz.Node(cluster, "worker", 0, mode, **FAST) as w:
+            send = asyncio.ensure_future(w.send(key(), np.arange(3)))
+            await asyncio.sleep(0.3)                            # the consumer is not up
+            async with rvz.Node(cluster, "ps", 0, mode, **FAST) as p:
+                await send
+                assert (await p.recv(key(), timeout=10)).tolist() == [0, 1, 2]
+
+    run(main(), timeout=15)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_recv_from_a_peer_that_never_comes_up(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        async with rvz.Node(cluster, "ps", 0, mode, **{**FAST, "connect_timeout": 0.3}) as p:
+            k = key("never")
+            with pytest.raises(rvz.PeerLost) as info:
+                await p.recv(k, timeout=10)
+            check_names_key_and_peer(info.value, k, "/job:worker")
+            assert isinstance(info.value.__cause__, OSError)
+            assert cluster.address("worker", 0) in str(info.value)
+
+    run(main(), timeout=15)
+
+
+def test_push_to_a_peer_that_never_comes_up(run, cluster) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        async with rvz.Node(cluster, "worker", 0, "send", **{**FAST, "connect_timeout": 0.3}) as w:
+            k = key("nobody_home")
+            with pytest.raises(rvz.PeerLost) as info:
+                await w.send(k, np.arange(3))
+            check_names_key_and_peer(info.value, k, "/job:ps")
+            assert isinstance(info.value.__cause__, OSError)
+
+    run(main(), timeout=15)
+
+
+def test_peer_closing_gracefully_fails_waiters_with_peer_lost(run, cluster) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        async with rvz.Node(cluster, "ps", 0, "recv", **FAST) as p:
+            w = await rvz.Node(cluster, "worker", 0, "recv", **FAST).start()
+            await w.send(key("first"), np.arange(1))
+            assert (await p.recv(key("first"), timeout=5)).tolist() == [0]
+            task = await pending(p.recv(key("second"), timeout=10))
+            await w.close()
+            with pytest.raises(rvz.PeerLost) as info:
+                await task
+            check_names_key_and_peer(info.value, key("second"), "/job:worker")
+
+    run(main(), timeout=15)
+
+
+# -- a peer that speaks garbage --------------------------------------------------------------
+
+
+def three_task_cluster() -> rvz.ClusterSpec:
+    ports = free_ports(3)
+    return rvz.ClusterSpec({"worker": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{ports[1]}"],
+                            "raw": [f"127.0.0.1:{ports[2]}"]})
+
+
+RAW_HELLO = _impl.codec.encode_hello({"v": _impl.codec.VERSION, "job": "raw", "task": 0,
+                                      "inc": 5, "order": sys.byteorder})
+
+
+def bad_data_frame(key_text: str) -> bytes:
+    value, code, shape, nbytes = _impl.codec.describe(np.arange(2, dtype=np.int64))
+    return (_impl.codec.encode_data(0, 0, key_text.encode(), code, shape, nbytes)
+            + bytes(_impl.codec.payload_view(value)))
+
+
+GARBAGE = {
+    "not-a-frame": b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 64,
+    "bad-hello": _impl.codec.encode_hello({"v": 1}),
+    "hello-wrong-version": _impl.codec.encode_hello({"v": 99, "job": "raw", "task": 0, "inc": 1}),
+    "hello-unknown-task": _impl.codec.encode_hello({"v": _impl.codec.VERSION, "job": "nobody",
+                                                    "task": 3, "inc": 1}),
+    "hello-bad-types": _impl.codec.encode_hello({"v": _impl.codec.VERSION, "job": "raw",
+                                                 "task": [1], "inc": "x"}),
+    "malformed-key": RAW_HELLO + bad_data_frame("not;a;key"),
+    "key-without-task": RAW_HELLO + bad_data_frame("/device:CPU:0;0;/job:ps/task:0;x;0:0"),
+    "misrouted-key": RAW_HELLO + bad_data_frame(str(key("x"))),  # claims to come from worker
+    "request-malformed-key": RAW_HELLO + _impl.codec.encode_request(0, 1, b"a;b"),
+    "data-unknown-task": RAW_HELLO + bad_data_frame(str(key("x", src="/job:nope/task:0"))),
+    "request-unknown-task": RAW_HELLO + _impl.codec.encode_request(
+        0, 1, str(key("x", src="/job:ps/task:0", dst="/job:nope/task:1")).encode()),
+    "error-bad-fields": RAW_HELLO + _impl.codec._encode_map(_impl.codec.ERROR, {"req": "x"}),
+    "msgpack-garbage": RAW_HELLO + _impl.codec._encode_map(_impl.codec.ERROR, {1: 2}) + b"\x07",
+}
+
+
+@pytest.mark.parametrize("name", sorted(GARBAGE))
+def test_garbage_from_a_peer_closes_only_that_connection(run, name) -> None:  # type: ignore[no-untyped-def]
+    cluster = three_task_cluster()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        unhandled: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _loop, context: unhandled.append(context))
+        async with pair(cluster, "recv") as (w, p):
+            # a healthy exchange is under way
+            task = await pending(p.recv(key("healthy"), timeout=10))
+            host, port = cluster.address("ps", 0).split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                writer.write(GARBAGE[name])
+                await writer.drain()
+                # The node closes that connection (its HELLO may come first).
+                data = await asyncio.wait_for(reader.read(), 5)
+                assert data == b"" or data.startswith(_impl.codec.encode_hello(p.hello_fields())[:2])
+            finally:
+                writer.close()
+            await w.send(key("healthy"), np.arange(2))
+            assert (await task).tolist() == [0, 1]
+            await w.send(key("healthy"), np.arange(3))
+            assert (await p.recv(key("healthy"), timeout=5)).tolist() == [0, 1, 2]
+        assert unhandled == [], [c.get("message") for c in unhandled]
+
+    run(main(), timeout=15)
+
+
+def test_error_frame_for_an_unknown_request_is_ignored(run) -> None:  # type: ignore[no-untyped-def]
+    cluster = three_task_cluster()
+
+    async def main() -> None:
+        async with pair(cluster, "recv") as (w, p):
+            host, port = cluster.address("ps", 0).split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                writer.write(RAW_HELLO + _impl.codec.encode_error(12345, 0, "k", "x", "m")
+                             + _impl.codec.encode_ping())
+                await writer.drain()
+                with pytest.raises(asyncio.TimeoutError):
+                    # the connection stays open: a stray answer is not a protocol violation
+                    await asyncio.wait_for(reader.read(), 0.3)
+            finally:
+                writer.close()
+            await w.send(key(), np.arange(2))
+            assert (await p.recv(key(), timeout=5)).tolist() == [0, 1]
+
+    run(main(), timeout=15)
+

@@ -1,0 +1,424 @@
+"""The verbs provider without an RDMA device.
+
+* set-up logic: argument checks, the errors when pyverbs, a device, a port or a GID is
+  missing, the memlock check before registration;
+* the provider's data path (queue pairs, work requests, completion channels, recv buffer
+  reposting, failed completions) against an in-process fake of the pyverbs API, so that a
+  whole node-to-node exchange runs through ``VerbsProvider`` here.  The fake executes a
+  work request at once: an RDMA write copies into the target address (after checking the
+  rkey and bounds) and queues completions on both sides, signalling their channels.
+
+The same engine runs on a real device in test_onesided_contract.py (skipped without one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import itertools
+import logging
+import os
+import resource
+from collections import deque
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+import rvz
+from rvz.onesided import memlock, verbs
+from rvz.onesided.verbs import VerbsProvider, find_channel_fd
+
+from .conftest import FAST, PS, key, pair
+
+# -- a fake pyverbs -------------------------------------------------------------------------
+
+E = SimpleNamespace(IBV_PORT_ACTIVE=4, IBV_ACCESS_LOCAL_WRITE=1, IBV_ACCESS_REMOTE_WRITE=2,
+                    IBV_QPT_RC=2, IBV_WR_RDMA_WRITE_WITH_IMM=1, IBV_WR_SEND=2, IBV_WC_SUCCESS=0,
+                    IBV_WC_RECV=128, IBV_WC_RECV_RDMA_WITH_IMM=129, IBV_WC_SEND=0, IBV_WC_RDMA_WRITE=1)
+
+
+class Fabric:
+    def __init__(self) -> None:
+        self.ids = itertools.count(100)
+        self.qps: dict[int, FakeQP] = {}
+        self.mrs: dict[int, tuple[int, int]] = {}
+        self.fail_next_write = False
+        self.devices = ["fake0"]
+        self.port_state = 4
+        self.link_layer = 1
+        self.gids = ["0000:0000:0000:0000:0000:0000:0000:0000"] * 4
+
+
+class FakeContext:
+    def __init__(self, fabric: Fabric, name: str) -> None:
+        self.fabric = fabric
+        self.name = name
+
+    def query_port(self, port: int) -> Any:
+        if port != 1:
+            raise RuntimeError(f"no port {port}")
+        f = self.fabric
+        return SimpleNamespace(state=f.port_state, lid=7, active_mtu=5, link_layer=f.link_layer,
+                               gid_tbl_len=len(f.gids))
+
+    def query_gid(self, port: int, index: int) -> Any:
+        return SimpleNamespace(gid=self.fabric.gids[index])
+
+    def close(self) -> None:
+        pass
+
+
+class FakeMR:
+    def __init__(self, pd: Any, length: int, access: int, address: int | None = None) -> None:
+        self.fabric = pd.fabric
+        self.rkey = self.lkey = next(self.fabric.ids)
+        self.fabric.mrs[self.rkey] = (int(address or 0), length)
+
+    def close(self) -> None:
+        self.fabric.mrs.pop(self.rkey, None)
+
+
+class FakeChannel:
+    """A completion channel: one eventfd, readable while an event is pending."""
+
+    def __init__(self, ctx: FakeContext) -> None:
+        self._fd = os.eventfd(0, os.EFD_NONBLOCK)
+        self.fd = self._fd
+
+    def signal(self) -> None:
+        os.eventfd_write(self._fd, 1)
+
+    def get_cq_event(self, cq: Any) -> None:
+        os.eventfd_read(self._fd)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class NoFdChannel(FakeChannel):
+    """Like pyverbs: the fd is not exposed; the provider finds it in /proc/self/fd."""
+
+    def __init__(self, ctx: FakeContext) -> None:
+        super().__init__(ctx)
+        del self.fd
+
+
+class FakeCQ:
+    def __init__(self, ctx: Any, cqe: int, context: Any, channel: Any, vector: int) -> None:
+        self.channel = channel
+        self.wcs: deque[Any] = deque()
+        self.armed = False
+
+    def req_notify(self) -> None:
+        self.armed = True
+
+    def ack_events(self, n: int) -> None:
+        pass
+
+    def poll(self, n: int = 1) -> tuple[int, list[Any]]:
+        out = [self.wcs.popleft() for _ in range(min(n, len(self.wcs)))]
+        return len(out), out
+
+    def push(self, **fields: Any) -> None:
+        fields.setdefault("status", 0)
+        fields.setdefault("imm_data", 0)
+        fields.setdefault("byte_len", 0)
+        self.wcs.append(SimpleNamespace(vendor_err=0, **fields))
+        if self.armed:
+            self.armed = False
+            self.channel.signal()
+
+    def close(self) -> None:
+        pass
+
+
+class FakeQP:
+    def __init__(self, pd: Any, init: Any) -> None:
+        self.fabric = pd.fabric
+        self.qp_num = next(self.fabric.ids)
+        self.fabric.qps[self.qp_num] = self
+        self.scq, self.rcq = init.scq, init.rcq
+        self.recvs: deque[Any] = deque()
+        self.dest = 0
+        self.state = "RESET"
+
+    def to_init(self, attr: Any) -> None:
+        self.state = "INIT"
+
+    def to_rtr(self, attr: Any) -> None:
+        self.dest = attr.dest_qp_num
+        self.state = "RTR"
+
+    def to_rts(self, attr: Any) -> None:
+        assert attr.rnr_retry == 7
+        self.state = "RTS"
+
+    def post_recv(self, wr: Any) -> None:
+        self.recvs.append(wr)
+
+    def post_send(self, wr: Any) -> None:
+        assert self.state == "RTS"
+        remote = self.fabric.qps[self.dest]
+        data = b"".join(ctypes.string_at(s.addr, s.length) for s in wr.sg if s.length)
+        recv = remote.recvs.popleft()  # the provider keeps buffers posted
+        if wr.opcode == E.IBV_WR_RDMA_WRITE_WITH_IMM:
+            base, length = self.fabric.mrs[wr.rkey]
+            if self.fabric.fail_next_write:
+                self.fabric.fail_next_write = False
+                self.scq.push(wr_id=wr.wr_id, opcode=E.IBV_WC_RDMA_WRITE, qp_num=self.qp_num, status=10)
+                return
+            assert base <= wr.remote_addr and wr.remote_addr + len(data) <= base + length
+            ctypes.memmove(wr.remote_addr, data, len(data))
+            remote.rcq.push(wr_id=recv.wr_id, opcode=E.IBV_WC_RECV_RDMA_WITH_IMM, qp_num=remote.qp_num,
+                            imm_data=wr.imm_data, byte_len=len(data))
+            self.scq.push(wr_id=wr.wr_id, opcode=E.IBV_WC_RDMA_WRITE, qp_num=self.qp_num)
+        else:
+            sge = recv.sg[0]
+            assert len(data) <= sge.length
+            ctypes.memmove(sge.addr, data, len(data))
+            remote.rcq.push(wr_id=recv.wr_id, opcode=E.IBV_WC_RECV, qp_num=remote.qp_num,
+                            byte_len=len(data))
+            self.scq.push(wr_id=wr.wr_id, opcode=E.IBV_WC_SEND, qp_num=self.qp_num)
+
+    def close(self) -> None:
+        self.fabric.qps.pop(self.qp_num, None)
+
+
+class Bag:
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+
+class FakeSendWR(Bag):
+    def set_wr_rdma(self, rkey: int, addr: int) -> None:
+        self.rkey, self.remote_addr = rkey, addr
+
+
+def fake_pyverbs(fabric: Fabric, channel: type = NoFdChannel) -> SimpleNamespace:
+    def devices() -> list[Any]:
+        return [SimpleNamespace(name=n.encode()) for n in fabric.devices]
+
+    return SimpleNamespace(
+        e=E,
+        device=SimpleNamespace(get_device_list=devices, Context=lambda name: FakeContext(fabric, name)),
+        pd=SimpleNamespace(PD=lambda ctx: SimpleNamespace(fabric=fabric, close=lambda: None)),
+        mr=SimpleNamespace(MR=FakeMR),
+        cq=SimpleNamespace(CompChannel=channel, CQ=FakeCQ),
+        qp=SimpleNamespace(QPCap=Bag, QPInitAttr=Bag, QPAttr=Bag, QP=FakeQP),
+        wr=SimpleNamespace(SGE=lambda addr, length, lkey: Bag(addr=addr, length=length, lkey=lkey),
+                           RecvWR=lambda wr_id, num_sge, sg: Bag(wr_id=wr_id, sg=sg),
+                           SendWR=lambda wr_id, opcode, num_sge, sg, imm_data=0: FakeSendWR(
+                               wr_id=wr_id, opcode=opcode, sg=sg, imm_data=imm_data)),
+        addr=SimpleNamespace(GID=lambda g: g, GlobalRoute=Bag, AHAttr=Bag),
+    )
+
+
+@pytest.fixture
+def fabric(monkeypatch: pytest.MonkeyPatch) -> Fabric:
+    fab = Fabric()
+    monkeypatch.setattr(verbs, "load_pyverbs", lambda: fake_pyverbs(fab))
+    return fab
+
+
+OPTS = {"chunk_size": 1 << 20, "recv_depth": 64, "send_depth": 16}
+
+
+def provider(**kw: Any) -> VerbsProvider:
+    return VerbsProvider(asyncio.get_running_loop(), **kw)
+
+
+# -- set-up without a device ---------------------------------------------------------------
+
+
+def test_argument_checks(run: Any) -> None:
+    async def main() -> None:
+        for kw, what in [({"device": ""}, "device"), ({"device": 3}, "device"), ({"port": 0}, "port"),
+                         ({"port": "1"}, "port"), ({"gid_index": -1}, "gid_index"),
+                         ({"recv_depth": 0}, "recv_depth"), ({"send_depth": 1 << 20}, "send_depth")]:
+            with pytest.raises(ValueError, match=what):
+                provider(**kw)
+
+    run(main(), timeout=10)
+
+
+def test_missing_pyverbs_is_named(run: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_pyverbs(name: str, *args: Any, **kw: Any) -> Any:
+        if name.startswith("pyverbs"):
+            raise ImportError("No module named 'pyverbs'")
+        return real_import(name, *args, **kw)
+
+    async def main() -> None:
+        monkeypatch.setattr(builtins, "__import__", no_pyverbs)
+        try:
+            with pytest.raises(rvz.TransportError, match="no pyverbs.*docs/rdma.md"):
+                provider().open()
+        finally:
+            monkeypatch.setattr(builtins, "__import__", real_import)
+
+    run(main(), timeout=10)
+
+
+def test_node_asking_for_verbs_fails_at_start_naming_the_reason(run: Any, cluster: rvz.ClusterSpec,
+                                                                fabric: Fabric) -> None:
+    fabric.devices = []
+
+    async def main() -> None:
+        node = rvz.Node(cluster, "ps", 0, transport="verbs", **FAST)
+        with pytest.raises(rvz.TransportError, match="transport 'verbs' is not available.*no RDMA device"):
+            await node.start()
+        # auto does not fail: it says why verbs is out and goes on
+        async with rvz.Node(cluster, "ps", 0, transport="auto", **FAST) as auto:
+            assert "no RDMA device" in auto._onesided.unavailable["verbs"]
+            assert "shm" in auto._onesided.engines
+
+    run(main(), timeout=20)
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda f: setattr(f, "devices", []), "no RDMA device"),
+    (lambda f: setattr(f, "port_state", 1), "port 1 of RDMA device fake0 is down .state DOWN"),
+    (lambda f: setattr(f, "link_layer", 2), "RoCE port 1 of fake0 has no GID"),
+])
+def test_device_errors(run: Any, fabric: Fabric, setup: Any, message: str) -> None:
+    async def main() -> None:
+        setup(fabric)
+        with pytest.raises(rvz.TransportError, match=message):
+            provider(pyverbs=fake_pyverbs(fabric)).open()
+
+    run(main(), timeout=10)
+
+
+def test_device_selection(run: Any, fabric: Fabric) -> None:
+    run(device_selection(fabric), timeout=10)
+
+
+async def device_selection(fabric: Fabric) -> None:
+    fabric.devices = ["fake0", "fake1"]
+    with pytest.raises(rvz.TransportError, match=r"no RDMA device named 'mlx5_9'; found \['fake0', 'fake1"):
+        provider(device="mlx5_9", pyverbs=fake_pyverbs(fabric)).open()
+    p = provider(device="fake1", pyverbs=fake_pyverbs(fabric))
+    p.open()
+    assert p.device_name == "fake1" and p.gid == ""  # InfiniBand: routed by LID
+    with pytest.raises(rvz.TransportError, match="no port 2"):
+        provider(port=2, pyverbs=fake_pyverbs(fabric)).open()
+    fabric.link_layer = 2
+    fabric.gids[2] = "fe80:0000:0000:0000:0000:0000:0000:0001"
+    roce = provider(pyverbs=fake_pyverbs(fabric))
+    roce.open()
+    assert roce.gid_index == 2 and roce.gid.startswith("fe80")
+
+
+def test_memlock_limit_is_checked_before_registering(run: Any, fabric: Fabric,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    run(memlock_checked(fabric, monkeypatch), timeout=10)
+
+
+async def memlock_checked(fabric: Fabric, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = provider(pyverbs=fake_pyverbs(fabric))
+    p.open()
+    monkeypatch.setattr(memlock, "memlock_limit", lambda: (1 << 20, 2 << 20))
+    monkeypatch.setattr(memlock, "has_cap_ipc_lock", lambda: False)
+    with pytest.raises(rvz.TransportError) as info:
+        p.register(4 << 20)
+    text = str(info.value)
+    assert "RLIMIT_MEMLOCK" in text and "ulimit -l" in text and "limits.conf" in text
+    assert "1048576 bytes" in text
+    assert not fabric.mrs  # nothing was registered
+    region = p.register(512 << 10)  # within the limit
+    assert fabric.mrs[region.rkey] == (region.addr, 512 << 10)
+    p.deregister(region)
+    assert not fabric.mrs
+
+
+def test_memlock_unlimited_and_capability_pass(run: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        unlimited = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+        monkeypatch.setattr(memlock, "memlock_limit", lambda: unlimited)
+        memlock.check_memlock(1 << 40, 1 << 40)
+        monkeypatch.setattr(memlock, "memlock_limit", lambda: (1, 1))
+        monkeypatch.setattr(memlock, "has_cap_ipc_lock", lambda: True)
+        memlock.check_memlock(1 << 40, 1 << 40)
+
+    run(main(), timeout=10)
+
+
+def test_channel_fd_is_found_when_pyverbs_hides_it(run: Any) -> None:
+    async def main() -> None:
+        before = verbs._fds()
+        ch = NoFdChannel(None)  # type: ignore[arg-type]
+        try:
+            assert find_channel_fd(ch, before) == ch._fd
+        finally:
+            ch.close()
+
+    run(main(), timeout=10)
+
+
+# -- the data path on the fake device ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["send", "recv"])
+def test_exchange_through_the_verbs_provider(run: Any, cluster: rvz.ClusterSpec, fabric: Fabric,
+                                             mode: str) -> None:
+    async def main() -> None:
+        async with pair(cluster, mode, transport="verbs", onesided=OPTS) as (w, p):
+            assert w.transport_for(PS) == "verbs"
+            for i, shape in enumerate([(10,), (70000,), (70000,), (300, 300), (0,), (5,)]):
+                v = np.random.default_rng(i).standard_normal(shape)
+                await w.send(key("v"), v)
+                assert np.array_equal(await p.recv(key("v"), timeout=10), v)
+            await w.send(key("b"), bytes(range(200)) * 100)
+            assert await p.recv(key("b"), timeout=10) == bytes(range(200)) * 100
+            many = [asyncio.ensure_future(p.recv(key(f"k{i}"), timeout=10)) for i in range(30)]
+            for i in range(30):
+                await w.send(key(f"k{i}"), np.full(5000, i))
+            assert [int(v[0]) for v in await asyncio.gather(*many)] == list(range(30))
+            ch = next(iter(w._onesided.engines["verbs"].channels.values()))
+            assert ch.stats["writes"] > 0 and ch.stats["inline"] > 0
+            await asyncio.sleep(0.05)
+            assert not ch.inflight  # every work request completed and released its staging
+
+    run(main(), timeout=30)
+
+
+def test_a_failed_completion_fails_the_peer_not_the_process(run: Any, cluster: rvz.ClusterSpec,
+                                                            fabric: Fabric,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        async with pair(cluster, "send", transport="verbs", onesided=OPTS) as (w, p):
+            await w.send(key("f"), np.ones(50000))
+            await p.recv(key("f"), timeout=10)
+            waiting = asyncio.ensure_future(p.recv(key("f"), timeout=10))
+            fabric.fail_next_write = True
+            await w.send(key("f"), np.ones(50000))
+            with pytest.raises(rvz.PeerLost):  # the consumer sees its connection reset
+                await waiting
+            # the producer says why (the status of the failed work completion)
+            assert any("REM_ACCESS_ERR" in r.getMessage() for r in caplog.records)
+            # the next send reconnects and works
+            await w.send(key("f"), np.ones(50000) * 2, timeout=10)
+            assert (await p.recv(key("f"), timeout=10))[0] == 2
+
+    with caplog.at_level(logging.WARNING, "rvz"):
+        run(main(), timeout=30)
+
+
+def test_verbs_with_a_shm_only_peer_fails_with_the_reason(run: Any, cluster: rvz.ClusterSpec,
+                                                          fabric: Fabric) -> None:
+    async def main() -> None:
+        async with rvz.Node(cluster, "worker", 0, "send", transport="verbs", onesided=OPTS, **FAST) as w, \
+                rvz.Node(cluster, "ps", 0, "send", transport="shm", onesided=OPTS, **FAST):
+            with pytest.raises((rvz.PeerLost, rvz.TransportError)) as info:
+                await w.send(key("x"), np.ones(10), timeout=5)
+            text = f"{info.value} {info.value.__cause__}"
+            assert "asks for transport 'verbs'" in text and "'shm'" in text, text
+
+    run(main(), timeout=20)
+
+
