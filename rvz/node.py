@@ -105,6 +105,7 @@ class Peer:
         self.dialling: asyncio.Future[Connection] | None = None
         self.inbound: set[Connection] = set()       # connections it dialled to us
         self.incarnation: int | None = None
+        self.mode = ""                              # its default mode, from its HELLO
         # The connection our requests and pushes use: the first ready one either side
         # dialled, so both directions share one socket (an answer and the next request leave
         # in one write).  It only changes when it dies, which keeps pushes in order.
@@ -308,7 +309,7 @@ class Node:
 
     def hello_fields(self) -> dict[str, Any]:
         return {"v": _codec.VERSION, "job": self.job, "task": self.task,
-                "inc": self.incarnation, "order": sys.byteorder}
+                "inc": self.incarnation, "order": sys.byteorder, "mode": self.mode}
 
     async def close(self) -> None:
         """Graceful close: deliver what was sent, then say BYE and close.
@@ -581,10 +582,21 @@ class Node:
                 pass
 
     def _answer(self, conn: Connection, step: int, request_id: int, route: Route, value: Any) -> None:
-        """Send ``value`` as the answer to a Recv-Driven request."""
+        """Send ``value`` as the answer to a Recv-Driven request.
+
+        Over TCP the answer goes on our link to the consumer, like everything else we send
+        it: one ordered stream per direction, and an answer leaves in the same write as our
+        own next request.  A one-sided channel keeps it on the request's connection, whose
+        channel holds the destination the consumer offered.
+        """
         value, code, shape, nbytes = describe(value)
-        if conn.peer is not None:
-            conn.peer.credit -= nbytes + MESSAGE_COST  # answers are asked for: they never wait for credit
+        peer = conn.peer
+        if peer is not None:
+            peer.credit -= nbytes + MESSAGE_COST  # answers are asked for: they never wait for credit
+            link = peer.link
+            if (conn.dataplane is None and link is not None and link is not conn and link.ready
+                    and not link.closed and link.dataplane is None):
+                conn = link
         conn.write_value(step, request_id, route.wire, value, code, shape, nbytes)
 
     def _released_held(self, nbytes: int) -> None:
@@ -625,7 +637,9 @@ class Node:
         peer = self._peer(route.src)
         self._joined(step, peer)
         if mode is None:
-            mode = self.mode
+            # A node that holds its values (Recv-Driven by default) is asked for them even by
+            # a Send-Driven consumer: default modes that disagree still cost no claim_timeout.
+            mode = "recv" if self.mode == "recv" or peer.mode == "recv" else "send"
         elif mode not in MODES:
             table.remove_waiter(route.text, waiter)
             raise ValueError(f"mode must be 'recv' or 'send', not {mode!r}")
@@ -646,8 +660,7 @@ class Node:
                 peer.owed -= _nbytes(waiter.result()) + MESSAGE_COST
             raise
         finally:
-            if mode == "recv":
-                self._rebalance(step, route.text, table)
+            self._rebalance(step, route.text, table)
 
     def _request(self, peer: Peer, step: int, route: Route) -> None:
         request_id = next(self._request_ids)
@@ -769,11 +782,12 @@ class Node:
                 return
             except (OSError, asyncio.TimeoutError, RvzError) as exc:
                 last = exc
-            if self._state == "closed" or self._loop.time() + delay >= deadline:
+            remaining = deadline - self._loop.time()
+            if self._state == "closed" or remaining <= 0:
                 break
             if isinstance(last, TransportError) or isinstance(last.__cause__, TransportError):
                 break  # the pair cannot agree on a transport: retrying will not change that
-            await asyncio.sleep(delay)
+            await asyncio.sleep(min(delay, remaining))  # the last try is at the deadline
             delay = min(delay * 2, 0.5)
         err = PeerLost(f"could not connect to {peer.name} at {peer.address} within "
                        f"{self.connect_timeout}s: {last!r}")
@@ -1008,10 +1022,23 @@ class Node:
             err.__cause__ = ConnectionResetError(f"{peer.name} restarted")
             self._peer_lost(peer, err, keep=conn)
         peer.incarnation = incarnation
+        peer.mode = str(fields.get("mode", ""))
         conn.ready = True
         waiter = conn.hello_waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        if peer.mode == "recv" and self.mode == "send":
+            self._ask_holder(peer)
+
+    def _ask_holder(self, peer: Peer) -> None:
+        """Request what we already wait for from a peer we just learned holds its values."""
+        for step, table in list(self._tables.items()):
+            for key in table.keys_waiting():
+                route = self._route(key)
+                if route.src == peer.id:
+                    missing = table.waiting(key) - len(self._outstanding.get((step, key), ()))
+                    for _ in range(missing):
+                        self._request(peer, step, route)
 
     def _on_data(self, conn: Connection, step: int, request_id: int, key: str, value: Any) -> None:
         peer = conn.peer

@@ -12,7 +12,7 @@ import pytest
 
 import rvz
 
-from .conftest import PS, WORKER, eventually, key, pair, pending, settle
+from .conftest import FAST, PS, WORKER, eventually, key, pair, pending, settle
 
 MODES = ["recv", "send"]
 
@@ -510,3 +510,28 @@ def test_remote_step_abort_names_the_peer(run, cluster) -> None:  # type: ignore
             assert info.value.__cause__.peer == p.name
 
     run(main(), timeout=15)
+
+
+@pytest.mark.parametrize("consumer_first", [False, True])
+def test_default_modes_that_disagree_need_no_claim_timeout(run, cluster, consumer_first) -> None:
+    # The producer node holds (Recv-Driven), the consumer node waits locally (Send-Driven)
+    # and unclaimed values are never pushed: the consumer must ask, having learned the
+    # producer's default mode from its HELLO.
+    async def main() -> None:
+        settings = {**FAST, "claim_timeout": None}
+        async with rvz.Node(cluster, "worker", 0, "recv", **settings) as w, \
+                rvz.Node(cluster, "ps", 0, "send", **settings) as p:
+            if consumer_first:
+                waiting = await pending(p.recv(key("x"), timeout=5))
+                await w.send(key("x"), np.arange(4))
+                got = await waiting
+            else:
+                await w.send(key("x"), np.arange(4))
+                got = await p.recv(key("x"), timeout=5)
+            assert got.tolist() == [0, 1, 2, 3]
+            # and again once both sides know each other
+            await w.send(key("x"), np.arange(2))
+            assert (await p.recv(key("x"), timeout=5)).tolist() == [0, 1]
+            assert not w._held_count
+
+    run(main())

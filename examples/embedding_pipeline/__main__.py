@@ -2,8 +2,9 @@
 
 For each prefetch depth, starts fresh PS shard processes (so every run starts from the same
 state), trains the synthetic task in this process (EG on the event loop, MG's dense compute
-in a thread) and reports throughput and loss. The last line compares the throughputs as a
-ratio measured in this run: the gain of overlapping lookups with dense compute.
+in a thread) and reports throughput, loss, and how much of the time MG waited for
+embeddings. The last line compares the throughputs as a ratio measured in this run: the
+gain of overlapping lookups with dense compute.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m examples.embedding_pipeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefetch", type=int, nargs="+", default=[0, 2], help="prefetch depths to compare")
-    p.add_argument("--batches", type=int, default=300)
+    p.add_argument("--batches", type=int, default=500)
     p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--fields", type=int, default=8)
-    p.add_argument("--bag", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=20000, help="distinct ids per field")
+    p.add_argument("--fields", type=int, default=4)
+    p.add_argument("--bag", type=int, default=2, help="ids per field (mean-pooled)")
+    p.add_argument("--vocab", type=int, default=5000, help="distinct ids per field")
     p.add_argument("--dim", type=int, default=16, help="embedding width")
-    p.add_argument("--hidden", type=int, default=512, help="MLP hidden units")
+    p.add_argument("--hidden", type=int, default=1024, help="MLP hidden units")
     p.add_argument("--shards", type=int, default=2, help="PS shard processes")
     p.add_argument("--optimizer", choices=("adagrad", "adam"), default="adagrad")
     p.add_argument("--lr", type=float, default=0.1, help="sparse (PS) learning rate")
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         live = sum(s["live"] for s in shards.values())
         print(f"prefetch {prefetch}: {result.batches} batches in {result.seconds:.2f} s = "
               f"{result.batches_per_s:.1f} batches/s; loss {first:.4f} -> {last:.4f}; "
+              f"MG waited {100 * result.mg_waiting / result.seconds:.0f}% of the time for embeddings; "
               f"max lookahead {result.max_lookahead}; {live} rows on the PS; "
               f"exchange freed {result.exchange.freed if result.exchange else 0} batches", flush=True)
         results[prefetch] = result

@@ -39,6 +39,7 @@ class RunResult:
     seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
     max_lookahead: int = 0   # most batches EG had looked up beyond the one MG was on
+    mg_waiting: float = 0.0  # seconds MG spent waiting for embeddings (not overlapped)
     exchange: ExchangeManager | None = None
 
     @property
@@ -105,7 +106,9 @@ async def main_graph(model: DenseModel, exchange: ExchangeManager, batch_ids: It
                      compute_in_thread: bool) -> None:
     """MG: dense step per batch, gradients back to EG."""
     for batch_id in batch_ids:
+        waited = time.perf_counter()
         x = await exchange.recv(EMBEDDINGS, batch_id, timeout=timeout)
+        result.mg_waiting += time.perf_counter() - waited
         labels = exchange.samples(batch_id).labels
         if compute_in_thread:
             loss, dx = await asyncio.to_thread(model.train_step, x, labels)
@@ -121,7 +124,7 @@ async def train(ps: PSClient, batches: Iterable[Batch], model: DenseModel, *, pr
                 timeout: float | None = 30.0, compute_in_thread: bool = True) -> RunResult:
     """Train on ``batches`` with EG and MG running concurrently; returns losses and timing.
 
-    The batch ids (and so the PS steps) continue from where ``ps`` left off.
+    Global batch ids start at 0; the PS steps continue from where ``ps`` left off.
     """
     exchange = ExchangeManager()
     dataset = PipelineDataset(batches, exchange)
