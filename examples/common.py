@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Coroutine
 from typing import Any
+
+import rvz
 
 
 async def run_together(*coros: Coroutine[Any, Any, Any]) -> list[Any]:
@@ -28,15 +29,4 @@ async def run_together(*coros: Coroutine[Any, Any, Any]) -> list[Any]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports that were free on loopback a moment ago."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+free_ports = rvz.cluster.free_ports

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping, Sequence
 
 
@@ -13,6 +14,24 @@ def split_address(address: str) -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, int(port)
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that were free on ``host`` a moment ago.
+
+    For tests, examples and benchmarks on one machine: another process may still take a
+    port between this call and the node's bind.
+    """
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class ClusterSpec:
@@ -28,6 +47,12 @@ class ClusterSpec:
             for address in table.values():
                 split_address(address)
             self._jobs[str(job)] = table
+
+    @classmethod
+    def loopback(cls, tasks: Mapping[str, int], host: str = "127.0.0.1") -> ClusterSpec:
+        """A cluster on this machine: ``{"worker": 2, "ps": 1}`` gets free ports on ``host``."""
+        ports = iter(free_ports(sum(tasks.values()), host))
+        return cls({job: [f"{host}:{next(ports)}" for _ in range(n)] for job, n in tasks.items()})
 
     def address(self, job: str, task: int) -> str:
         try:

@@ -414,6 +414,17 @@ class Node:
             self._routes[text] = route
         return route
 
+    def _own_route(self, key: Any, op: str) -> Route:
+        """The route of a key this node may ``send`` (its src) or ``recv`` (its dst) now."""
+        route = self._route(key)
+        end, role = (route.src, "source") if op == "send" else (route.dst, "destination")
+        if end != self.id:
+            raise WrongEndpoint(f"cannot {op} key {route.text} on {self.name}: its {role} is "
+                                f"/job:{end[0]}/task:{end[1]}")
+        if self._state != "running":
+            self._check_running(route.text)
+        return route
+
     def _peer(self, task_id: TaskId) -> Peer:
         peer = self._peers.get(task_id)
         if peer is None:
@@ -447,12 +458,7 @@ class Node:
         Returns once the value is queued: locally, in our table for the consumer to fetch
         (Recv-Driven), or on the wire (Send-Driven).  Waits only for backpressure.
         """
-        route = self._route(key)
-        if route.src != self.id:
-            raise WrongEndpoint(f"cannot send key {route.text} from {self.name}: its source is "
-                                f"/job:{route.src[0]}/task:{route.src[1]}")
-        if self._state != "running":
-            self._check_running(route.text)
+        route = self._own_route(key, "send")
         value, code, shape, nbytes = describe(value)
         table = self._table(step)
         if route.dst == self.id:
@@ -616,12 +622,7 @@ class Node:
         ``timeout`` raises ``TimeoutError``; cancelling the awaiting task cancels just this
         recv.  Remote failures raise ``PeerLost`` or ``Aborted`` with the original cause.
         """
-        route = self._route(key)
-        if route.dst != self.id:
-            raise WrongEndpoint(f"cannot recv key {route.text} on {self.name}: its destination is "
-                                f"/job:{route.dst[0]}/task:{route.dst[1]}")
-        if self._state != "running":
-            self._check_running(route.text)
+        route = self._own_route(key, "recv")
         table = self._table(step)
         value = table.take(route.text)
         if value is not EMPTY:

@@ -12,7 +12,6 @@ import contextlib
 import functools
 import inspect
 import os
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -56,25 +55,13 @@ def run(loop_name: str) -> Runner:
     return _run
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on loopback."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+free_ports = rvz.cluster.free_ports
 
 
 @pytest.fixture
 def cluster() -> rvz.ClusterSpec:
     """Two jobs on loopback: worker/0 and ps/0."""
-    p = free_ports(2)
-    return rvz.ClusterSpec({"worker": [f"127.0.0.1:{p[0]}"], "ps": [f"127.0.0.1:{p[1]}"]})
+    return rvz.ClusterSpec.loopback({"worker": 1, "ps": 1})
 
 
 WORKER = "/job:worker/replica:0/task:0/device:CPU:0"
