@@ -17,9 +17,15 @@ When the two sides disagree on a key's mode nothing is lost and nothing hangs:
 * producer pushes, consumer requests: ``recv`` looks in its local table first, a push
   satisfies the waiter, and the now surplus request is cancelled (if the producer answered it
   first, the extra value is queued locally for the next ``recv``);
-* producer holds, consumer waits locally: a held value nobody requested within
-  ``claim_timeout`` seconds is pushed to its consumer.
+* producer holds, consumer waits locally: a consumer whose own default is Send-Driven
+  still asks a node whose default (from its HELLO) is Recv-Driven; for a per-call override
+  nobody can know of, a held value nobody requested within ``claim_timeout`` seconds is
+  pushed to its consumer.
 FIFO order per key holds within one mode; across modes on one key it is not guaranteed.
+
+Everything this node sends a peer (pushes, requests, answers, credit) goes on one
+connection, ``Peer.link``: one ordered stream per direction, coalesced per loop iteration
+(a one-sided channel keeps its answers on the request's connection, see ``_answer``).
 """
 
 from __future__ import annotations
