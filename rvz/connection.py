@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +50,7 @@ class Connection(asyncio.BufferedProtocol):
         self.closed_here = False          # we closed it gracefully: not a lost peer
         self.closed = False
         self.close_reason: BaseException | None = None
-        self.decoder = _codec.Decoder(max_payload=max_payload)
+        self.decoder = _codec.Decoder(max_payload=max_payload, pool=node._recv_pool)
         self.parked: dict[int, Any] = {}  # request id -> RemoteWaiter parked in our table
         # The rvz.onesided Channel this connection negotiated at HELLO (shm, verbs): DATA
         # then goes one-sided through it, and its control frames are handed to it.
@@ -62,6 +63,7 @@ class Connection(asyncio.BufferedProtocol):
         self._out = bytearray()
         self._flush_scheduled = False
         self._paused = False
+        self._gather = False
         self.on_resume: Callable[[Connection], None] | None = None  # the node's push queue
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._loop = asyncio.get_running_loop()
@@ -71,6 +73,9 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: Any) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
         self._transport = transport
+        # uvloop's writelines is a real writev, asyncio's is one from Python 3.12 (before,
+        # it joins the buffers: a copy of the payload).
+        self._gather = sys.version_info >= (3, 12) or type(transport).__module__.startswith("uvloop")
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -163,10 +168,12 @@ class Connection(asyncio.BufferedProtocol):
             elif not self._flush_scheduled:
                 self._flush_scheduled = True
                 self._loop.call_soon(self.flush)
-        else:
-            self._out += header
-            self._write_out()
-            self._write(_codec.payload_view(value))
+        elif not self.closed_here:
+            # Pending small frames, this header and the payload leave in one gathered write.
+            out = self._out
+            out += header
+            self._out = bytearray()
+            self._write(out, _codec.payload_view(value))
 
     def flush(self) -> None:
         """Write what is pending (the end-of-iteration callback)."""
@@ -179,12 +186,22 @@ class Connection(asyncio.BufferedProtocol):
             self._out = bytearray()  # the transport may keep a reference to ``data``
             self._write(data)
 
-    def _write(self, data: Any) -> None:
-        assert self._transport is not None
+    def _write(self, data: bytearray, payload: memoryview | None = None) -> None:
+        """Where bytes hit the socket: ``data``, then a large ``payload`` by reference."""
+        transport = self._transport
+        assert transport is not None
         if self.closed_here:
             return  # after write_eof() the transport refuses writes; nothing more may go out
-        self.bytes_out += len(data) if not isinstance(data, memoryview) else data.nbytes
-        self._transport.write(data)
+        self.bytes_out += len(data)
+        if payload is None:
+            transport.write(data)
+            return
+        self.bytes_out += payload.nbytes
+        if self._gather:
+            transport.writelines((data, payload))  # one writev: no copy, one system call
+        else:
+            transport.write(data)
+            transport.write(payload)
 
     @property
     def paused(self) -> bool:

@@ -188,6 +188,8 @@ class Node:
     is lost.  ``push_window`` bytes may be pushed to one consumer before it consumes them;
     ``hold_limit`` bytes of Recv-Driven values may wait for their consumers before ``send``
     waits.  ``linger`` bounds how long ``close()`` keeps serving held values.
+    Up to ``recv_pool`` bytes of memory for large received arrays are kept and used again once
+    every array on a block is gone (0: allocate each array anew).
     """
 
     def __init__(self, cluster: ClusterSpec | dict[str, Any], job: str, task: int,
@@ -196,7 +198,7 @@ class Node:
                  peer_timeout: float = 10.0, linger: float = 5.0,
                  push_window: int = 64 << 20, hold_limit: int = 256 << 20,
                  claim_timeout: float | None = 2.0, incarnation: int | None = None,
-                 max_payload: int = _codec.DEFAULT_MAX_PAYLOAD,
+                 max_payload: int = _codec.DEFAULT_MAX_PAYLOAD, recv_pool: int = 64 << 20,
                  onesided: dict[str, Any] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be 'recv' or 'send', not {mode!r}")
@@ -221,6 +223,8 @@ class Node:
         self.hold_limit = hold_limit
         self.claim_timeout = claim_timeout
         self.max_payload = max_payload
+        # Memory for large received arrays, reused once the caller dropped them (0: none).
+        self._recv_pool = _codec.RecvPool(recv_pool) if recv_pool > 0 else None
         self.incarnation = incarnation if incarnation is not None else int.from_bytes(os.urandom(8), "little")
         self._state = "new"
         self._close_cause: BaseException | None = None
