@@ -50,6 +50,12 @@ def label(size: int) -> str:
 free_ports = rvz.cluster.free_ports
 
 
+def measured(args: argparse.Namespace, size: int) -> int:
+    """Tensors timed per size: a long enough run that one pool growth (about 50 ms to map and
+    fill a 64 MiB chunk on a small VM) cannot dominate it."""
+    return args.count or max(40, (3 << 29) // size)
+
+
 def warmup(args: argparse.Namespace, size: int) -> int:
     """Enough tensors that the consumer's pool reached its steady size before timing
     (registering a 64 MiB chunk takes tens of ms: it happens once, not per tensor)."""
@@ -70,7 +76,7 @@ async def role_main(args: argparse.Namespace) -> dict[str, Any]:
                 for _ in range(warmup(args, size)):
                     await node.send(key, value)
                 await node.recv(go, timeout=120)  # the consumer took the warm-up: measure
-                for _ in range(args.count):
+                for _ in range(measured(args, size)):
                     await node.send(key, value)
             ping = np.zeros(64, np.uint8)
             a, b = rvz.Key(WORKER, PS, "ping", 1), rvz.Key(PS, WORKER, "pong", 1)
@@ -94,11 +100,11 @@ async def role_main(args: argparse.Namespace) -> dict[str, Any]:
                 # Timed from the go to the last tensor: nothing is in flight before the go.
                 t0 = time.perf_counter()
                 await node.send(go, b"go")
-                for _ in range(args.count):
+                for _ in range(measured(args, size)):
                     value = await node.recv(key, timeout=60)
                     assert value.nbytes == size // 4 * 4
                 elapsed = time.perf_counter() - t0
-                out[f"gbps_{size}"] = size * args.count / elapsed / 1e9
+                out[f"gbps_{size}"] = size * measured(args, size) / elapsed / 1e9
             a, b = rvz.Key(WORKER, PS, "ping", 1), rvz.Key(PS, WORKER, "pong", 1)
             for _ in range(args.warmup * 10 + args.pings):
                 await node.send(b, await node.recv(a, timeout=30))
@@ -134,7 +140,8 @@ def main() -> int:
     parser.add_argument("--transports", default="tcp,shm")
     parser.add_argument("--sizes", default="4M,64M")
     parser.add_argument("--mode", default="send", choices=["send", "recv"])
-    parser.add_argument("--count", type=int, default=40, help="measured tensors per size")
+    parser.add_argument("--count", type=int, default=0,
+                        help="measured tensors per size (default: 1.5 GiB worth, at least 40)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--pings", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=2, help="alternate the transports this often")
@@ -155,7 +162,7 @@ def main() -> int:
             results[t].append(run_pair(args, t))
     best: dict[str, dict[str, float]] = {}
     print(f"rvz {rvz.implementation()} hot paths, loop {rvz.new_event_loop().__class__.__module__}, "
-          f"mode={args.mode}, {args.count} tensors per size, best of {args.rounds} rounds")
+          f"mode={args.mode}, {args.count or '1.5 GiB of'} tensors per size, best of {args.rounds} rounds")
     for t, runs in results.items():
         b: dict[str, float] = {}
         for size in args.sizes:
