@@ -848,7 +848,9 @@ class Node:
     def _peer_lost(self, peer: Peer, err: PeerLost, keep: Connection | None = None) -> None:
         """Fail everything that waits on ``peer``; the next operation dials it again.
 
-        ``keep`` is a fresh connection from the peer's new incarnation, which survives.
+        ``keep`` is a fresh connection from the peer's new incarnation, which survives; then
+        only what depended on the old process fails: requests it held (and the recvs behind
+        them).  Recvs and pushes issued since may be served by the new process.
         """
         graceful = isinstance(err.__cause__, NodeClosed)
         log.log(logging.INFO if graceful else logging.WARNING, "rvz %s: %s", self.name, err)
@@ -870,8 +872,10 @@ class Node:
             exc.__cause__ = err.__cause__
             return exc
 
+        stale: set[tuple[int, str]] = set()  # (step, key) of requests the old process held
         for request_id, request in list(self._requests.items()):
-            if request.peer is peer:
+            if request.peer is peer and (keep is None or request.conn not in (None, keep)):
+                stale.add((request.step, request.key))
                 del self._requests[request_id]
                 pending = self._outstanding.get((request.step, request.key))
                 if pending is not None:
@@ -881,11 +885,12 @@ class Node:
                         pass
                     if not pending:
                         del self._outstanding[(request.step, request.key)]
-        for table in self._tables.values():
+        for step, table in self._tables.items():
             for key in table.keys_waiting():
-                if self._route(key).src == peer.id:
+                if self._route(key).src == peer.id and (keep is None or (step, key) in stale):
                     table.fail_waiters(key, lambda key=key: lost(key))
-        self._fail_queued_pushes(peer, lost)
+        if keep is None:
+            self._fail_queued_pushes(peer, lost)
 
     def _fail_queued_pushes(self, peer: Peer, error: Callable[[str], BaseException]) -> None:
         queue = peer.queue

@@ -296,3 +296,28 @@ def test_error_frame_for_an_unknown_request_is_ignored(run) -> None:  # type: ig
 
     run(main(), timeout=15)
 
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_restarted_peer_is_a_new_incarnation_and_works_again(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        async with rvz.Node(cluster, "ps", 0, mode, **FAST) as p:
+            first = rvz.Node(cluster, "worker", 0, mode, incarnation=1, **FAST)
+            await first.start()
+            try:
+                await first.send(key("before", incarnation=1), np.arange(3))
+                assert (await p.recv(key("before", incarnation=1), timeout=5)).tolist() == [0, 1, 2]
+                waiting = await pending(p.recv(key("lost", incarnation=1), timeout=10))
+            finally:
+                first.abort(RuntimeError("worker crashed"))  # no BYE: the peer just vanishes
+            with pytest.raises(rvz.PeerLost) as info:
+                await waiting
+            check_names_key_and_peer(info.value, key("lost", incarnation=1), "/job:worker")
+            assert p._peers[WORKER_ID].incarnation == 1
+            # The worker comes back on the same address with a new incarnation.
+            async with rvz.Node(cluster, "worker", 0, mode, incarnation=2, **FAST) as second:
+                await second.send(key("after", incarnation=2), np.arange(2))
+                assert (await p.recv(key("after", incarnation=2), timeout=5)).tolist() == [0, 1]
+                assert p._peers[WORKER_ID].incarnation == 2
+
+    run(main(), timeout=20)
