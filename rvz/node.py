@@ -67,6 +67,7 @@ describe = _codec.describe
 MODES = ("recv", "send")
 TRANSPORTS = ("tcp", "shm", "verbs", "auto")  # all but tcp: rvz.onesided
 _ROUTE_CACHE_MAX = 1 << 16
+_DEVICES_MAX = 4096
 _DEAD_STEPS_MAX = 1 << 16
 
 TaskId = tuple  # (job, task)
@@ -234,6 +235,7 @@ class Node:
         self._peers: dict[TaskId, Peer] = {}
         self._conns: set[Connection] = set()
         self._routes: dict[str, Route] = {}
+        self._devices: dict[str, TaskId] = {}
         self._tables: dict[int, Any] = {}
         self._dead_steps: dict[int, str] = {}
         self._step_peers: dict[int, set[Peer]] = {}
@@ -411,18 +413,30 @@ class Node:
         text = key if isinstance(key, str) else str(key)
         route = self._routes.get(text)
         if route is None:
+            # Keys change every step (frame:iter), devices do not: those are parsed once.
             parsed = _keys.as_key(key)
-            route = Route(str(parsed), parsed.src_task, parsed.dst_task)
-            for task_id in (route.src, route.dst):
-                try:  # here, before a recv queues its waiter: not a KeyError from deep inside
-                    self.cluster.address(*task_id)
-                except KeyError:
-                    raise WrongEndpoint(f"key {route.text} names /job:{task_id[0]}/task:{task_id[1]}, "
-                                        f"which is not in the cluster {self.cluster!r}") from None
+            canonical = str(parsed)
+            route = Route(canonical, self._task_of(parsed.src, canonical),
+                          self._task_of(parsed.dst, canonical))
             if len(self._routes) >= _ROUTE_CACHE_MAX:
                 self._routes.clear()
             self._routes[text] = route
         return route
+
+    def _task_of(self, device: str, key: str) -> TaskId:
+        """``(job, task)`` of a device name, checked against the cluster once per device."""
+        task_id = self._devices.get(device)
+        if task_id is None:
+            task_id = _keys.parse_device(device)
+            try:  # here, before a recv queues its waiter: not a KeyError from deep inside
+                self.cluster.address(*task_id)
+            except KeyError:
+                raise WrongEndpoint(f"key {key} names /job:{task_id[0]}/task:{task_id[1]}, "
+                                    f"which is not in the cluster {self.cluster!r}") from None
+            if len(self._devices) >= _DEVICES_MAX:
+                self._devices.clear()
+            self._devices[device] = task_id
+        return task_id
 
     def _own_route(self, key: Any, op: str) -> Route:
         """The route of a key this node may ``send`` (its src) or ``recv`` (its dst) now."""
