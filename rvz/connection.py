@@ -141,13 +141,8 @@ class Connection(asyncio.BufferedProtocol):
         """Queue a small frame; it leaves with the others of this loop iteration."""
         if self.closed:
             return
-        out = self._out
-        out += frame
-        if len(out) >= FLUSH_AT:
-            self._write_out()
-        elif not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self.flush)
+        self._out += frame
+        self._queued()
 
     def write_value(self, step: int, request_id: int, key: bytes, value: Any, code: int,
                     shape: tuple[int, ...], nbytes: int) -> None:
@@ -163,17 +158,22 @@ class Connection(asyncio.BufferedProtocol):
             out += header
             if nbytes:
                 out += _codec.payload_view(value)
-            if len(out) >= FLUSH_AT:
-                self._write_out()
-            elif not self._flush_scheduled:
-                self._flush_scheduled = True
-                self._loop.call_soon(self.flush)
+            self._queued()
         elif not self.closed_here:
             # Pending small frames, this header and the payload leave in one gathered write.
             out = self._out
             out += header
             self._out = bytearray()
             self._write(out, _codec.payload_view(value))
+
+    def _queued(self) -> None:
+        """Frames were added to ``_out``: write now if enough is pending, else at the end of
+        this loop iteration."""
+        if len(self._out) >= FLUSH_AT:
+            self._write_out()
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self.flush)
 
     def flush(self) -> None:
         """Write what is pending (the end-of-iteration callback)."""

@@ -28,7 +28,7 @@ cdef class Decoder:
 
     cpdef object get_buffer(self, Py_ssize_t sizehint=*)
     cpdef list buffer_updated(self, Py_ssize_t nbytes)
-    cdef _compact(self, Py_ssize_t need)
+    cdef _compact(self)
     cdef _fail(self, str message)
     cdef list _parse(self)
     cdef str _key(self, object view, Py_ssize_t start, Py_ssize_t length)

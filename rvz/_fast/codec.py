@@ -287,7 +287,7 @@ class Decoder:
         if self._dest is not None:
             return self._dest[self._dest_filled:]
         if self._end == self._size:
-            self._compact(0)
+            self._compact()
         return self._view[self._end:]
 
     def buffer_updated(self, nbytes: int) -> list:
@@ -312,8 +312,8 @@ class Decoder:
             self._failed = str(exc)
             raise
 
-    def _compact(self, need: int) -> None:
-        """Move the unparsed tail to the front so that ``need`` bytes fit after it."""
+    def _compact(self) -> None:
+        """Move the unparsed tail to the front; the buffer holds any whole small frame."""
         start = self._start
         end = self._end
         if start == 0:
@@ -474,7 +474,7 @@ class Decoder:
         else:
             self._start = pos
             if pos + need > self._size:
-                self._compact(need)
+                self._compact()
         return events
 
     def _key(self, view: memoryview, start: int, length: int) -> str:
