@@ -8,7 +8,7 @@ import os
 
 from setuptools import Extension, setup
 
-MODULES = ["keys", "table", "codec"]
+MODULES = ["keys", "table", "codec", "recvpool", "engine"]
 
 
 def extensions():

@@ -17,7 +17,7 @@ import os
 import sys
 from types import ModuleType, SimpleNamespace
 
-MODULES = ("keys", "table", "codec")
+MODULES = ("keys", "table", "codec", "recvpool", "engine")
 _PACKAGE = "rvz._fast"
 
 
@@ -85,6 +85,8 @@ active = _select()
 keys = active.keys
 table = active.table
 codec = active.codec
+recvpool = active.recvpool
+engine = active.engine
 
 
 def implementation() -> str:

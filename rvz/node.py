@@ -225,7 +225,7 @@ class Node:
         self.claim_timeout = claim_timeout
         self.max_payload = max_payload
         # Memory for large received arrays, reused once the caller dropped them (0: none).
-        self._recv_pool = _codec.RecvPool(recv_pool) if recv_pool > 0 else None
+        self._recv_pool = _impl.recvpool.RecvPool(recv_pool) if recv_pool > 0 else None
         self.incarnation = incarnation if incarnation is not None else int.from_bytes(os.urandom(8), "little")
         self._state = "new"
         self._close_cause: BaseException | None = None

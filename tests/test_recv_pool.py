@@ -10,7 +10,7 @@ from rvz import _impl
 
 from .conftest import in_loop, key, pair
 
-RecvPool = _impl.codec.RecvPool
+RecvPool = _impl.recvpool.RecvPool
 MiB = 1 << 20
 
 

@@ -2,12 +2,6 @@ cpdef bytes encode_data(unsigned long long step, unsigned long long request_id, 
                         int code, tuple shape, unsigned long long nbytes)
 cpdef bytes encode_request(unsigned long long step, unsigned long long request_id, bytes key)
 
-cdef class RecvPool:
-    cdef public object limit
-    cdef public object held
-    cdef dict _blocks
-    cdef Py_ssize_t _idle_refs
-
 cdef class Decoder:
     cdef bytearray _buf
     cdef object _view
