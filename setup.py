@@ -16,7 +16,13 @@ def extensions():
         return []
     from Cython.Build import cythonize
 
+    import numpy
+
     exts = [Extension(f"rvz._fast.{name}", [f"rvz/_fast/{name}.py"]) for name in MODULES]
+    # The one module written as .pyx (raw pointers, numpy's C API); arrays.py is its twin.
+    exts.append(Extension("rvz._fast.arrays", ["rvz/_fast/arrays.pyx"],
+                          include_dirs=[numpy.get_include()],
+                          define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]))
     return cythonize(exts, language_level=3, compiler_directives={
         "boundscheck": False, "wraparound": False, "cdivision": True,
         "embedsignature": True, "annotation_typing": False,

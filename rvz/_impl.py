@@ -17,7 +17,7 @@ import os
 import sys
 from types import ModuleType, SimpleNamespace
 
-MODULES = ("keys", "table", "codec", "recvpool", "engine")
+MODULES = ("arrays", "keys", "table", "codec", "recvpool", "engine")
 _PACKAGE = "rvz._fast"
 
 
@@ -85,6 +85,7 @@ active = _select()
 keys = active.keys
 table = active.table
 codec = active.codec
+arrays = active.arrays
 recvpool = active.recvpool
 engine = active.engine
 

@@ -1,13 +1,10 @@
-"""The asyncio shell around the sans-IO codec: one TCP connection to one peer.
+"""The TCP transport: the asyncio shell around one ``Wire`` of the protocol engine.
 
 This is where bytes hit the socket (``Connection._write``) and where they come off it
-(``get_buffer`` / ``buffer_updated``, which the decoder serves).  Everything protocol-level
-is decided by the node; this class only moves frames.
-
-Small frames issued in one loop iteration are coalesced into one write, flushed by a
-``call_soon`` callback at the end of the iteration.  A large payload is not copied into that
-buffer: the pending small frames and its header are flushed, then the payload is handed to
-the transport as a view of the caller's array (scatter-gather without concatenation).
+(``get_buffer`` / ``buffer_updated``, served by the wire's decoder, which hands every frame
+of a read to the engine in one call).  Everything protocol-level is in ``rvz._fast.engine``;
+connection life-cycle events go to the ``Owner`` (the node), which this module does not
+import.
 """
 
 from __future__ import annotations
@@ -15,58 +12,48 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _impl
-from .errors import PeerLost, ProtocolError
 
 if TYPE_CHECKING:
-    from .node import Node, Peer
+    from ._fast.engine import Wire
+else:
+    Wire = _impl.engine.Wire  # the compiled or the pure-Python engine, as rvz._impl chose
 
-_codec = _impl.codec
-
-# A payload up to this size is copied into the coalescing buffer; above it, it is written
-# as a separate view.  Copying 16 KiB costs less than a second write call.
-COALESCE_MAX = 16384
-# A producer that never yields to the loop still gets its frames out once this many bytes
-# are pending, so the consumer can work in parallel.
-FLUSH_AT = 65536
 WRITE_HIGH_WATER = 8 << 20
 WRITE_LOW_WATER = 2 << 20
+LARGE_READ = 65536  # a read this large means large payloads: the receive pool has work
 
 
-class Connection(asyncio.BufferedProtocol):
-    """One framed, bidirectional connection; ``outbound`` if this side dialled it."""
+class Owner(Protocol):
+    """What a connection tells the node that owns it."""
 
-    def __init__(self, node: Node, outbound: bool, peer: Peer | None = None,
-                 max_payload: int = _codec.DEFAULT_MAX_PAYLOAD) -> None:
-        self.node = node
-        self.outbound = outbound
-        self.peer = peer                  # known from the start when dialling, else at HELLO
-        self.ready = False                # HELLO received
+    def hello_fields(self, conn: Connection) -> dict[str, Any]: ...
+
+    def connection_made(self, conn: Connection) -> None: ...
+
+    def connection_lost(self, conn: Connection) -> None: ...
+
+    def received_large(self) -> None:
+        """A large read landed: time to prepare the receive pool's next block."""
+
+
+class Connection(Wire, asyncio.BufferedProtocol):
+    """One framed, bidirectional TCP connection; ``outbound`` if this side dialled it."""
+
+    def __init__(self, owner: Owner, core: Any, decoder: Any, outbound: bool,
+                 peer: Any = None) -> None:
+        Wire.__init__(self, core, outbound, peer, decoder)
+        self.owner = owner
         self.hello_waiter: asyncio.Future[None] | None = None
-        self.bye_received = False
-        self.closed_here = False          # we closed it gracefully: not a lost peer
-        self.closed = False
-        self.close_reason: BaseException | None = None
-        self.decoder = _codec.Decoder(max_payload=max_payload, pool=node._recv_pool)
-        self.parked: dict[int, Any] = {}  # request id -> RemoteWaiter parked in our table
-        # The rvz.onesided Channel this connection negotiated at HELLO (shm, verbs): DATA
-        # then goes one-sided through it, and its control frames are handed to it.
-        self.dataplane: Any = None
-        self.bytes_out = 0
         self.seen_in = 0                  # decoder.bytes_in at the last heartbeat tick
         self.seen_out = 0
         self.idle_ticks = 0
+        self.on_resume: Any = None        # the engine's push queue, waiting for the socket
         self._transport: Any = None
-        self._out = bytearray()
-        self._flush_scheduled = False
-        self._paused = False
         self._gather = False
-        self.on_resume: Callable[[Connection], None] | None = None  # the node's push queue
         self._drain_waiters: list[asyncio.Future[None]] = []
-        self._loop = asyncio.get_running_loop()
 
     # -- asyncio protocol callbacks -------------------------------------------------------
 
@@ -80,34 +67,17 @@ class Connection(asyncio.BufferedProtocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
-        fields = self.node.hello_fields()
-        hub = getattr(self.node, "_onesided", None)
-        if hub is not None:
-            fields.update(hub.offer(self))  # one-sided endpoints this connection may use
-        self.write_frame(_codec.encode_hello(fields))
-        self.node._on_connection_made(self)
+        self.write_frame(_impl.codec.encode_hello(self.owner.hello_fields(self)))
+        self.owner.connection_made(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         view: memoryview = self.decoder.get_buffer(sizehint)
         return view
 
     def buffer_updated(self, nbytes: int) -> None:
-        try:
-            events = self.decoder.buffer_updated(nbytes)
-        except ProtocolError as exc:
-            self.fail(exc)
-            return
-        if events:
-            if not self.ready and len(events) > 1:
-                # HELLO (always the first frame) may attach a dataplane; the frames that came
-                # in the same read after it must already go through that dataplane.
-                self.node._dispatch(self, events[:1])
-                events = events[1:]
-                if self.closed:
-                    return
-            if self.dataplane is not None:
-                events = self.dataplane.on_frames(events)
-            self.node._dispatch(self, events)
+        self.feed(nbytes)
+        if nbytes >= LARGE_READ:
+            self.owner.received_large()
 
     def eof_received(self) -> bool:
         return False  # close the transport; connection_lost follows
@@ -122,13 +92,13 @@ class Connection(asyncio.BufferedProtocol):
         self._wake_drain()
         if self.dataplane is not None:
             self.dataplane.close()  # delivers what already arrived one-sided, frees the rest
-        self.node._on_connection_lost(self)
+        self.owner.connection_lost(self)
 
     def pause_writing(self) -> None:
-        self._paused = True
+        self.paused = True
 
     def resume_writing(self) -> None:
-        self._paused = False
+        self.paused = False
         self._wake_drain()
         callback = self.on_resume
         if callback is not None:
@@ -136,55 +106,6 @@ class Connection(asyncio.BufferedProtocol):
             callback(self)
 
     # -- writing ----------------------------------------------------------------------------
-
-    def write_frame(self, frame: bytes) -> None:
-        """Queue a small frame; it leaves with the others of this loop iteration."""
-        if self.closed:
-            return
-        self._out += frame
-        self._queued()
-
-    def write_value(self, step: int, request_id: int, key: bytes, value: Any, code: int,
-                    shape: tuple[int, ...], nbytes: int) -> None:
-        """Queue a DATA frame: header in the coalescing buffer, a large payload by reference."""
-        if self.closed:
-            raise self.lost_error()
-        if self.dataplane is not None:  # shm / verbs: the payload goes one-sided
-            self.dataplane.write_value(step, request_id, key, value, code, shape, nbytes)
-            return
-        header = _codec.encode_data(step, request_id, key, code, shape, nbytes)
-        if nbytes <= COALESCE_MAX:
-            out = self._out
-            out += header
-            if nbytes:
-                out += _codec.payload_view(value)
-            self._queued()
-        elif not self.closed_here:
-            # Pending small frames, this header and the payload leave in one gathered write.
-            out = self._out
-            out += header
-            self._out = bytearray()
-            self._write(out, _codec.payload_view(value))
-
-    def _queued(self) -> None:
-        """Frames were added to ``_out``: write now if enough is pending, else at the end of
-        this loop iteration."""
-        if len(self._out) >= FLUSH_AT:
-            self._write_out()
-        elif not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self.flush)
-
-    def flush(self) -> None:
-        """Write what is pending (the end-of-iteration callback)."""
-        self._flush_scheduled = False
-        self._write_out()
-
-    def _write_out(self) -> None:
-        if self._out and not self.closed:
-            data = self._out
-            self._out = bytearray()  # the transport may keep a reference to ``data``
-            self._write(data)
 
     def _write(self, data: bytearray, payload: memoryview | None = None) -> None:
         """Where bytes hit the socket: ``data``, then a large ``payload`` by reference."""
@@ -203,14 +124,11 @@ class Connection(asyncio.BufferedProtocol):
             transport.write(data)
             transport.write(payload)
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
     async def drain(self) -> None:
         """Wait until the transport's write buffer is below its low-water mark."""
-        while self._paused and not self.closed:
-            waiter = self._loop.create_future()
+        loop = asyncio.get_running_loop()
+        while self.paused and not self.closed:
+            waiter = loop.create_future()
             self._drain_waiters.append(waiter)
             await waiter
         if self.closed:
@@ -224,13 +142,6 @@ class Connection(asyncio.BufferedProtocol):
                 waiter.set_result(None)
 
     # -- closing ------------------------------------------------------------------------------
-
-    def lost_error(self, key: str | None = None) -> PeerLost:
-        name = self.peer.name if self.peer is not None else "an unidentified peer"
-        where = f" (key {key})" if key else ""
-        err = PeerLost(f"connection to {name} is closed{where}: {self.close_reason}")
-        err.__cause__ = self.close_reason
-        return err
 
     def close(self) -> None:
         """Flush and close after what is already queued (our side's graceful close).

@@ -42,6 +42,41 @@ class Rendezvous:
         table.take_or_wait(text, waiter)
         return await _table.wait_value(table, text, waiter, loop, timeout, f"recv of {text}")
 
+    def send_many(self, items: Any) -> None:
+        """``send`` each ``(key, value)`` pair, in order."""
+        put = self._table.put
+        for key, value in items:
+            put(_text(key), value)
+
+    async def recv_many(self, keys: Any, timeout: float | None = None) -> list:
+        """The next value of each key, in the order of ``keys`` (a key may repeat).
+
+        All or nothing: on a timeout, a cancellation or an abort, the values already taken
+        go back to the head of their keys' queues, in order.
+        """
+        texts = [_text(key) for key in keys]
+        table = self._table
+        values = [table.take(text) for text in texts]
+        missing = sum(1 for v in values if v is _table.EMPTY)
+        if not missing:
+            return values
+        loop = asyncio.get_running_loop()
+        batch = _table.Batch(table, texts, values, missing, loop.create_future())
+        batch.wait()
+        handle = None
+        if timeout is not None:
+            handle = loop.call_later(timeout, _expire, batch, timeout)
+        try:
+            return await batch.future
+        except BaseException:
+            if not batch.future.done():
+                batch.future.cancel()
+            batch.restore()
+            raise
+        finally:
+            if handle is not None:
+                handle.cancel()
+
     def abort(self, exc: BaseException | None = None, message: str | None = None) -> None:
         cause = exc if exc is not None else None
         self._table.abort(message or f"rendezvous aborted: {exc!r}", cause)
@@ -54,3 +89,8 @@ class Rendezvous:
         """``(queued values, waiting receivers)`` of ``key``."""
         text = _text(key)
         return self._table.queued(text), self._table.waiting(text)
+
+
+def _expire(batch: Any, timeout: float) -> None:
+    if not batch.future.done():
+        batch.future.set_exception(TimeoutError(f"recv_many timed out after {timeout}s"))

@@ -300,7 +300,7 @@ def test_large_bytes_value() -> None:
 
 PING_WITH_META = header(codec.PING, 1) + b"x"
 MALFORMED = {
-    "bad-version": HELLO + header(codec.PING, 0, version=2),
+    "bad-version": HELLO + header(codec.PING, 0, version=codec.VERSION + 1),
     "bad-version-first": header(codec.HELLO, 0, version=0),
     "flags": HELLO + header(codec.PING, 0, flags=1),
     "oversize-meta": HELLO + header(codec.ERROR, codec.MAX_META + 1),

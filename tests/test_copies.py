@@ -47,8 +47,8 @@ def test_received_arrays_own_their_memory(run, cluster, mode) -> None:  # type: 
                 got = await p.recv(key(), timeout=10)
                 np.testing.assert_array_equal(got, value)
                 owner = memory_owner(got)
-                if isinstance(owner, bytearray):   # a receive-pool block, this array's alone
-                    assert len(owner) == got.nbytes and got.nbytes >= 65536
+                if isinstance(owner, bytearray):   # a receive-pool block (a size class), this array's alone
+                    assert len(owner) >= got.nbytes and got.nbytes >= 65536
                 else:
                     assert isinstance(owner, np.ndarray), f"backed by {type(owner).__name__}"
                     assert owner.flags.owndata

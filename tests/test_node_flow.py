@@ -209,14 +209,23 @@ def test_cancel_after_delivery_keeps_the_push_window_whole(run, cluster, next_wa
             for i in range(6):
                 first = await pending(p.recv(k, timeout=10), 0.02)
                 second = await pending(p.recv(k, timeout=10), 0.02) if next_waiter else None
-                real_on_data = p._on_data
+                table = p._tables[0]
+                before = table.waiting(str(k))
+                conns = [c for c in p._conns if not c.closed]
 
-                def on_data(*args, first=first, real_on_data=real_on_data):  # type: ignore[no-untyped-def]
-                    real_on_data(*args)   # the value reaches first's waiter ...
-                    first.cancel()        # ... and first is cancelled before it runs
-                    del p._on_data
+                def hooked(conn, first=first, table=table, before=before, conns=conns):  # type: ignore[no-untyped-def]
+                    real_feed = conn.feed
 
-                p._on_data = on_data  # type: ignore[method-assign]
+                    def feed(nbytes: int) -> None:
+                        real_feed(nbytes)
+                        if table.waiting(str(k)) < before:  # the value reached first's waiter ...
+                            first.cancel()                   # ... and first is cancelled before it runs
+                            for c in conns:
+                                c.__dict__.pop("feed", None)
+                    return feed
+
+                for conn in conns:
+                    conn.feed = hooked(conn)
                 await w.send(k, array(i))
                 with pytest.raises(asyncio.CancelledError):
                     await first

@@ -1,8 +1,11 @@
-"""The receive pool: a block is used again only once no array (or view) refers to it."""
+"""The receive pool: a block is used again only once no array (or view) refers to it, the
+pool learns how many blocks a consumer keeps alive, and it stays within its limit."""
 
 from __future__ import annotations
 
+import collections
 import gc
+from typing import Any
 
 import numpy as np
 
@@ -11,49 +14,217 @@ from rvz import _impl
 from .conftest import in_loop, key, pair
 
 RecvPool = _impl.recvpool.RecvPool
+size_class = _impl.recvpool.size_class
 MiB = 1 << 20
 
 
-def on(block: bytearray, dtype: str = "<f8") -> np.ndarray:
-    return np.frombuffer(block, np.dtype(dtype))
+def fill(memory: object, nbytes: int, value: int) -> np.ndarray:
+    """What the decoder does with a block: an array of exactly ``nbytes`` on it, written."""
+    arr = np.frombuffer(memory, np.uint8, nbytes)  # type: ignore[call-overload]
+    arr[:] = value
+    return arr
 
 
-# The tests keep ids, not the blocks: a reference held here would (rightly) count as a use.
+def stream(pool: Any, sizes: list[int], hold: int = 1,
+           check: bool = True) -> collections.deque[tuple[int, np.ndarray]]:
+    """A consumer that keeps its newest ``hold`` arrays while the next arrives."""
+    kept: collections.deque[tuple[int, np.ndarray]] = collections.deque()
+    for i, nbytes in enumerate(sizes):
+        memory = pool.take(nbytes)
+        assert memory is not None and len(memory) == nbytes
+        kept.append((i % 251, fill(memory, nbytes, i % 251)))
+        del memory
+        if len(kept) > hold:
+            kept.popleft()
+        if check:
+            for value, arr in kept:  # writing the new one changed none still held
+                assert arr[0] == value and arr[-1] == value
+        assert pool.held <= pool.limit
+        pool.maintain()
+    return kept
+
 
 @in_loop
 def test_a_block_in_use_is_never_handed_out_again() -> None:
     pool = RecvPool(8 * MiB)
-    arr = on(pool.take(MiB))
-    first = id(arr.base.obj if isinstance(arr.base, memoryview) else arr.base)
-    other = pool.take(MiB)
-    assert other is not None and id(other) != first
-    second = id(other)
-    keep_second = on(other)
-    del other
+    arr = fill(pool.take(MiB), MiB, 1)
+    other = fill(pool.take(MiB), MiB, 2)
+    assert not np.shares_memory(arr, other)
     view = arr[10:20]
     del arr
     gc.collect()
-    third = pool.take(MiB)                  # the view still holds the first block
-    assert third is not None and id(third) not in (first, second)
+    third = fill(pool.take(MiB), MiB, 3)         # the view still holds the first block
+    assert not np.shares_memory(third, view) and not np.shares_memory(third, other)
+    assert (view == 1).all() and (other == 2).all()
     del third
-    del view
     gc.collect()
-    assert id(pool.take(MiB)) == first      # all its arrays gone: free again
-    assert id(pool.take(MiB)) == first      # (taking does not keep it: nothing holds it)
-    assert keep_second.size and pool.held == 3 * MiB
+    again = fill(pool.take(MiB), MiB, 4)          # the third block is free again: reused
+    assert pool.held == 3 * MiB and pool.fresh == 3 and pool.reused == 1
+    assert (view == 1).all() and (other == 2).all() and (again == 4).all()
+
+
+@in_loop
+def test_a_consumer_holding_its_previous_array_reuses_two_blocks() -> None:
+    pool = RecvPool(256 * MiB)
+    stream(pool, [4 * MiB] * 50)
+    assert pool.fresh + pool.prepared <= 3          # learned: two alive at once, one spare
+    assert pool.reused >= 47 and pool.missed == 0 and pool.released == 0
+    assert pool.held <= 3 * 4 * MiB
+
+
+@in_loop
+def test_a_deeper_hold_learns_more_blocks_and_stays_correct() -> None:
+    pool = RecvPool(256 * MiB)
+    stream(pool, [MiB] * 60, hold=3)                # three held while the fourth arrives
+    assert 4 <= pool.fresh + pool.prepared <= 5
+    assert pool.reused >= 55 and pool.missed == 0
+
+
+@in_loop
+def test_maintain_prepares_the_next_block_off_the_data_path() -> None:
+    pool = RecvPool(64 * MiB)
+    assert pool.maintain() is False                 # nothing taken yet: nothing to prepare
+    first = fill(pool.take(4 * MiB), 4 * MiB, 1)
+    assert pool.fresh == 1
+    assert pool.maintain() is True                  # the consumer holds it: a second is made
+    assert pool.prepared == 1 and pool.held == 8 * MiB
+    assert pool.maintain() is False                 # once per take, not once per call
+    second = fill(pool.take(4 * MiB), 4 * MiB, 2)   # served by the prepared block
+    assert pool.fresh == 1 and pool.reused == 1
+    assert (first == 1).all() and not np.shares_memory(first, second)
+    del first
+    gc.collect()
+    assert pool.maintain() is False                 # a free block is ready: nothing to do
+    assert pool.prepared == 1
+
+
+@in_loop
+def test_maintain_stays_within_the_limit() -> None:
+    pool = RecvPool(4 * MiB)
+    held = fill(pool.take(4 * MiB), 4 * MiB, 1)
+    assert pool.maintain() is False and pool.held == 4 * MiB and pool.prepared == 0
+    assert pool.take(4 * MiB) is None and pool.missed == 1
+    assert (held == 1).all()
 
 
 @in_loop
 def test_the_limit_is_kept_and_free_blocks_of_other_sizes_make_room() -> None:
     pool = RecvPool(2 * MiB)
-    held = [on(pool.take(MiB)), on(pool.take(MiB))]
-    assert pool.take(MiB) is None            # full, and nothing is free
+    held = [fill(pool.take(MiB), MiB, 1), fill(pool.take(MiB), MiB, 2)]
+    assert pool.take(MiB) is None                   # full, and nothing is free
     assert pool.take(2 * MiB) is None
+    assert pool.held == 2 * MiB and pool.released == 0
     del held
     gc.collect()
-    big = pool.take(2 * MiB)                 # both free 1 MiB blocks are evicted for it
+    big = pool.take(2 * MiB)                        # both free 1 MiB blocks are evicted for it
     assert big is not None and len(big) == 2 * MiB
-    assert pool.held == 2 * MiB
+    assert pool.held == 2 * MiB and pool.released == 2
+
+
+@in_loop
+def test_a_request_that_cannot_fit_evicts_nothing() -> None:
+    pool = RecvPool(2 * MiB)
+    busy = fill(pool.take(MiB), MiB, 1)
+    spare = fill(pool.take(MiB), MiB, 2)
+    del spare
+    gc.collect()
+    assert pool.take(2 * MiB) is None               # freeing the spare would not be enough
+    assert pool.released == 0 and pool.stats()[MiB][:2] == (2, 1)
+    assert (busy == 1).all()
+
+
+@in_loop
+def test_sizes_that_vary_share_blocks_across_a_class_boundary() -> None:
+    rng = np.random.default_rng(3)
+    sizes = [int(MiB + d) // 8 * 8 for d in rng.integers(-MiB // 20, MiB // 20, 80)]
+    assert len({size_class(n) for n in sizes}) == 2  # 1 MiB sits on a boundary
+    pool = RecvPool(64 * MiB)
+    stream(pool, sizes[:20])
+    before = pool.fresh + pool.prepared
+    stream(pool, sizes[20:])
+    assert pool.fresh + pool.prepared - before <= 1  # warmed up: (almost) nothing new
+    assert pool.held <= 4 * size_class(max(sizes))
+
+
+@in_loop
+def test_a_size_just_below_a_recent_one_gets_a_block_that_serves_both() -> None:
+    pool = RecvPool(64 * MiB)
+    upper = fill(pool.take(MiB + MiB // 10), MiB + MiB // 10, 1)
+    lower = fill(pool.take(MiB - 4096), MiB - 4096, 2)   # a class below, asked for just after
+    assert {size for size, (blocks, _, _) in pool.stats().items() if blocks} == {
+        size_class(MiB + MiB // 10)}
+    del upper
+    gc.collect()
+    again = fill(pool.take(MiB - 4096), MiB - 4096, 3)  # the larger free block serves it
+    assert pool.fresh == 2 and pool.reused == 1
+    assert (lower == 2).all() and (again == 3).all()
+
+
+@in_loop
+def test_the_pool_adapts_when_sizes_change_under_its_limit() -> None:
+    pool = RecvPool(32 * MiB)
+    stream(pool, [8 * MiB] * 40)                    # about three blocks of 8 MiB
+    assert pool.stats()[8 * MiB][0] >= 2
+    stream(pool, [6 * MiB] * 40)                    # 8 MiB blocks give way to 6 MiB ones
+    assert pool.held <= 32 * MiB
+    fresh = pool.fresh
+    kept = stream(pool, [6 * MiB] * 20)
+    assert pool.fresh == fresh and pool.missed == 0  # settled: every take is served
+    assert len(kept) == 1
+
+
+@in_loop
+def test_sizes_nobody_asks_for_any_more_are_released() -> None:
+    pool = RecvPool(1 << 30, window=4, stale=16)
+    stream(pool, [8 * MiB] * 12)
+    assert 8 * MiB in pool.stats()
+    stream(pool, [2 * MiB] * 40)
+    stats = pool.stats()
+    assert 8 * MiB not in stats or stats[8 * MiB][0] == 0
+    assert pool.held <= 3 * 2 * MiB and pool.released >= 2
+
+
+@in_loop
+def test_a_burst_of_held_arrays_decays() -> None:
+    pool = RecvPool(1 << 30, window=4)
+    stream(pool, [MiB] * 20, hold=5)                # six alive at once
+    assert pool.held >= 6 * MiB
+    stream(pool, [MiB] * 40, hold=1)                # then two: the surplus goes
+    assert pool.held <= 3 * MiB
+
+
+@in_loop
+def test_any_pattern_keeps_held_arrays_intact_and_the_limit() -> None:
+    rng = np.random.default_rng(11)
+    pool = RecvPool(6 * MiB, window=8, stale=64)
+    live: list[tuple[int, np.ndarray]] = []
+    for i in range(400):
+        nbytes = int(rng.choice([64 << 10, 100 << 10, 256 << 10, MiB, 3 * MiB // 2]))
+        memory = pool.take(nbytes)
+        if memory is None:                           # over the limit: the decoder allocates
+            arr = np.full(nbytes, i % 251, np.uint8)
+        else:
+            assert len(memory) == nbytes
+            arr = fill(memory, nbytes, i % 251)
+            del memory
+        live.append((i % 251, arr))
+        while live and rng.random() < 0.5:           # drop some, in any order
+            live.pop(int(rng.integers(len(live))))
+        for value, kept in live:
+            assert kept[0] == value and kept[-1] == value and kept[len(kept) // 2] == value
+        assert pool.held <= pool.limit
+        if rng.random() < 0.7:
+            pool.maintain()
+    assert pool.reused > 100
+
+
+@in_loop
+def test_size_classes_round_up_by_less_than_an_eighth() -> None:
+    for nbytes in (1, 4095, 4096, 65536, 65537, 100_000, MiB - 1, MiB, MiB + 1, 64 * MiB + 8):
+        size = size_class(nbytes)
+        assert size >= nbytes and size % 4096 == 0
+        assert size == 4096 or size - nbytes < size // 8 + 1
+    assert size_class(64 * MiB) == 64 * MiB and size_class(64 * MiB + 1) == 72 * MiB
 
 
 @in_loop

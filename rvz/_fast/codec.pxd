@@ -26,3 +26,4 @@ cdef class Decoder:
     cdef _fail(self, str message)
     cdef list _parse(self)
     cdef str _key(self, object view, Py_ssize_t start, Py_ssize_t length)
+    cdef _requests(self, bytearray buf, object view, Py_ssize_t start, Py_ssize_t length, list events)

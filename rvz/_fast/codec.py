@@ -28,8 +28,9 @@ import msgpack
 import numpy as np
 
 from ..errors import ProtocolError
+from . import arrays as _arrays
 
-VERSION = 1
+VERSION = _arrays.VERSION  # 2: REQUESTS (several keys in one frame) was added
 
 HELLO = 1
 DATA = 2
@@ -41,10 +42,11 @@ PING = 7
 CREDIT = 8
 BYE = 9
 ONESIDED = 10  # control of a one-sided transport (rvz.onesided): a msgpack map
+REQUESTS = 11  # several requests of one step in one frame (recv_many): decoded as REQUESTs
 
 FRAME_NAMES = {HELLO: "HELLO", DATA: "DATA", REQUEST: "REQUEST", CANCEL: "CANCEL",
                ERROR: "ERROR", ABORT_STEP: "ABORT_STEP", PING: "PING", CREDIT: "CREDIT",
-               BYE: "BYE", ONESIDED: "ONESIDED"}
+               BYE: "BYE", ONESIDED: "ONESIDED", REQUESTS: "REQUESTS"}
 
 HEADER_SIZE = 16
 MAX_NDIM = 32
@@ -56,16 +58,17 @@ _HEADER = struct.Struct("<BBHIQ")
 _DATA_FIXED = struct.Struct("<QQHBB")   # 20 bytes after the header
 _REQUEST_FIXED = struct.Struct("<QQH")  # 18 bytes
 _U64 = struct.Struct("<Q")
-# One struct per ndim packs the whole DATA header in one call.
-_DATA_HEADERS = [struct.Struct("<BBHIQQQHBB" + "Q" * n) for n in range(MAX_NDIM + 1)]
+_REQUESTS_FIXED = struct.Struct("<QI")  # step, count; then count x (u64 id, u16 klen, key)
+_ENTRY = struct.Struct("<QH")
+MAX_REQUESTS = 4096  # entries in one REQUESTS frame (its metadata is bounded by MAX_META too)
 _SHAPES = [struct.Struct("<" + "Q" * n) for n in range(MAX_NDIM + 1)]
 
 # dtype code 0 is a ``bytes`` value; the others are numpy dtypes, little-endian on the wire.
-BYTES_CODE = 0
-_WIRE_DTYPES = ["|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8",
-                "<f2", "<f4", "<f8", "<c8", "<c16"]
-DTYPES = [None] + [np.dtype(s) for s in _WIRE_DTYPES]
-_CODES = {np.dtype(s).str: i + 1 for i, s in enumerate(_WIRE_DTYPES)}
+BYTES_CODE = _arrays.BYTES_CODE
+DTYPES = _arrays.DTYPES
+_CODES = _arrays.CODES
+_append_data = _arrays.append_data
+_new_array = _arrays.new_array
 _U8 = np.dtype(np.uint8)
 _MAX_ARRAY_BYTES = (1 << 63) - 1  # numpy's limit on itemsize times the non-zero dims
 _EMPTY_LIST: list = []
@@ -121,9 +124,19 @@ def encode_data(step: int, request_id: int, key: bytes, code: int, shape: tuple,
     klen = len(key)
     if klen > MAX_KEY:
         raise ValueError(f"key of {klen} bytes is longer than {MAX_KEY}")
-    head = _DATA_HEADERS[ndim].pack(VERSION, DATA, 0, 20 + 8 * ndim + klen, nbytes,
-                                    step, request_id, klen, code, ndim, *shape)
-    return head + key
+    out = bytearray()
+    _append_data(out, step, request_id, key, code, shape, nbytes, None, False)
+    return bytes(out)
+
+
+def append_data(out: bytearray, step: int, request_id: int, key: bytes, code: int,
+                shape: tuple, nbytes: int, value: Any, with_payload: bool) -> None:
+    """Append a DATA frame to a write buffer: header and key, and the payload if asked."""
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"array has {len(shape)} dimensions; rvz carries at most {MAX_NDIM}")
+    if len(key) > MAX_KEY:
+        raise ValueError(f"key of {len(key)} bytes is longer than {MAX_KEY}")
+    _append_data(out, step, request_id, key, code, shape, nbytes, value, with_payload)
 
 
 def encode_request(step: int, request_id: int, key: bytes) -> bytes:
@@ -132,6 +145,21 @@ def encode_request(step: int, request_id: int, key: bytes) -> bytes:
         raise ValueError(f"key of {klen} bytes is longer than {MAX_KEY}")
     return (_HEADER.pack(VERSION, REQUEST, 0, 18 + klen, 0)
             + _REQUEST_FIXED.pack(step, request_id, klen) + key)
+
+
+def encode_requests(step: int, entries: list) -> bytes:
+    """One REQUESTS frame for ``entries``, a list of ``(request_id, key bytes)`` of one step."""
+    parts = [b"", _REQUESTS_FIXED.pack(step, len(entries))]
+    for request_id, key in entries:
+        if len(key) > MAX_KEY:
+            raise ValueError(f"key of {len(key)} bytes is longer than {MAX_KEY}")
+        parts.append(_ENTRY.pack(request_id, len(key)))
+        parts.append(key)
+    meta = sum(len(p) for p in parts)
+    if meta > MAX_META or len(entries) > MAX_REQUESTS:
+        raise ValueError(f"{len(entries)} requests do not fit one REQUESTS frame")
+    parts[0] = _HEADER.pack(VERSION, REQUESTS, 0, meta, 0)
+    return b"".join(parts)
 
 
 def _encode_u64(ftype: int, n: int) -> bytes:
@@ -332,12 +360,10 @@ class Decoder:
                 if payload_len <= avail:
                     pend = pstart + payload_len
                     if dtype is None:
-                        value = bytes(view[pstart:pend])
+                        value = _new_array(0, (), buf, pstart, payload_len)
                     else:
                         # One copy out of the staging buffer into an array the caller owns.
-                        value = np.frombuffer(buf, dtype, payload_len // dtype.itemsize, pstart).copy()
-                        if ndim != 1:
-                            value = value.reshape(shape)
+                        value = _new_array(code, shape, buf, pstart, payload_len)
                     events.append((DATA, step, request_id, key, value))
                     self.frames += 1
                     pos = pend
@@ -374,6 +400,8 @@ class Decoder:
                 if klen > MAX_KEY or meta_len != 18 + klen:
                     self._fail(f"REQUEST metadata length {meta_len} does not match key length {klen}")
                 events.append((REQUEST, step, request_id, self._key(view, mstart + 18, klen)))
+            elif ftype == REQUESTS:
+                self._requests(buf, view, mstart, meta_len, events)
             elif ftype == CANCEL or ftype == CREDIT:
                 if meta_len != 8:
                     self._fail(f"{FRAME_NAMES[ftype]} metadata must be 8 bytes, not {meta_len}")
@@ -414,6 +442,27 @@ class Decoder:
             if pos + need > self._size:
                 self._compact()
         return events
+
+    def _requests(self, buf: bytearray, view: memoryview, start: int, length: int,
+                  events: list) -> None:
+        """Expand a REQUESTS frame into one REQUEST event per entry."""
+        if length < 12:
+            self._fail(f"REQUESTS metadata of {length} bytes is too short")
+        step, count = _REQUESTS_FIXED.unpack_from(buf, start)
+        if count > MAX_REQUESTS:
+            self._fail(f"REQUESTS frame of {count} entries exceeds the limit of {MAX_REQUESTS}")
+        pos = start + 12
+        end = start + length
+        for _ in range(count):
+            if end - pos < 10:
+                self._fail("REQUESTS frame ends inside an entry")
+            request_id, klen = _ENTRY.unpack_from(buf, pos)
+            if klen > MAX_KEY or end - pos - 10 < klen:
+                self._fail(f"REQUESTS entry key of {klen} bytes does not fit the frame")
+            events.append((REQUEST, step, request_id, self._key(view, pos + 10, klen)))
+            pos += 10 + klen
+        if pos != end:
+            self._fail(f"REQUESTS frame has {end - pos} bytes after its {count} entries")
 
     def _key(self, view: memoryview, start: int, length: int) -> str:
         try:

@@ -1,3 +1,780 @@
-"""The per-peer protocol engine (sans-IO): credit, requests, parked waiters, dispatch."""
+"""The protocol engine: what one message costs between the public API and the socket.
+
+No sockets and no awaits here (the event loop is used only to create futures and schedule
+callbacks); the transports feed it bytes and the node calls it from its public API.
+
+* ``Wire`` is one connection's protocol state: its decoder, the coalescing write buffer, the
+  requests of the peer parked in our tables.  ``rvz.connection.Connection`` (TCP) is a
+  ``Wire`` with the asyncio callbacks added; a one-sided channel delivers through the same
+  ``Wire.deliver``.
+* ``Core`` is the node's protocol state: the per-step tables, the route of each key, the
+  requests we sent (Recv-Driven), the pushes and the credit of each peer (Send-Driven).
+  **Where credit is counted**: ``Core.push`` / ``Core.pump`` spend it, ``Core.consumed``
+  owes it back, ``Core.on_credit`` gets it back.
+* All frames decoded from one read are dispatched by one ``Core.dispatch`` call.
+
+Everything that dials, times out or spans several peers (connections, heartbeats, steps,
+close) stays in ``rvz.node.Node``; this module calls back into it only for those
+(``shell._start_link``, ``shell._on_hello`` ...).
+"""
 
 from __future__ import annotations
+
+import itertools
+from collections import deque
+from typing import Any
+
+from ..errors import Aborted, KeyFormatError, PeerLost, ProtocolError, TransportError, WrongEndpoint
+from . import codec as _codec
+from . import keys as _keys
+from .table import EMPTY, Batch, Table
+
+describe = _codec.describe
+append_data = _codec.append_data
+encode_request = _codec.encode_request
+encode_requests = _codec.encode_requests
+encode_credit = _codec.encode_credit
+encode_cancel = _codec.encode_cancel
+encode_error = _codec.encode_error
+DATA = _codec.DATA
+REQUEST = _codec.REQUEST
+CREDIT = _codec.CREDIT
+CANCEL = _codec.CANCEL
+HELLO = _codec.HELLO
+ERROR = _codec.ERROR
+ABORT_STEP = _codec.ABORT_STEP
+BYE = _codec.BYE
+PING = _codec.PING
+
+MODES = ("recv", "send")
+# What one message costs in the push window beyond its payload: it bounds the count of tiny
+# (or empty) messages in flight, not only their bytes.  Both ends use the same figure.
+MESSAGE_COST = 64
+# A payload up to this size is copied into the coalescing buffer; above it, it is written
+# as a separate view.  Copying 16 KiB costs less than a second write call.
+COALESCE_MAX = 16384
+# A producer that never yields to the loop still gets its frames out once this many bytes
+# are pending, so the consumer can work in parallel.
+FLUSH_AT = 65536
+_ROUTE_CACHE_MAX = 1 << 16
+_DEVICES_MAX = 4096
+
+
+def nbytes_of(value: Any) -> int:
+    n = getattr(value, "nbytes", None)
+    return len(value) if n is None else int(n)
+
+
+class Route:
+    """What the node needs to know of a key, computed once per key string."""
+
+    __slots__ = ("text", "wire", "src", "dst")
+
+    def __init__(self, text: str, src: tuple, dst: tuple) -> None:
+        self.text = text
+        self.wire = text.encode("utf-8")
+        self.src = src
+        self.dst = dst
+
+
+class Peer:
+    """Another node: its connections, the push window it granted us, and what we owe it."""
+
+    __slots__ = ("id", "name", "address", "out", "dialling", "inbound", "incarnation", "mode",
+                 "link", "credit", "asked", "queue", "owed", "owed_scheduled", "owe_now",
+                 "__weakref__")
+
+    def __init__(self, task_id: tuple, address: str, window: int) -> None:
+        self.id = task_id
+        self.name = f"/job:{task_id[0]}/replica:0/task:{task_id[1]}"
+        self.address = address
+        self.out: Any = None                        # the connection we dialled
+        self.dialling: Any = None                   # future of a dial under way
+        self.inbound: set = set()                   # connections it dialled to us
+        self.incarnation: Any = None
+        self.mode = ""                              # its default mode, from its HELLO
+        # The connection our requests and pushes use: the first ready one either side
+        # dialled, so both directions share one socket (an answer and the next request leave
+        # in one write).  It only changes when it dies, which keeps pushes in order.
+        self.link: Any = None
+        self.credit = window                        # bytes we may still push to it
+        self.asked = False                          # we asked it for credit it holds back
+        # Pushes waiting for the link, credit or the socket, in call order:
+        # (done future, step, route, value, dtype code, shape, nbytes).
+        self.queue: deque = deque()
+        self.owed = 0                               # bytes of its values we consumed, to return
+        self.owed_scheduled = False
+        self.owe_now = False                        # it asked: return credit at the next consumption
+
+    def live_connections(self) -> list:
+        conns = [c for c in self.inbound if not c.closed]
+        if self.out is not None and not self.out.closed:
+            conns.append(self.out)
+        return conns
+
+    def __repr__(self) -> str:
+        return f"<Peer {self.name} at {self.address}>"
+
+
+class Request:
+    """A Recv-Driven request we sent and that has not been answered yet."""
+
+    __slots__ = ("id", "peer", "step", "key", "conn")
+
+    def __init__(self, request_id: int, peer: Peer, step: Any, key: str) -> None:
+        self.id = request_id
+        self.peer = peer
+        self.step = step
+        self.key = key
+        self.conn: Any = None  # where it went: a CANCEL must follow it there
+
+
+class RemoteWaiter:
+    """A remote consumer's request parked in our table, shaped like a future for ``Table``."""
+
+    __slots__ = ("core", "conn", "step", "request_id", "route", "_done")
+
+    def __init__(self, core: Core, conn: Wire, step: Any, request_id: Any, route: Route) -> None:
+        self.core = core
+        self.conn = conn
+        self.step = step
+        self.request_id = request_id
+        self.route = route
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done or self.conn.closed
+
+    def cancel(self) -> None:
+        self._done = True
+
+    def set_result(self, value: Any) -> None:
+        self._done = True
+        self.conn.parked.pop(self.request_id, None)
+        self.core.answer(self.conn, self.step, self.request_id, self.route, value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._done = True
+        self.conn.parked.pop(self.request_id, None)
+        code = "aborted" if isinstance(exc, Aborted) else type(exc).__name__
+        self.conn.write_frame(encode_error(self.request_id, self.step, self.route.text, code,
+                                           str(exc)))
+
+
+class Wire:
+    """One connection's protocol state and its coalescing write buffer.
+
+    Small frames issued in one loop iteration are coalesced into one write, flushed by a
+    ``call_soon`` callback at the end of the iteration.  A large payload is not copied into
+    that buffer: the pending frames and its header go first, then the payload is handed to
+    the transport as a view of the caller's array.  The transport subclass provides
+    ``_write`` (where bytes hit the socket) and ``fail``.
+    """
+
+    def __init__(self, core: Core, outbound: bool, peer: Any, decoder: Any) -> None:
+        self.core = core
+        self.outbound = outbound
+        self.peer = peer                  # known from the start when dialling, else at HELLO
+        self.decoder = decoder
+        self.ready = False                # HELLO received
+        self.closed = False
+        self.closed_here = False          # we closed it gracefully: not a lost peer
+        self.bye_received = False
+        self.paused = False               # the transport's buffer is above its high-water mark
+        self.close_reason: Any = None
+        self.parked: dict = {}            # request id -> RemoteWaiter parked in our table
+        # The rvz.onesided channel this connection negotiated at HELLO (shm, verbs): DATA then
+        # goes one-sided through it, and its control frames are handed to it.
+        self.dataplane: Any = None
+        self.bytes_out = 0
+        self._out = bytearray()
+        self._flush_scheduled = False
+        self._call_soon = core.loop.call_soon
+
+    # -- reading --------------------------------------------------------------------------
+
+    def feed(self, nbytes: int) -> None:
+        """``nbytes`` arrived in the decoder's buffer: decode and dispatch every frame."""
+        try:
+            events = self.decoder.buffer_updated(nbytes)
+        except ProtocolError as exc:
+            self.fail(exc)
+            return
+        if events:
+            if not self.ready and len(events) > 1:
+                # HELLO (always the first frame) may attach a dataplane; the frames that came
+                # in the same read after it must already go through that dataplane.
+                self.core.dispatch(self, events[:1])
+                events = events[1:]
+                if self.closed:
+                    return
+            if self.dataplane is not None:
+                events = self.dataplane.on_frames(events)
+            self.core.dispatch(self, events)
+
+    def deliver(self, events: list) -> None:
+        """Frames that arrived another way (a one-sided channel's completions)."""
+        self.core.dispatch(self, events)
+
+    # -- writing --------------------------------------------------------------------------
+
+    def write_frame(self, frame: bytes) -> None:
+        """Queue a small frame; it leaves with the others of this loop iteration."""
+        if self.closed:
+            return
+        self._out += frame
+        self._queued()
+
+    def write_value(self, step: Any, request_id: Any, key: bytes, value: Any, code: int,
+                    shape: tuple, nbytes: int) -> None:
+        """Queue a DATA frame: header in the coalescing buffer, a large payload by reference."""
+        if self.closed:
+            raise self.lost_error()
+        if self.dataplane is not None:  # shm / verbs: the payload goes one-sided
+            self.dataplane.write_value(step, request_id, key, value, code, shape, nbytes)
+            return
+        if nbytes <= COALESCE_MAX:
+            append_data(self._out, step, request_id, key, code, shape, nbytes, value, True)
+            self._queued()
+        elif not self.closed_here:
+            # Pending small frames, this header and the payload leave in one gathered write.
+            out = self._out
+            append_data(out, step, request_id, key, code, shape, nbytes, value, False)
+            self._out = bytearray()
+            self._write(out, _codec.payload_view(value))
+
+    def _queued(self) -> None:
+        """Frames were added: write now if enough is pending, else at the end of this loop
+        iteration."""
+        if len(self._out) >= FLUSH_AT:
+            self._write_out()
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write what is pending (the end-of-iteration callback)."""
+        self._flush_scheduled = False
+        self._write_out()
+
+    def _write_out(self) -> None:
+        if self._out and not self.closed:
+            data = self._out
+            self._out = bytearray()  # the transport may keep a reference to ``data``
+            self._write(data, None)
+
+    def _write(self, data: bytearray, payload: Any) -> None:
+        raise NotImplementedError  # the transport's: where bytes hit the socket
+
+    def fail(self, reason: BaseException) -> None:
+        raise NotImplementedError  # the transport's: close at once
+
+    def lost_error(self, key: Any = None) -> PeerLost:
+        name = self.peer.name if self.peer is not None else "an unidentified peer"
+        where = f" (key {key})" if key else ""
+        err = PeerLost(f"connection to {name} is closed{where}: {self.close_reason}")
+        err.__cause__ = self.close_reason
+        return err
+
+
+class Core:
+    """The node's protocol state and its per-message work (see the module docstring)."""
+
+    def __init__(self, shell: Any, cluster: Any, task_id: tuple, name: str, mode: str,
+                 loop: Any, push_window: int, hold_limit: int, claim_timeout: Any) -> None:
+        self.shell = shell                 # the rvz.node.Node that owns this core
+        self.cluster = cluster
+        self.id = task_id
+        self.name = name
+        self.mode = mode
+        self.loop = loop
+        self.running = False               # sends and recvs accepted
+        self.closed = False                # nothing is served any more
+        self.push_window = push_window
+        self.hold_limit = hold_limit
+        self.claim_timeout = claim_timeout
+        self.peers: dict = {}              # (job, task) -> Peer
+        self.tables: dict = {}             # step -> Table: where a key is matched
+        self.dead_steps: dict = {}         # step -> why it was cleaned up
+        self.step_peers: dict = {}         # step -> peers that took part in it
+        self.routes: dict = {}             # key text -> Route
+        self.devices: dict = {}            # device name -> (job, task)
+        self.requests: dict = {}           # request id -> Request
+        self.outstanding: dict = {}        # (step, key) -> deque of request ids, oldest first
+        self._request_ids = itertools.count(1)
+        self.held_bytes = 0                # Recv-Driven values waiting for remote consumers
+        self.held_count = 0
+        self.hold_waiters: deque = deque()
+        self.claims: deque = deque()       # (deadline, step, key) of held values
+        self.waits_producer = 0            # how often a send had to wait (window, hold limit)
+        self.waits_consumer = 0            # how often a recv had to wait for its value
+
+    # -- keys and tables ----------------------------------------------------------------
+
+    def route(self, key: Any) -> Route:
+        text = key if type(key) is str else str(key)
+        route = self.routes.get(text)
+        if route is None:
+            # Keys change every step (frame:iter), devices do not: those are parsed once.
+            parsed = _keys.as_key(key)
+            canonical = str(parsed)
+            route = Route(canonical, self._task_of(parsed.src, canonical),
+                          self._task_of(parsed.dst, canonical))
+            if len(self.routes) >= _ROUTE_CACHE_MAX:
+                self.routes.clear()
+            self.routes[text] = route
+        return route
+
+    def _task_of(self, device: str, key: str) -> tuple:
+        """``(job, task)`` of a device name, checked against the cluster once per device."""
+        task_id = self.devices.get(device)
+        if task_id is None:
+            task_id = _keys.parse_device(device)
+            try:  # here, before a recv queues its waiter: not a KeyError from deep inside
+                self.cluster.address(*task_id)
+            except KeyError:
+                raise WrongEndpoint(f"key {key} names /job:{task_id[0]}/task:{task_id[1]}, "
+                                    f"which is not in the cluster {self.cluster!r}") from None
+            if len(self.devices) >= _DEVICES_MAX:
+                self.devices.clear()
+            self.devices[device] = task_id
+        return task_id
+
+    def own_route(self, key: Any, sending: bool) -> Route:
+        """The route of a key this node may send (its src) or receive (its dst) now."""
+        route = self.route(key)
+        end = route.src if sending else route.dst
+        if end != self.id:
+            op, role = ("send", "source") if sending else ("recv", "destination")
+            raise WrongEndpoint(f"cannot {op} key {route.text} on {self.name}: its {role} is "
+                                f"/job:{end[0]}/task:{end[1]}")
+        if not self.running:
+            self.shell._check_running(route.text)
+        return route
+
+    def peer(self, task_id: tuple) -> Peer:
+        peer = self.peers.get(task_id)
+        if peer is None:
+            peer = Peer(task_id, self.cluster.address(*task_id), self.push_window)
+            self.peers[task_id] = peer
+        return peer
+
+    def table(self, step: Any) -> Table:
+        table = self.tables.get(step)
+        if table is None:
+            dead = self.dead_steps.get(step)
+            if dead is not None:
+                raise Aborted(dead)
+            table = Table()
+            self.tables[step] = table
+        return table
+
+    def joined(self, step: Any, peer: Peer) -> None:
+        peers = self.step_peers.get(step)
+        if peers is None:
+            self.step_peers[step] = {peer}
+        elif peer not in peers:
+            peers.add(peer)
+
+    def _check_mode(self, mode: Any) -> str:
+        if mode is None:
+            return self.mode
+        if mode != "recv" and mode != "send":
+            raise ValueError(f"mode must be 'recv' or 'send', not {mode!r}")
+        return mode
+
+    # -- send -----------------------------------------------------------------------------
+
+    def send(self, key: Any, value: Any, mode: Any, step: Any) -> Any:
+        """The synchronous part of ``Node.send``.
+
+        Returns None when the value is queued, on the wire or in a table; a future when the
+        push waits in its peer's queue (for the link, credit or the socket); or a
+        ``(table, route, value, nbytes, peer)`` tuple when a Recv-Driven value must first
+        wait for room under ``hold_limit`` (``Node`` waits, then calls ``hold``).
+        """
+        route = self.own_route(key, True)
+        value, code, shape, nbytes = describe(value)
+        table = self.table(step)
+        if route.dst == self.id:
+            table.put(route.text, value)
+            return None
+        peer = self.peer(route.dst)
+        self.joined(step, peer)
+        mode = self._check_mode(mode)
+        if mode == "send" and not table.waiting(route.text):
+            return self.push(peer, step, route, value, code, shape, nbytes)
+        # Recv-Driven (or a consumer already asked for it): a parked request takes it now.
+        # Else wait for room under hold_limit *before* queuing it, so that a send that times
+        # out or is cancelled did not send (one value alone may exceed the limit).
+        if self.held_count and self.held_bytes + nbytes > self.hold_limit:
+            if not table.waiting(route.text):
+                self.waits_producer += 1
+                return (table, route, value, nbytes, peer)
+        self.hold(table, step, route, value, nbytes)
+        return None
+
+    def hold_full(self, table: Table, route: Route, nbytes: int) -> bool:
+        """Whether a Recv-Driven value of ``nbytes`` must still wait for room."""
+        return bool(self.held_count and self.held_bytes + nbytes > self.hold_limit
+                    and not table.waiting(route.text))
+
+    def hold(self, table: Table, step: Any, route: Route, value: Any, nbytes: int) -> None:
+        """Keep a Recv-Driven value for its consumer (or hand it to its parked request)."""
+        if table.put(route.text, value):
+            return
+        self.held_bytes += nbytes
+        self.held_count += 1
+        if self.claim_timeout is not None:
+            self.claims.append((self.loop.time() + self.claim_timeout, step, route.text))
+
+    def push(self, peer: Peer, step: Any, route: Route, value: Any, code: int, shape: tuple,
+             nbytes: int) -> Any:
+        """Send-Driven: write the value to its consumer now if the link, its credit and the
+        socket allow (returns None), else queue it behind earlier pushes (returns a future)."""
+        conn = peer.link
+        cost = nbytes + MESSAGE_COST
+        if (conn is not None and not peer.queue and conn.ready and not conn.closed
+                and not conn.paused and (peer.credit >= cost or peer.credit >= self.push_window)):
+            peer.credit -= cost
+            conn.write_value(step, 0, route.wire, value, code, shape, nbytes)
+            return None
+        self.waits_producer += 1
+        return self.queue_push(peer, step, route, value, code, shape, nbytes)
+
+    def queue_push(self, peer: Peer, step: Any, route: Route, value: Any, code: int,
+                   shape: tuple, nbytes: int) -> Any:
+        done = self.loop.create_future()
+        peer.queue.append((done, step, route, value, code, shape, nbytes))
+        self.pump(peer)
+        return done
+
+    def pump(self, peer: Peer) -> None:
+        """Write queued pushes while the link, credit and socket allow; else arrange a wake-up."""
+        queue = peer.queue
+        while queue:
+            item = queue[0]
+            done = item[0]
+            if done.done():  # cancelled or timed out before it went out
+                queue.popleft()
+                continue
+            conn = peer.link
+            if conn is None or conn.closed or not conn.ready:
+                self.shell._start_link(peer)  # the node pumps again once linked
+                return
+            if conn.paused:
+                conn.on_resume = self.pump_later  # resume_writing pumps again
+                return
+            nbytes = item[6]
+            cost = nbytes + MESSAGE_COST
+            if not (peer.credit >= cost or peer.credit >= self.push_window):
+                if not peer.asked:  # the consumer may be holding back a batch: ask for it
+                    peer.asked = True
+                    conn.write_frame(encode_credit(0))
+                return  # on_credit pumps again
+            queue.popleft()
+            peer.credit -= cost
+            route = item[2]
+            conn.write_value(item[1], 0, route.wire, item[3], item[4], item[5], nbytes)
+            done.set_result(None)
+
+    def pump_later(self, conn: Any) -> None:
+        if conn.peer is not None:
+            self.pump(conn.peer)
+
+    def answer(self, conn: Wire, step: Any, request_id: Any, route: Route, value: Any) -> None:
+        """Send ``value`` as the answer to a Recv-Driven request.
+
+        Over TCP the answer goes on our link to the consumer, like everything else we send
+        it: one ordered stream per direction, and an answer leaves in the same write as our
+        own next request.  A one-sided channel keeps it on the request's connection, whose
+        channel holds the destination the consumer offered.
+        """
+        value, code, shape, nbytes = describe(value)
+        peer = conn.peer
+        if peer is not None:
+            peer.credit -= nbytes + MESSAGE_COST  # answers are asked for: they never wait for credit
+            link = peer.link
+            if (conn.dataplane is None and link is not None and link is not conn and link.ready
+                    and not link.closed and link.dataplane is None):
+                conn = link
+        conn.write_value(step, request_id, route.wire, value, code, shape, nbytes)
+
+    def released_held(self, nbytes: int) -> None:
+        self.held_bytes -= nbytes
+        self.held_count -= 1
+        if self.hold_waiters and self.held_bytes <= self.hold_limit:
+            for waiter in self.hold_waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    # -- recv -----------------------------------------------------------------------------
+
+    def take(self, key: Any, step: Any) -> Any:
+        """The synchronous part of ``Node.recv``: the oldest queued value of ``key``, or
+        ``EMPTY`` (then the node waits)."""
+        route = self.own_route(key, False)
+        table = self.table(step)
+        value = table.take(route.text)
+        if value is not EMPTY and route.src != self.id:
+            self.consumed(route.src, value)
+        return value
+
+    def recv_mode(self, peer: Peer, mode: Any) -> str:
+        """The mode a recv of a key from ``peer`` runs in.
+
+        A node that holds its values (Recv-Driven by default) is asked for them even by a
+        Send-Driven consumer: default modes that disagree still cost no claim_timeout.
+        """
+        if mode is None:
+            return "recv" if self.mode == "recv" or peer.mode == "recv" else "send"
+        return self._check_mode(mode)
+
+    def new_request(self, peer: Peer, step: Any, route: Route) -> Request:
+        request_id = next(self._request_ids)
+        request = Request(request_id, peer, step, route.text)
+        self.requests[request_id] = request
+        pending = self.outstanding.get((step, route.text))
+        if pending is None:
+            self.outstanding[(step, route.text)] = deque((request_id,))
+        else:
+            pending.append(request_id)
+        return request
+
+    def request(self, peer: Peer, step: Any, route: Route) -> None:
+        """Recv-Driven: ask ``peer`` for the next value of ``route``."""
+        request = self.new_request(peer, step, route)
+        conn = peer.link
+        if conn is not None and conn.ready and not conn.closed:
+            self.send_requests(conn, [request])
+        else:
+            self.shell._request_when_linked([request])
+
+    def send_requests(self, conn: Wire, requests: list) -> None:
+        """Put requests (all of one step) on ``conn``: one frame for one, REQUESTS for many."""
+        dataplane = conn.dataplane
+        for request in requests:
+            request.conn = conn
+            if dataplane is not None:  # one-sided: offer the destination first
+                dataplane.on_request(request.step, request.id, request.key)
+        if len(requests) == 1:
+            request = requests[0]
+            conn.write_frame(encode_request(request.step, request.id,
+                                            request.key.encode("utf-8")))
+            return
+        step = requests[0].step
+        entries = [(r.id, r.key.encode("utf-8")) for r in requests]
+        for start in range(0, len(entries), 1024):
+            conn.write_frame(encode_requests(step, entries[start:start + 1024]))
+
+    def forget_request(self, request_id: Any, step: Any, key: str) -> None:
+        pending = self.outstanding.get((step, key))
+        if pending is not None:
+            try:
+                pending.remove(request_id)
+            except ValueError:
+                pass
+            if not pending:
+                del self.outstanding[(step, key)]
+
+    def rebalance(self, step: Any, key: str, table: Table) -> None:
+        """Cancel requests that no local waiter needs any more (newest first)."""
+        pending = self.outstanding.get((step, key))
+        if pending is None:
+            return
+        surplus = len(pending) - (table.waiting(key) if not table.aborted else 0)
+        while surplus > 0 and pending:
+            request = self.requests.pop(pending.pop(), None)
+            surplus -= 1
+            if request is not None:
+                conn = request.conn
+                if conn is not None and not conn.closed:
+                    conn.write_frame(encode_cancel(request.id))
+        if not pending:
+            del self.outstanding[(step, key)]
+
+    def consumed(self, src: tuple, value: Any) -> None:
+        """A value from ``src`` left our table: grant that producer the space again."""
+        peer = self.peers.get(src)
+        if peer is None:
+            return
+        peer.owed += nbytes_of(value) + MESSAGE_COST
+        # Credit goes back in batches of a quarter window (one frame per many messages),
+        # or at once when the producer said it is waiting for it.
+        if (peer.owe_now or peer.owed >= self.push_window >> 2) and not peer.owed_scheduled:
+            peer.owed_scheduled = True
+            self.loop.call_soon(self.flush_credit, peer)
+
+    def unconsumed(self, src: tuple, value: Any) -> None:
+        """A value we counted as consumed went back to its queue (a cancelled recv)."""
+        peer = self.peers.get(src)
+        if peer is not None:
+            peer.owed -= nbytes_of(value) + MESSAGE_COST
+
+    def flush_credit(self, peer: Peer) -> None:
+        peer.owed_scheduled = False
+        self.flush_credit_now(peer)
+
+    def flush_credit_now(self, peer: Any) -> None:
+        if peer is None or peer.owed <= 0:
+            return
+        conns = peer.live_connections()
+        if conns:
+            peer.owe_now = False
+            if conns[0].dataplane is not None:  # one-sided: with the data, one wake-up less
+                conns[0].dataplane.send_credit(peer.owed)
+            else:
+                conns[0].write_frame(encode_credit(peer.owed))
+            peer.owed = 0
+
+    # -- batches ------------------------------------------------------------------------
+
+    def send_many(self, items: list, mode: Any, step: Any, start: int) -> Any:
+        """Send ``items[start:]`` until one must wait: returns ``(index, pending)`` of that
+        one (see ``send``), or None when all went."""
+        n = len(items)
+        i = start
+        while i < n:
+            item = items[i]
+            pending = self.send(item[0], item[1], mode, step)
+            if pending is not None:
+                return (i, pending)
+            i += 1
+        return None
+
+    def check_routes(self, keys: list, sending: bool) -> list:
+        """Every key's route, checked before a batch touches anything."""
+        return [self.own_route(key, sending) for key in keys]
+
+    def take_many(self, routes: list, step: Any) -> Any:
+        """Take what is queued for a ``recv_many``: the list of values when every key had
+        one, else a ``Batch`` (its missing slots are not registered yet)."""
+        table = self.table(step)
+        n = len(routes)
+        values = [EMPTY] * n
+        missing = 0
+        me = self.id
+        for i in range(n):
+            route = routes[i]
+            value = table.take(route.text)
+            if value is EMPTY:
+                missing += 1
+            else:
+                values[i] = value
+                if route.src != me:
+                    self.consumed(route.src, value)
+        if not missing:
+            return values
+        self.waits_consumer += 1
+        return Batch(table, [r.text for r in routes], values, missing, self.loop.create_future())
+
+    # -- frames from peers ----------------------------------------------------------------
+
+    def dispatch(self, conn: Wire, events: list) -> None:
+        """Handle every frame decoded from one read (or one batch of completions)."""
+        for event in events:
+            kind = event[0]
+            try:
+                if kind == DATA:
+                    self.on_data(conn, event[1], event[2], event[3], event[4])
+                elif kind == REQUEST:
+                    self.on_request(conn, event[1], event[2], event[3])
+                elif kind == CREDIT:
+                    self.on_credit(conn, event[1])
+                elif kind == CANCEL:
+                    self.on_cancel(conn, event[1])
+                elif kind == PING:
+                    pass
+                elif kind == HELLO:
+                    self.shell._on_hello(conn, event[1])
+                elif kind == ERROR:
+                    self.shell._on_error(conn, event[1])
+                elif kind == ABORT_STEP:
+                    self.shell._on_abort_step(conn, event[1], event[2])
+                elif kind == BYE:
+                    conn.bye_received = True
+            except (ProtocolError, TransportError) as exc:
+                conn.fail(exc)
+                return
+            except (KeyFormatError, WrongEndpoint) as exc:
+                # A key from the wire that does not parse or route is the peer's protocol
+                # violation: close that connection only, never raise into the event loop.
+                err = ProtocolError(f"{_peer_name(conn)} sent a key we cannot route: {exc}")
+                err.__cause__ = exc
+                conn.fail(err)
+                return
+
+    def on_data(self, conn: Wire, step: Any, request_id: Any, key: str, value: Any) -> None:
+        peer = conn.peer
+        if peer is None:
+            raise ProtocolError("DATA before HELLO")
+        if request_id:
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                self.forget_request(request_id, step, key)
+        route = self.route(key)
+        if route.dst != self.id or route.src != peer.id:
+            raise ProtocolError(f"{peer.name} sent key {key} to {self.name}; the key routes from "
+                                f"/job:{route.src[0]}/task:{route.src[1]} to "
+                                f"/job:{route.dst[0]}/task:{route.dst[1]} (cluster specs differ?)")
+        table = self.tables.get(step)
+        if table is None:
+            if step in self.dead_steps:
+                self.consumed(peer.id, value)  # dropped: the step is gone
+                return
+            table = Table()
+            self.tables[step] = table
+        self.joined(step, peer)
+        if table.put(key, value):
+            self.consumed(peer.id, value)
+
+    def on_request(self, conn: Wire, step: Any, request_id: Any, key: str) -> None:
+        route = self.route(key)
+        if route.src != self.id:
+            conn.write_frame(encode_error(
+                request_id, step, key, "WrongEndpoint",
+                f"{self.name} cannot answer a request for key {key}: its source is "
+                f"/job:{route.src[0]}/task:{route.src[1]}"))
+            return
+        dead = self.dead_steps.get(step)
+        if dead is not None or self.closed:
+            conn.write_frame(encode_error(request_id, step, key, "aborted",
+                                          dead or f"node {self.name} closed"))
+            return
+        peer = conn.peer
+        if peer is None:
+            raise ProtocolError("REQUEST before HELLO")
+        table = self.table(step)
+        self.joined(step, peer)
+        waiter = RemoteWaiter(self, conn, step, request_id, route)
+        value = table.take_or_wait(key, waiter)
+        if value is EMPTY:
+            conn.parked[request_id] = waiter
+        else:
+            self.released_held(nbytes_of(value))
+            self.answer(conn, step, request_id, route, value)
+
+    def on_credit(self, conn: Wire, nbytes: Any) -> None:
+        peer = conn.peer
+        if peer is None:
+            return
+        if nbytes == 0:  # the producer waits for credit we hold back in a batch
+            peer.owe_now = True
+            self.flush_credit_now(peer)
+            return
+        peer.credit = min(peer.credit + nbytes, self.push_window)
+        peer.asked = False
+        if peer.queue:
+            self.pump(peer)
+
+    def on_cancel(self, conn: Wire, request_id: Any) -> None:
+        parked = conn.parked.pop(request_id, None)
+        if parked is not None:
+            parked.cancel()
+            table = self.tables.get(parked.step)
+            if table is not None:
+                table.remove_waiter(parked.route.text, parked)
+
+
+def _peer_name(conn: Any) -> str:
+    return conn.peer.name if conn.peer is not None else "an unidentified peer"

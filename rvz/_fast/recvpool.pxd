@@ -1,5 +1,54 @@
+cimport cython
+
+cpdef Py_ssize_t size_class(Py_ssize_t nbytes) except -1
+
+cdef class _SizeClass:
+    cdef public Py_ssize_t size
+    cdef public Py_ssize_t up1
+    cdef public Py_ssize_t up2
+    cdef public list blocks
+    cdef public Py_ssize_t peak
+    cdef public Py_ssize_t prev_peak
+    cdef public Py_ssize_t takes
+    cdef public Py_ssize_t last
+
 cdef class RecvPool:
     cdef public object limit
-    cdef public object held
-    cdef dict _blocks
+    cdef public Py_ssize_t held
+    cdef public Py_ssize_t fresh
+    cdef public Py_ssize_t prepared
+    cdef public Py_ssize_t reused
+    cdef public Py_ssize_t missed
+    cdef public Py_ssize_t released
+    cdef dict _classes
     cdef Py_ssize_t _idle_refs
+    cdef Py_ssize_t _tick
+    cdef object _next
+    cdef Py_ssize_t _swept
+    cdef Py_ssize_t _window
+    cdef Py_ssize_t _stale
+
+    cdef Py_ssize_t _refs(self, list blocks, Py_ssize_t i) except -1
+    @cython.locals(peak=Py_ssize_t)
+    cdef Py_ssize_t _target(self, _SizeClass cls)
+    cdef object _serving(self, _SizeClass cls, Py_ssize_t which)
+    @cython.locals(other=_SizeClass, which=Py_ssize_t)
+    cdef Py_ssize_t _alloc_size(self, _SizeClass cls) except -1
+    @cython.locals(size=Py_ssize_t, cls=_SizeClass, other=_SizeClass, found=_SizeClass,
+                   blocks=list, idle=Py_ssize_t, busy=Py_ssize_t, at=Py_ssize_t,
+                   i=Py_ssize_t, which=Py_ssize_t)
+    cpdef object take(self, Py_ssize_t nbytes)
+    cdef object _exact(self, bytearray block, Py_ssize_t nbytes)
+    @cython.locals(home=_SizeClass)
+    cdef object _allocate(self, Py_ssize_t size, _SizeClass cls, bint spare_only)
+    @cython.locals(cls=_SizeClass, other=_SizeClass, blocks=list, idle=Py_ssize_t,
+                   count=Py_ssize_t, i=Py_ssize_t, which=Py_ssize_t)
+    cpdef bint maintain(self) except -1
+    @cython.locals(cls=_SizeClass, target=Py_ssize_t)
+    cdef dict _needed(self)
+    @cython.locals(cls=_SizeClass, blocks=list, idle=Py_ssize_t, extra=Py_ssize_t,
+                   i=Py_ssize_t, size=Py_ssize_t)
+    cdef _sweep(self)
+    @cython.locals(blocks=list, idle=Py_ssize_t, extra=Py_ssize_t, i=Py_ssize_t,
+                   size=Py_ssize_t, can=Py_ssize_t, rounds=int)
+    cdef bint _make_room(self, Py_ssize_t need, bint spare_only) except -1

@@ -1,7 +1,8 @@
 """Memory for large received arrays: blocks reused once no array refers to them.
 
-The decoder asks ``take(nbytes)`` for the block a large payload lands in; nothing here
-touches a socket or the event loop.
+The decoder asks ``take(nbytes)`` for the memory a large payload lands in; the transport
+calls ``maintain()`` between reads so the next ``take`` finds a block already faulted in.
+Nothing here touches a socket or the event loop.
 """
 
 from __future__ import annotations
@@ -9,63 +10,287 @@ from __future__ import annotations
 from sys import getrefcount
 from typing import Any
 
+WINDOW = 32    # takes of one size class per high-water window (the mark spans two windows)
+STALE = 1024   # takes of any size after which a size class nobody asked for is let go
+
+
+def size_class(nbytes: int) -> int:
+    """The block size that serves ``nbytes``: 8 classes per octave, at least a page.
+
+    A block of one class serves requests of its own class and of the two below it (so a
+    block wastes under a quarter), which lets tensors whose sizes vary by a few percent
+    share blocks even across a class boundary.
+    """
+    shift = nbytes.bit_length() - 4
+    if shift < 12:
+        shift = 12
+    step = 1 << shift
+    return (nbytes + step - 1) & -step
+
+
+class _SizeClass:
+    """The blocks of one size, and how many blocks its requests had alive at once lately."""
+
+    __slots__ = ("size", "up1", "up2", "blocks", "peak", "prev_peak", "takes", "last")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.up1 = size_class(size + 1)  # the next two classes: their blocks serve this one
+        self.up2 = size_class(self.up1 + 1)
+        self.blocks: list[bytearray] = []  # free or in use: the pool's reference is the list's
+        self.peak = 0       # most blocks alive at one take, this window (the new one included)
+        self.prev_peak = 0  # the same over the previous window
+        self.takes = 0      # takes in this window
+        self.last = -(1 << 40)  # the pool's take count at this class's latest take
+
 
 class RecvPool:
     """Memory for large received arrays, used again once every array on it is gone.
 
     A fresh ``np.empty`` per large tensor costs a page fault per 4 KiB (the allocator
-    returns big blocks to the kernel between messages): on a 2-core VM that is about as long
-    as the copy out of the socket.  A pooled block is a ``bytearray`` the arrays are built on
+    returns big blocks to the kernel between messages): about as long as the copy out of
+    the socket.  A pooled block is a ``bytearray`` the arrays are built on
     (``np.frombuffer``), so their views keep it referenced: the block is free again exactly
-    when its reference count is back to the pool's own.  At most ``limit`` bytes are kept.
+    when its reference count is back to the pool's own.
+
+    The pool learns, per size class, how many blocks able to serve it are alive when one is
+    taken (a consumer that keeps its previous array needs two, three when one more waits in
+    the table) and keeps that many plus one spare.  ``maintain()`` allocates that spare
+    (zeroed, so its pages are faulted in) outside ``take``; blocks nobody needs any more are
+    released.  At most ``limit`` bytes are kept: when a ``take`` would exceed it, free blocks
+    of the sizes used longest ago are dropped; a block an array refers to never is.
     """
 
-    __slots__ = ("limit", "held", "_blocks", "_idle_refs")
+    __slots__ = ("limit", "held", "fresh", "prepared", "reused", "missed", "released",
+                 "_classes", "_idle_refs", "_tick", "_next", "_swept", "_window", "_stale")
 
-    def __init__(self, limit: int = 64 << 20) -> None:
+    def __init__(self, limit: int = 64 << 20, window: int = WINDOW, stale: int = STALE) -> None:
         self.limit = limit
-        self.held = 0
-        self._blocks: dict[int, list[bytearray]] = {}  # size -> blocks, free or in use
-        self._idle_refs = -1  # the reference count of a free block, seen from take()
+        self.held = 0       # bytes in all blocks, free or in use
+        self.fresh = 0      # blocks allocated inside take(): page faults on the data path
+        self.prepared = 0   # blocks allocated by maintain(), off the data path
+        self.reused = 0     # takes served by a free block
+        self.missed = 0     # takes answered None (over the limit): the caller allocates
+        self.released = 0   # blocks dropped (evicted for room, stale or surplus)
+        self._classes: dict[int, _SizeClass] = {}
+        self._tick = 0      # takes so far
+        self._next: _SizeClass | None = None  # the class of the latest take: what the next take likely needs
+        self._swept = 0     # _tick at the last sweep for surplus blocks
+        self._window = window if window > 0 else 1
+        self._stale = stale if stale > 0 else 1
+        # Measured, not assumed: the compiled and the interpreted code hold different
+        # temporaries, so a block only the pool refers to is counted through _refs() itself.
+        probe = [bytearray()]
+        self._idle_refs = self._refs(probe, 0)
+
+    def _refs(self, blocks: list, i: int) -> int:
+        """The reference count of ``blocks[i]``, seen the same way for every block."""
+        block = blocks[i]
+        return getrefcount(block)
+
+    def _target(self, cls: _SizeClass) -> int:
+        """How many blocks ``cls`` should have: its high-water mark plus a spare, or none."""
+        if self._tick - cls.last > self._stale:
+            return 0
+        peak = cls.peak if cls.peak > cls.prev_peak else cls.prev_peak
+        return peak + 1
+
+    def _serving(self, cls: _SizeClass, which: int) -> Any:
+        """``cls`` itself (0) or the class one or two above it (1, 2), or None."""
+        if which == 0:
+            return cls
+        return self._classes.get(cls.up1 if which == 1 else cls.up2)
+
+    def _alloc_size(self, cls: _SizeClass) -> int:
+        """The size of a new block for ``cls``: the largest neighbour asked for lately.
+
+        Sizes that straddle a class boundary then end up on blocks of the upper class,
+        which serve both; a stream of one exact size gets blocks of exactly its class.
+        """
+        for which in (2, 1):
+            other = self._serving(cls, which)
+            if other is not None and self._tick - other.last <= self._window \
+                    and other.size <= self.limit:
+                return int(other.size)
+        return int(cls.size)
 
     def take(self, nbytes: int) -> Any:
-        """A free block of exactly ``nbytes``, or None (then allocate outside the pool)."""
-        blocks = self._blocks.get(nbytes)
-        if blocks is not None:
-            idle = self._idle_refs
-            for block in blocks:
-                if getrefcount(block) <= idle:
-                    return block
-        if self.held + nbytes > self.limit and not self._evict(self.held + nbytes - self.limit):
-            return None
-        fresh = bytearray(nbytes)
-        if blocks is None:
-            blocks = self._blocks[nbytes] = []
-        blocks.append(fresh)
-        self.held += nbytes
-        if self._idle_refs < 0:
-            # Measured, not assumed: the compiled and the interpreted loop hold different
-            # temporaries.  Here ``fresh`` holds one reference more than a free block has.
-            for block in blocks:
-                if block is fresh:
-                    self._idle_refs = getrefcount(block) - 1
-        return fresh
+        """Writable memory of exactly ``nbytes`` no array refers to, or None.
 
-    def _evict(self, need: int) -> bool:
-        """Drop free blocks (of any size) until ``need`` bytes are released."""
+        The result is a pooled ``bytearray`` or a ``memoryview`` of its first ``nbytes``;
+        build the array on it with ``np.frombuffer``.  None: allocate outside the pool.
+        """
+        size = size_class(nbytes)
+        self._tick += 1
+        cls = self._classes.get(size)
+        if cls is None:
+            if size > self.limit:
+                self.missed += 1
+                return None
+            cls = _SizeClass(size)
+            self._classes[size] = cls
+        cls.last = self._tick
+        self._next = cls
         idle = self._idle_refs
-        for size in list(self._blocks):
-            kept = []
-            for block in self._blocks[size]:  # the same loop shape as in take()
-                if need > 0 and getrefcount(block) <= idle:
-                    need -= size
+        busy = 0
+        found: Any = None
+        at = -1
+        for which in range(3):
+            other = self._serving(cls, which)
+            if other is None:
+                continue
+            blocks = other.blocks
+            for i in range(len(blocks)):
+                if self._refs(blocks, i) > idle:
+                    busy += 1
+                elif found is None:
+                    found = other
+                    at = i
+        # Learn how many blocks this size had alive at once, this one included.
+        if cls.takes >= self._window:
+            cls.prev_peak = cls.peak
+            cls.peak = 0
+            cls.takes = 0
+        cls.takes += 1
+        if busy + 1 > cls.peak:
+            cls.peak = busy + 1
+        if found is not None:
+            self.reused += 1
+            return self._exact(found.blocks[at], nbytes)
+        block = self._allocate(self._alloc_size(cls), cls, False)
+        if block is None:
+            self.missed += 1
+            return None
+        self.fresh += 1
+        return self._exact(block, nbytes)
+
+    def _exact(self, block: bytearray, nbytes: int) -> Any:
+        if nbytes == len(block):
+            return block
+        return memoryview(block)[:nbytes]  # the view keeps the block referenced, as arrays do
+
+    def _allocate(self, size: int, cls: _SizeClass, spare_only: bool) -> Any:
+        """A new zeroed block of ``size`` bytes kept for ``cls``'s requests, or None."""
+        if self.held + size > self.limit and not self._make_room(self.held + size - self.limit,
+                                                                 spare_only):
+            return None
+        home = self._classes.get(size)
+        if home is None:
+            home = _SizeClass(size)
+            self._classes[size] = home
+        block = bytearray(size)  # zeroing it faults its pages in now
+        home.blocks.append(block)
+        self.held += size
+        return block
+
+    def maintain(self) -> bool:
+        """Prepare the block the next ``take`` is expected to need; True if it allocated one.
+
+        Call it when the connection is idle or after a read completes: it costs a few
+        comparisons when there is nothing to do, and allocates (and faults in) at most one
+        block per call.  Every ``window`` takes it also releases free blocks beyond what
+        their size classes need.
+        """
+        if self._tick - self._swept >= self._window:
+            self._swept = self._tick
+            self._sweep()
+        cls = self._next
+        if cls is None:
+            return False
+        self._next = None
+        current = self._classes.get(cls.size)
+        if current is not cls:  # swept away since that take
+            return False
+        idle = self._idle_refs
+        count = 0
+        for which in range(3):
+            other = self._serving(cls, which)
+            if other is None:
+                continue
+            blocks = other.blocks
+            for i in range(len(blocks)):
+                if self._refs(blocks, i) <= idle:
+                    return False  # a free one is ready; the spare waits until it is needed
+                count += 1
+        if count >= self._target(cls):
+            return False
+        if self._allocate(self._alloc_size(cls), cls, True) is None:
+            return False
+        self.prepared += 1
+        return True
+
+    def _needed(self) -> dict:
+        """Per block size, how many blocks the classes it serves want."""
+        need: dict[int, int] = {}
+        for cls in self._classes.values():
+            target = self._target(cls)
+            for size in (cls.size, cls.up1, cls.up2):
+                if need.get(size, 0) < target:
+                    need[size] = target
+        return need
+
+    def _sweep(self) -> None:
+        """Release free blocks beyond what their classes need (all of a stale class's)."""
+        need = self._needed()
+        idle = self._idle_refs
+        for size in list(self._classes):
+            cls = self._classes[size]
+            blocks = cls.blocks
+            extra = len(blocks) - need.get(size, 0)
+            i = len(blocks) - 1
+            while extra > 0 and i >= 0:
+                if self._refs(blocks, i) <= idle:
+                    del blocks[i]
                     self.held -= size
-                else:
-                    kept.append(block)
-            if kept:
-                self._blocks[size] = kept
-            else:
-                del self._blocks[size]
-            if need <= 0:
-                return True
-        return False
+                    self.released += 1
+                    extra -= 1
+                i -= 1
+            if not blocks and self._target(cls) == 0 and cls is not self._next:
+                del self._classes[size]
+
+    def _make_room(self, need: int, spare_only: bool) -> bool:
+        """Drop free blocks until ``need`` bytes are released; False (dropping none) if not.
+
+        Blocks beyond what their classes need go first, then (unless ``spare_only``) any
+        free block, the sizes used longest ago first.
+        """
+        wanted = self._needed()
+        idle = self._idle_refs
+        order = sorted([(cls.last, size) for size, cls in self._classes.items()])
+        can = 0
+        for _last, size in order:
+            blocks = self._classes[size].blocks
+            extra = len(blocks) - wanted.get(size, 0)
+            for i in range(len(blocks)):
+                if (not spare_only or extra > 0) and self._refs(blocks, i) <= idle:
+                    can += size
+                    extra -= 1
+        if can < need:
+            return False
+        for rounds in range(1 if spare_only else 2):
+            for _last, size in order:
+                blocks = self._classes[size].blocks
+                extra = len(blocks) - wanted.get(size, 0)
+                i = len(blocks) - 1
+                while need > 0 and i >= 0 and (rounds == 1 or extra > 0):
+                    if self._refs(blocks, i) <= idle:
+                        del blocks[i]
+                        self.held -= size
+                        self.released += 1
+                        need -= size
+                        extra -= 1
+                    i -= 1
+        return need <= 0
+
+    def stats(self) -> dict:
+        """Per block size: ``(blocks, free, target)``; for tests and benchmarks."""
+        idle = self._idle_refs
+        out = {}
+        for size, cls in self._classes.items():
+            blocks = cls.blocks
+            free = 0
+            for i in range(len(blocks)):
+                if self._refs(blocks, i) <= idle:
+                    free += 1
+            out[size] = (len(blocks), free, self._target(cls))
+        return out

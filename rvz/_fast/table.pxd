@@ -13,3 +13,19 @@ cdef class Table:
     cpdef Py_ssize_t waiting(self, str key) except -1
     cpdef Py_ssize_t queued(self, str key) except -1
     cpdef list abort(self, str message, object cause)
+    cpdef list restore(self, str key, list values)
+
+
+cdef class Batch:
+    cdef public Table table
+    cdef public list keys
+    cdef public list values
+    cdef public Py_ssize_t missing
+    cdef public object future
+    cdef public list slots
+
+
+cdef class Slot:
+    cdef public Batch batch
+    cdef public Py_ssize_t index
+    cdef public bint filled

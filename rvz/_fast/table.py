@@ -136,6 +136,30 @@ class Table:
         values = self._values.get(key)
         return 0 if values is None else len(values)
 
+    def restore(self, key: str, values: list) -> list:
+        """Give back values, oldest first, that a batch had taken and no longer wants.
+
+        They go to the key's live waiters in order, and what is left to the head of its
+        queue, so FIFO order holds.  Returns the values that went back to the queue (nothing
+        after an abort: they are dropped).
+        """
+        if self._abort_message is not None:
+            return []
+        n = len(values)
+        i = 0
+        while i < n and self.waiting(key):
+            self.put(key, values[i])
+            i += 1
+        if i == n:
+            return []
+        rest = values[i:]
+        queue = self._values.get(key)
+        if queue is None:
+            self._values[key] = deque(rest)
+        else:
+            queue.extendleft(reversed(rest))
+        return rest
+
     def keys_waiting(self) -> list:
         return list(self._waiters)
 
@@ -173,6 +197,95 @@ class Table:
                 if not waiter.done():
                     waiter.set_exception(self.aborted_error(key))
         return dropped
+
+
+class Slot:
+    """One position of a ``Batch`` waiting in a key's queue, shaped like a future."""
+
+    __slots__ = ("batch", "index", "filled")
+
+    def __init__(self, batch: Batch, index: int) -> None:
+        self.batch = batch
+        self.index = index
+        self.filled = False
+
+    def done(self) -> bool:
+        return self.filled or self.batch.future.done()
+
+    def set_result(self, value: Any) -> None:
+        self.filled = True
+        batch = self.batch
+        batch.values[self.index] = value
+        batch.missing -= 1
+        if batch.missing == 0 and not batch.future.done():
+            batch.future.set_result(batch.values)
+
+    def set_exception(self, exc: BaseException) -> None:
+        if not self.batch.future.done():
+            self.batch.future.set_exception(exc)
+
+
+class Batch:
+    """One ``recv_many`` on one table: the values it has and a future for the rest.
+
+    All or nothing: ``restore()`` gives every value it took back to its key, in order, when
+    the batch fails, times out or is cancelled.
+    """
+
+    __slots__ = ("table", "keys", "values", "missing", "future", "slots")
+
+    def __init__(self, table: Table, keys: list, values: list, missing: int, future: Any) -> None:
+        self.table = table
+        self.keys = keys
+        self.values = values
+        self.missing = missing
+        self.future = future
+        self.slots: list = []
+
+    def wait(self) -> list:
+        """Queue a waiter for every missing position; returns their indexes."""
+        table = self.table
+        keys = self.keys
+        values = self.values
+        waiting = []
+        for i in range(len(keys)):
+            if values[i] is EMPTY:
+                slot = Slot(self, i)
+                value = table.take_or_wait(keys[i], slot)
+                if value is EMPTY:
+                    self.slots.append(slot)
+                    waiting.append(i)
+                else:  # cannot happen on one thread, but costs nothing to handle
+                    slot.set_result(value)
+        return waiting
+
+    def restore(self) -> list:
+        """Undo the batch: drop its waiters and give its values back.
+
+        Returns the ``(key, value)`` pairs that went back to a queue (their consumption is
+        undone), not those another waiter took.
+        """
+        table = self.table
+        for slot in self.slots:
+            if not slot.filled:
+                table.remove_waiter(self.keys[slot.index], slot)
+        by_key: dict = {}
+        values = self.values
+        keys = self.keys
+        for i in range(len(keys)):
+            value = values[i]
+            if value is not EMPTY:
+                values[i] = EMPTY
+                got = by_key.get(keys[i])
+                if got is None:
+                    by_key[keys[i]] = [value]
+                else:
+                    got.append(value)
+        queued = []
+        for key, got in by_key.items():
+            for value in table.restore(key, got):
+                queued.append((key, value))
+        return queued
 
 
 async def wait_value(table: Table, key: str, waiter: Any, loop: Any, timeout: Any,

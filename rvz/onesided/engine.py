@@ -6,7 +6,7 @@ one ``Channel`` per TCP connection that negotiated the provider carries the prot
 Control messages (slot grants, destinations, metadata updates) travel as ONESIDED frames on
 that TCP connection, in order with its REQUEST/CANCEL/ERROR frames; payloads travel
 one-sided.  Everything a channel delivers enters the node exactly like a TCP DATA frame:
-``Node._dispatch(conn, [(DATA, step, request_id, key, value)])``.
+``Wire.deliver([(DATA, step, request_id, key, value)])``.
 
 Send-Driven (``request_id == 0``): the consumer grants the producer *slots* per key
 (``want`` -> ``slots``); the producer caches them per (peer, key) and writes header and
@@ -819,4 +819,4 @@ class Channel:
         events = self._events
         if events:
             self._events = []
-            self.engine.node._dispatch(self.conn, events)
+            self.conn.deliver(events)

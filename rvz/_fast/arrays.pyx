@@ -1,0 +1,109 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Compiled twin of ``arrays.py`` (read that file for what each function promises).
+
+Raw pointers and numpy's C API: a DATA header is a few stores into the write buffer, and a
+small received array is one ``PyArray_EMPTY`` and one ``memcpy``.  The wire is little-endian;
+on a big-endian host this module refuses to load and ``rvz._impl`` runs pure Python.
+"""
+
+import sys
+
+import numpy as np
+
+cimport numpy as cnp
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+
+cnp.import_array()
+
+if sys.byteorder != "little":
+    raise ImportError("rvz's compiled data path assumes a little-endian host")
+
+VERSION = 2
+DATA = 2
+BYTES_CODE = 0
+WIRE_DTYPES = ["|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8",
+               "<f2", "<f4", "<f8", "<c8", "<c16"]
+DTYPES = [None] + [np.dtype(s) for s in WIRE_DTYPES]
+CODES = {np.dtype(s).str: i + 1 for i, s in enumerate(WIRE_DTYPES)}
+MAX_NDIM = 32
+
+# numpy type numbers of the wire codes (index = code)
+cdef int[15] _TYPENUMS
+_TYPENUMS[:] = [0, cnp.NPY_BOOL, cnp.NPY_INT8, cnp.NPY_UINT8, cnp.NPY_INT16, cnp.NPY_UINT16,
+                cnp.NPY_INT32, cnp.NPY_UINT32, cnp.NPY_INT64, cnp.NPY_UINT64, cnp.NPY_FLOAT16,
+                cnp.NPY_FLOAT32, cnp.NPY_FLOAT64, cnp.NPY_COMPLEX64, cnp.NPY_COMPLEX128]
+
+
+cdef inline void _put16(char* p, uint16_t v) noexcept nogil:
+    memcpy(p, &v, 2)
+
+
+cdef inline void _put32(char* p, uint32_t v) noexcept nogil:
+    memcpy(p, &v, 4)
+
+
+cdef inline void _put64(char* p, uint64_t v) noexcept nogil:
+    memcpy(p, &v, 8)
+
+
+def append_data(bytearray out, uint64_t step, uint64_t request_id, bytes key, int code,
+                tuple shape, Py_ssize_t nbytes, object value, bint with_payload):
+    cdef Py_ssize_t ndim = len(shape)
+    cdef Py_ssize_t klen = PyBytes_GET_SIZE(key)
+    cdef Py_ssize_t meta = 20 + 8 * ndim + klen
+    cdef Py_ssize_t add = 16 + meta
+    cdef Py_ssize_t old = PyByteArray_GET_SIZE(out)
+    cdef Py_ssize_t i
+    cdef char* p
+    cdef Py_buffer view
+    if ndim > MAX_NDIM:
+        raise ValueError(f"array has {ndim} dimensions; rvz carries at most {MAX_NDIM}")
+    if with_payload:
+        add += nbytes
+    PyByteArray_Resize(out, old + add)
+    p = PyByteArray_AS_STRING(out) + old
+    p[0] = <char>VERSION
+    p[1] = <char>DATA
+    _put16(p + 2, 0)
+    _put32(p + 4, <uint32_t>meta)
+    _put64(p + 8, <uint64_t>nbytes)
+    _put64(p + 16, step)
+    _put64(p + 24, request_id)
+    _put16(p + 32, <uint16_t>klen)
+    p[34] = <char><uint8_t>code
+    p[35] = <char><uint8_t>ndim
+    for i in range(ndim):
+        _put64(p + 36 + 8 * i, <uint64_t>shape[i])
+    memcpy(p + 36 + 8 * ndim, PyBytes_AS_STRING(key), klen)
+    if not with_payload or nbytes == 0:
+        return
+    p += 16 + meta
+    if cnp.PyArray_Check(value):
+        memcpy(p, cnp.PyArray_DATA(<cnp.ndarray>value), nbytes)
+    elif type(value) is bytes:
+        memcpy(p, PyBytes_AS_STRING(value), nbytes)
+    else:
+        PyObject_GetBuffer(value, &view, PyBUF_SIMPLE)
+        try:
+            memcpy(p, view.buf, nbytes)
+        finally:
+            PyBuffer_Release(&view)
+
+
+def new_array(int code, tuple shape, bytearray src, Py_ssize_t offset, Py_ssize_t nbytes):
+    cdef char* base = PyByteArray_AS_STRING(src) + offset
+    cdef cnp.npy_intp[32] dims
+    cdef Py_ssize_t ndim = len(shape)
+    cdef Py_ssize_t i
+    if code == BYTES_CODE:
+        return PyBytes_FromStringAndSize(base, nbytes)
+    for i in range(ndim):
+        dims[i] = <cnp.npy_intp>shape[i]
+    arr = cnp.PyArray_EMPTY(<int>ndim, dims, _TYPENUMS[code], 0)
+    if nbytes:
+        memcpy(cnp.PyArray_DATA(<cnp.ndarray>arr), base, nbytes)
+    return arr

@@ -1,0 +1,144 @@
+from rvz._fast.table cimport Table
+
+cdef class Core
+cdef class Wire
+
+
+cdef class Route:
+    cdef public str text
+    cdef public bytes wire
+    cdef public tuple src
+    cdef public tuple dst
+
+
+cdef class Peer:
+    cdef public tuple id
+    cdef public str name
+    cdef public str address
+    cdef public object out
+    cdef public object dialling
+    cdef public set inbound
+    cdef public object incarnation
+    cdef public str mode
+    cdef public object link
+    cdef public Py_ssize_t credit
+    cdef public bint asked
+    cdef public object queue
+    cdef public Py_ssize_t owed
+    cdef public bint owed_scheduled
+    cdef public bint owe_now
+    cdef object __weakref__
+
+    cpdef list live_connections(self)
+
+
+cdef class Request:
+    cdef public object id
+    cdef public Peer peer
+    cdef public object step
+    cdef public str key
+    cdef public object conn
+
+
+cdef class RemoteWaiter:
+    cdef public Core core
+    cdef public Wire conn
+    cdef public object step
+    cdef public object request_id
+    cdef public Route route
+    cdef public bint _done
+
+
+cdef class Wire:
+    cdef public Core core
+    cdef public bint outbound
+    cdef public object peer
+    cdef public object decoder
+    cdef public bint ready
+    cdef public bint closed
+    cdef public bint closed_here
+    cdef public bint bye_received
+    cdef public bint paused
+    cdef public object close_reason
+    cdef public dict parked
+    cdef public object dataplane
+    cdef public object bytes_out
+    cdef public bytearray _out
+    cdef public bint _flush_scheduled
+    cdef object _call_soon
+    cdef dict __dict__
+
+    cpdef feed(self, Py_ssize_t nbytes)
+    cpdef deliver(self, list events)
+    cpdef write_frame(self, bytes frame)
+    cpdef write_value(self, object step, object request_id, bytes key, object value, int code,
+                      tuple shape, Py_ssize_t nbytes)
+    cdef _queued(self)
+    cpdef flush(self)
+    cdef _write_out(self)
+
+
+cdef class Core:
+    cdef public object shell
+    cdef public object cluster
+    cdef public tuple id
+    cdef public str name
+    cdef public str mode
+    cdef public object loop
+    cdef public bint running
+    cdef public bint closed
+    cdef public Py_ssize_t push_window
+    cdef public Py_ssize_t hold_limit
+    cdef public object claim_timeout
+    cdef public dict peers
+    cdef public dict tables
+    cdef public dict dead_steps
+    cdef public dict step_peers
+    cdef public dict routes
+    cdef public dict devices
+    cdef public dict requests
+    cdef public dict outstanding
+    cdef object _request_ids
+    cdef public Py_ssize_t held_bytes
+    cdef public Py_ssize_t held_count
+    cdef public object hold_waiters
+    cdef public object claims
+    cdef public Py_ssize_t waits_producer
+    cdef public Py_ssize_t waits_consumer
+
+    cpdef Route route(self, object key)
+    cpdef tuple _task_of(self, str device, str key)
+    cpdef Route own_route(self, object key, bint sending)
+    cpdef Peer peer(self, tuple task_id)
+    cpdef Table table(self, object step)
+    cpdef joined(self, object step, Peer peer)
+    cpdef str _check_mode(self, object mode)
+    cpdef object send(self, object key, object value, object mode, object step)
+    cpdef bint hold_full(self, Table table, Route route, Py_ssize_t nbytes) except -1
+    cpdef hold(self, Table table, object step, Route route, object value, Py_ssize_t nbytes)
+    cpdef object push(self, Peer peer, object step, Route route, object value, int code,
+                      tuple shape, Py_ssize_t nbytes)
+    cpdef object queue_push(self, Peer peer, object step, Route route, object value, int code,
+                            tuple shape, Py_ssize_t nbytes)
+    cpdef pump(self, Peer peer)
+    cpdef answer(self, Wire conn, object step, object request_id, Route route, object value)
+    cpdef released_held(self, Py_ssize_t nbytes)
+    cpdef object take(self, object key, object step)
+    cpdef str recv_mode(self, Peer peer, object mode)
+    cpdef Request new_request(self, Peer peer, object step, Route route)
+    cpdef request(self, Peer peer, object step, Route route)
+    cpdef send_requests(self, Wire conn, list requests)
+    cpdef forget_request(self, object request_id, object step, str key)
+    cpdef rebalance(self, object step, str key, Table table)
+    cpdef consumed(self, tuple src, object value)
+    cpdef unconsumed(self, tuple src, object value)
+    cpdef flush_credit(self, Peer peer)
+    cpdef flush_credit_now(self, object peer)
+    cpdef object send_many(self, list items, object mode, object step, Py_ssize_t start)
+    cpdef list check_routes(self, list keys, bint sending)
+    cpdef object take_many(self, list routes, object step)
+    cpdef dispatch(self, Wire conn, list events)
+    cpdef on_data(self, Wire conn, object step, object request_id, str key, object value)
+    cpdef on_request(self, Wire conn, object step, object request_id, str key)
+    cpdef on_credit(self, Wire conn, object nbytes)
+    cpdef on_cancel(self, Wire conn, object request_id)
