@@ -20,42 +20,55 @@ from typing import Any
 
 import pytest
 
+import rvz
 from rvz.bench import report
+from rvz.bench.worker import zmq_available
 
 TINY = ["--warmup", "3", "--quiet"]
+# What the workers (same interpreter, same environment) can run.
+PYZMQ = zmq_available() is None
+BATCH = hasattr(rvz.Node, "send_many") and hasattr(rvz.Node, "recv_many")
+BASE_VARIANTS = {"socket", "streams"} | ({"zmq"} if PYZMQ else set())
 
 TOP_LEVEL = {"tool", "schema", "command", "argv", "options", "started_at", "machine", "versions",
              "transport", "loop", "impl", "stream", "pingpong", "rendezvous",
-             "rendezvous_summary", "impl_compare", "workers", "memory", "targets", "elapsed_s"}
+             "rendezvous_summary", "impl_compare", "workers", "memory", "targets", "elapsed_s",
+             "pyzmq", "batch", "notes"}
 STREAM_ROW = {"variant", "mode", "size", "loop", "impl", "concurrency", "label", "messages",
               "bytes", "seconds", "msgs_per_s", "gbytes_per_s", "memory", "ratio_socket",
               "ratio_streams", "baseline_socket_gbps", "baseline_streams_msgs",
-              "runs_gbytes_per_s", "runs_msgs_per_s"}
+              "runs_gbytes_per_s", "runs_msgs_per_s", "ratio_pyzmq", "baseline_pyzmq_msgs",
+              "pattern", "batch", "in_flight"}
 MEMORY = {"idle_rss", "peak_rss", "peak_above_idle", "peak_was_reset"}
 PINGPONG_ROW = {"variant", "mode", "size", "loop", "impl", "concurrency", "label", "count",
                 "min_us", "p50_us", "p90_us", "p99_us", "max_us", "mean_us", "samples_us",
                 "ratio_socket", "ratio_streams", "baseline_socket_p50_us",
-                "baseline_streams_p50_us", "runs_p50_us"}
+                "baseline_streams_p50_us", "runs_p50_us", "ratio_pyzmq", "baseline_pyzmq_p50_us"}
 RENDEZVOUS_ROW = {"order", "mode", "size", "rounds", "warmup_rounds", "loop", "impl",
                   "producer_waited", "consumer_waited", "recv_call_p50_us", "clock", "count",
                   "p50_us", "p90_us", "p99_us", "max_us", "samples_us"}
-TARGET = {"id", "target", "required", "figure", "met", "detail"}
-TARGET_IDS = {"stream-send-256K", "stream-send-4M", "stream-send-64M", "stream-send-4K",
-              "stream-send-64B", "pingpong-recv-64B", "rendezvous-producer-first",
-              "rendezvous-consumer-first", "memory-64M", "compiled-vs-python-64B"}
+TARGET = {"id", "target", "required", "figure", "met", "detail", "issue"}
+TARGET_IDS = {"stream-send-64B-vs-pyzmq", "batch-send-64B-vs-pyzmq", "compiled-vs-python-64B",
+              "one-in-flight-4K", "holds-previous-send", "holds-previous-recv",
+              "pingpong-recv-64B", "pingpong-send-64B", "rendezvous-consumer-first",
+              "stream-send-4M", "stream-send-64M", "stream-send-4K", "rendezvous-producer-first",
+              "memory-64M"}
 
 
-def bench(*args: str, timeout: float = 40.0) -> subprocess.CompletedProcess[str]:
+def bench(*args: str, timeout: float = 40.0,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "rvz.bench", *args], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
 
 
-def run_json(tmp_path: Path, *args: str, timeout: float = 40.0) -> dict[str, Any]:
+def run_json(tmp_path: Path, *args: str, timeout: float = 40.0,
+             env: dict[str, str] | None = None) -> dict[str, Any]:
     out = tmp_path / "result.json"
-    proc = bench(*args, "--json", str(out), timeout=timeout)
+    proc = bench(*args, "--json", str(out), timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "target (issue 3)" in proc.stdout
+    assert "target (issue 7" in proc.stdout
     results: dict[str, Any] = json.loads(out.read_text())
+    results["_stdout"] = proc.stdout
     assert TOP_LEVEL <= set(results), TOP_LEVEL - set(results)
     assert {t["id"] for t in results["targets"]} == TARGET_IDS
     for target in results["targets"]:
@@ -64,6 +77,13 @@ def run_json(tmp_path: Path, *args: str, timeout: float = 40.0) -> dict[str, Any
     for impl, pair in results["workers"].items():
         for side in ("a", "b"):
             assert pair[side]["implementation"] == impl
+    # no worker outlives the run (pids from the workers' hellos)
+    pids = [pair[side]["pid"] for pair in results["workers"].values() for side in ("a", "b")
+            if pair[side].get("pid")]
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if _alive(p)], "a worker outlived the CLI"
     return results
 
 
@@ -79,14 +99,17 @@ def test_stream(tmp_path: Path, loop: str) -> None:
     assert r["command"] == "stream" and r["loop"] == loop and r["impl"] == expected_impl()
     assert r["options"]["sizes"] == [64, 80 << 10]
     rows = r["stream"]
-    assert {(row["variant"], row["mode"], row["size"]) for row in rows} == {
-        (v, m, s) for s in (64, 80 << 10)
-        for v, m in (("socket", None), ("streams", None), ("rvz", "send"), ("rvz", "recv"))}
+    expected = {(v, None, s) for s in (64, 80 << 10) for v in BASE_VARIANTS}
+    expected |= {("rvz", m, s) for s in (64, 80 << 10) for m in ("send", "recv")}
+    if BATCH:  # batch rows up to 4K only
+        expected |= {("rvz-batch", m, 64) for m in ("send", "recv")}
+    assert {(row["variant"], row["mode"], row["size"]) for row in rows} == expected
     for row in rows:
         assert STREAM_ROW <= set(row), STREAM_ROW - set(row)
         assert MEMORY <= set(row["memory"])
         assert row["messages"] >= 40 and row["loop"] == loop
         assert row["ratio_socket"] is not None and row["ratio_streams"] is not None
+        assert (row["ratio_pyzmq"] is not None) == PYZMQ
     assert r["memory"] and all(MEMORY <= set(m) for m in r["memory"])
 
 
@@ -96,11 +119,18 @@ def test_pingpong(tmp_path: Path, loop: str) -> None:
     r = run_json(tmp_path, "pingpong", "--iters", "30", "--loop", loop, *TINY)
     rows = r["pingpong"]
     assert {(row["variant"], row["mode"]) for row in rows} == {
-        ("socket", None), ("streams", None), ("rvz", "send"), ("rvz", "recv")}
+        (v, None) for v in BASE_VARIANTS} | {("rvz", "send"), ("rvz", "recv")}
     for row in rows:
         assert PINGPONG_ROW <= set(row), PINGPONG_ROW - set(row)
         assert row["count"] == 30 and row["p50_us"] > 0
     assert r["stream"] == [] and r["rendezvous"] == []
+    if PYZMQ:
+        zmq = next(row for row in rows if row["variant"] == "zmq")
+        assert zmq["label"] == "pyzmq REQ/REP"
+        for row in rows:
+            assert row["baseline_pyzmq_p50_us"] == zmq["p50_us"]
+            assert row["ratio_pyzmq"] == pytest.approx(row["p50_us"] / zmq["p50_us"])
+        assert r["pyzmq"] == {"used": True, "skipped": None}
 
 
 @pytest.mark.timeout(40)
@@ -133,6 +163,14 @@ def test_all_is_the_default(tmp_path: Path) -> None:
                  timeout=50)
     assert r["command"] == "all"
     assert r["stream"] and r["pingpong"] and r["rendezvous"]
+    variants = {(row["variant"], row["mode"], row["size"]) for row in r["stream"]}
+    # the one-in-flight row at 4K (Send-Driven in all), next to its blocking-socket baseline
+    assert {("rvz-one", "send", 4096), ("socket", None, 4096)} <= variants
+    assert (("rvz-batch", "send", 64) in variants) == BATCH
+    assert (("zmq", None, 64) in variants) == PYZMQ
+    one = next(row for row in r["stream"] if row["variant"] == "rvz-one" and row["mode"] == "send")
+    assert one["in_flight"] == 1 and one["label"] == "rvz send-driven 1 in flight"
+    assert {t["id"]: t for t in r["targets"]}["one-in-flight-4K"]["figure"] == one["ratio_socket"]
     comp = r["impl_compare"]
     assert comp is not None and comp["mode"] == "send"
     if expected_impl() == "compiled":
@@ -287,3 +325,116 @@ def test_command_may_come_after_options() -> None:
     assert cli.command_first(parser, ["--order", "all", "rendezvous"]) == ["rendezvous", "--order", "all"]
     args = parser.parse_args(cli.command_first(parser, ["--loop", "asyncio", "pingpong"]))
     assert args.command == "pingpong" and args.loop == "asyncio"
+
+
+def _close(x: float | None, y: float | None) -> bool:
+    return x is not None and y is not None and x == pytest.approx(y)
+
+
+@pytest.mark.timeout(50)
+def test_stream_rows_of_issue_7(tmp_path: Path) -> None:
+    # Every new row at small sizes: batch (64B, 4K), one in flight (4K), holds previous
+    # (256K), pyzmq PUSH/PULL; 64 messages each, whatever the lanes or the batch.
+    r = run_json(tmp_path, "stream", "--sizes", "64,4K,256K", "--iters", "64", "--concurrency", "4",
+                 "--batch", "8", "--mode", "send", *TINY, timeout=50)
+    rows = r["stream"]
+    expected = {(v, None, s) for s in (64, 4096, 262144) for v in BASE_VARIANTS}
+    expected |= {("rvz", "send", s) for s in (64, 4096, 262144)}
+    expected |= {("rvz-one", "send", 4096), ("rvz-hold", "send", 262144)}
+    if BATCH:
+        expected |= {("rvz-batch", "send", 64), ("rvz-batch", "send", 4096)}
+    else:
+        assert r["_stdout"].count("batch rows skipped") == 1
+    assert {(row["variant"], row["mode"], row["size"]) for row in rows} == expected
+    labels = {row["variant"]: row["label"] for row in rows}
+    assert labels["rvz-one"] == "rvz send-driven 1 in flight"
+    assert labels["rvz-hold"] == "rvz send-driven holds previous"
+    for row in rows:
+        assert STREAM_ROW <= set(row), STREAM_ROW - set(row)
+        assert row["messages"] == 64, row
+        assert row["bytes"] == 64 * row["size"]
+        assert row["msgs_per_s"] == pytest.approx(row["messages"] / row["seconds"])
+        assert row["gbytes_per_s"] == pytest.approx(row["bytes"] / row["seconds"] / 1e9)
+        base = {b["variant"]: b for b in rows if b["size"] == row["size"] and b["variant"] in BASE_VARIANTS}
+        assert _close(row["ratio_socket"], row["gbytes_per_s"] / base["socket"]["gbytes_per_s"])
+        assert row["baseline_socket_gbps"] == base["socket"]["gbytes_per_s"]
+        if PYZMQ:
+            assert _close(row["ratio_pyzmq"], row["gbytes_per_s"] / base["zmq"]["gbytes_per_s"])
+            assert row["baseline_pyzmq_msgs"] == base["zmq"]["msgs_per_s"]
+        else:
+            assert row["ratio_pyzmq"] is None
+        expect_in_flight = {"rvz-batch": 8, "rvz": 4, "rvz-hold": 4}.get(row["variant"], 1)
+        assert row["in_flight"] == expect_in_flight
+    targets = {t["id"]: t for t in r["targets"]}
+    hold = next(row for row in rows if row["variant"] == "rvz-hold")
+    assert targets["holds-previous-send"]["figure"] == hold["ratio_socket"]
+    assert targets["holds-previous-recv"]["figure"] is None  # recv mode not run
+    # --batch 8, --concurrency 4: the 64-in-flight targets are not what was measured
+    assert targets["stream-send-64B-vs-pyzmq"]["met"] is None
+    assert targets["batch-send-64B-vs-pyzmq"]["met"] is None
+    if PYZMQ:
+        assert r["pyzmq"]["used"] is True
+        assert "pyzmq baselines skipped" not in r["_stdout"]
+
+
+@pytest.mark.timeout(40)
+def test_pyzmq_missing_is_said_once(tmp_path: Path) -> None:
+    # A "zmq" package that fails to import shadows the real one in the CLI and its workers.
+    fake = tmp_path / "fake" / "zmq"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("simulated: no pyzmq here")\n')
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(fake.parent), *filter(None, [env.get("PYTHONPATH")])])
+    r = run_json(tmp_path, "pingpong", "--iters", "10", "--mode", "send", *TINY, env=env)
+    assert {row["variant"] for row in r["pingpong"]} == {"socket", "streams", "rvz"}
+    assert all(row["ratio_pyzmq"] is None for row in r["pingpong"])
+    assert r["pyzmq"]["used"] is False and "simulated: no pyzmq here" in r["pyzmq"]["skipped"]
+    out = r["_stdout"]
+    assert out.count("pyzmq baselines skipped") == 1 and "simulated: no pyzmq here" in out
+
+
+def test_pyzmq_can_be_turned_off_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RVZ_BENCH_NO_PYZMQ", "1")
+    assert zmq_available() == "RVZ_BENCH_NO_PYZMQ is set"
+
+
+def test_targets_use_the_rows_they_name() -> None:
+    def srow(variant: str, mode: str | None, size: int, gbps: float, **extra: Any) -> dict[str, Any]:
+        row = {"variant": variant, "mode": mode, "size": size, "gbytes_per_s": gbps,
+               "msgs_per_s": gbps * 1e9 / size, "concurrency": 1, "batch": None}
+        row.update(extra)
+        return row
+
+    stream = [srow("zmq", None, 64, 0.064), srow("socket", None, 4096, 2.0),
+              srow("rvz", "send", 64, 0.032, concurrency=64),
+              srow("rvz-batch", "send", 64, 0.070, batch=64),
+              srow("rvz-one", "send", 4096, 1.5), srow("rvz-one", "recv", 4096, 0.1)]
+    for size, ratios in ((256 << 10, (0.95, 0.5)), (4 << 20, (0.91, 0.99)), (64 << 20, (1.2, 1.0))):
+        stream.append(srow("socket", None, size, 4.0))
+        for mode, x in zip(("send", "recv"), ratios, strict=True):
+            stream.append(srow("rvz-hold", mode, size, 4.0 * x))
+    for row in stream:  # as Bench.stream computes them
+        base = {b["variant"]: b for b in stream if b["size"] == row["size"]}
+        for name, key in (("socket", "socket"), ("zmq", "pyzmq")):
+            b = base.get(name)
+            row[f"ratio_{key}"] = row["gbytes_per_s"] / b["gbytes_per_s"] if b else None
+        row["baseline_socket_gbps"] = base["socket"]["gbytes_per_s"] if "socket" in base else None
+        row["baseline_pyzmq_msgs"] = base["zmq"]["msgs_per_s"] if "zmq" in base else None
+    pingpong = [{"variant": "rvz", "mode": "recv", "size": 64, "loop": "uvloop", "p50_us": 30.0,
+                 "ratio_streams": 1.5, "baseline_streams_p50_us": 20.0},
+                {"variant": "rvz", "mode": "send", "size": 64, "loop": "uvloop", "p50_us": 21.0,
+                 "ratio_streams": 1.05, "baseline_streams_p50_us": 20.0}]
+    t = {x["id"]: x for x in report.evaluate_targets({"stream": stream, "pingpong": pingpong,
+                                                      "rendezvous_summary": []})}
+    assert t["stream-send-64B-vs-pyzmq"]["figure"] == pytest.approx(0.5)
+    assert t["stream-send-64B-vs-pyzmq"]["met"] is True
+    assert t["batch-send-64B-vs-pyzmq"]["figure"] == pytest.approx(70 / 64)
+    assert t["one-in-flight-4K"]["figure"] == pytest.approx(0.75)  # send-driven, not recv
+    assert t["one-in-flight-4K"]["met"] is False
+    # the worst size of each mode counts
+    assert t["holds-previous-send"]["figure"] == pytest.approx(0.91)
+    assert t["holds-previous-send"]["met"] is True and "4M" in t["holds-previous-send"]["detail"]
+    assert t["holds-previous-recv"]["figure"] == pytest.approx(0.5)
+    assert t["holds-previous-recv"]["met"] is False
+    assert t["pingpong-recv-64B"]["met"] is False and t["pingpong-send-64B"]["met"] is True
+    assert t["rendezvous-consumer-first"]["met"] is None

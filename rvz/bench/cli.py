@@ -3,8 +3,11 @@
 Every figure comes from two worker processes (``rvz.bench.worker``): side ``a`` produces
 (or echoes), side ``b`` consumes (or pings) and measures.  Every ``stream`` and ``pingpong``
 result is printed next to baselines measured in the same run, on the same sizes and host
-pair: plain blocking sockets and raw asyncio/uvloop streams, and rvz's figure as a ratio of
-them.  The development machine is shared and noisy, so only the ratios mean much.
+pair: plain blocking sockets, raw asyncio/uvloop streams and, when pyzmq imports, pyzmq
+PUSH/PULL and REQ/REP; rvz's figure is a ratio of each.  Besides one call per message on
+``--concurrency`` lanes, ``stream`` measures the batch API (``send_many``/``recv_many``),
+one message in flight (4K) and a consumer that holds its previous array (256K and up).
+The development machine is shared and noisy, so only the ratios mean much.
 
 Two hosts: run ``rvz-bench --server --addr 0.0.0.0:7300`` on one (it plays side ``a``) and
 ``rvz-bench stream --client --addr HOST:7300`` on the other.
@@ -27,7 +30,7 @@ import rvz
 from . import control, report
 from .control import LocalWorker, RemoteWorker, WorkerError, WorkerLink
 from .report import rate_label, ratio_label, size_label
-from .worker import machine, versions
+from .worker import machine, versions, zmq_available
 
 COMMANDS = ("stream", "pingpong", "rendezvous", "all")
 MODES = {"recv": ["recv"], "send": ["send"], "both": ["send", "recv"]}
@@ -42,6 +45,12 @@ RDV_PERIOD_NS = 5_000_000   # one round of the rendezvous experiment
 RDV_GAP_NS = 1_000_000      # how much earlier the first side calls in an ordered round
 RDV_SPREAD_NS = 2_000_000   # random order: each side waits uniformly in [0, spread)
 RDV_LEAD_NS = 300_000_000   # time for both workers to set up before round 0
+BASELINES = ("socket", "streams", "zmq")
+BATCH_MAX_SIZE = 4 << 10    # batch rows up to this size (the small-message regime)
+ONE_IN_FLIGHT_SIZE = 4 << 10
+HOLD_MIN_SIZE = 256 << 10   # "holds previous" rows from this size (the receive pool's range)
+PATTERNS = {"rvz": "lanes", "rvz-batch": "batch", "rvz-one": "one-in-flight",
+            "rvz-hold": "holds-previous"}
 
 
 class UsageError(Exception):
@@ -68,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, help="messages (rounds) before measuring; default "
                    "depends on size")
     g.add_argument("--concurrency", type=int, help="operations in flight (stream lanes; "
-                   "default 64 up to 4K tensors, 4 up to 256K, 1 above; pingpong 1)")
+                   "default 64 up to 4K tensors, 4 up to 256K, 1 above; pingpong 1); the "
+                   "4K '1 in flight' row always runs one plain send loop")
     g.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"),
                    help="event loop of the workers (default: uvloop when installed)")
     g.add_argument("--impl", choices=("compiled", "python"),
@@ -76,8 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "python sets RVZ_NO_EXTENSIONS=1)")
     g.add_argument("--order", default="all", help="rendezvous arrival orders: "
                    "producer-first, consumer-first, random or all (comma-separated)")
+    g.add_argument("--batch", type=int, default=64, metavar="N",
+                   help="stream: keys per send_many/recv_many call in the batch rows, one "
+                   "message per key (sizes up to 4K; default 64; 0: no batch rows)")
     g.add_argument("--no-baselines", action="store_true",
-                   help="skip the socket and streams baselines (no ratios)")
+                   help="skip the socket, streams and pyzmq baselines (no ratios); pyzmq "
+                   "rows need pyzmq (pip install 'rvz[compare]'), else they are skipped "
+                   "with the reason")
     g.add_argument("--compare-impl", action="store_true",
                    help="also run 64B stream on the pure-Python hot paths (all does)")
     o = common.add_argument_group("output")
@@ -95,13 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="rvz-bench", parents=[common],
-        description="Benchmarks of rvz over two processes, with same-run baselines. "
-        "Without a subcommand: all (a short run of the three, under a minute).")
+        description="Benchmarks of rvz over two processes, with same-run baselines (blocking "
+        "socket, asyncio/uvloop streams, pyzmq when installed). Without a subcommand: all "
+        "(a short run of the three, about a minute, with issue 7's targets).")
     sub = parser.add_subparsers(dest="command", metavar="{stream,pingpong,rendezvous,all}")
-    helps = {"stream": "one-way throughput of tensors (GB/s, tensors/s)",
+    helps = {"stream": "one-way throughput of tensors (GB/s, tensors/s): lanes, batch API "
+                       "(up to 4K), one in flight (4K), consumer holding its previous array "
+                       "(256K and up)",
              "pingpong": "round-trip latency of a key exchanged back and forth",
              "rendezvous": "latency from the later of send/recv to recv done, by arrival order",
-             "all": "a short representative run of the three and the issue-3 targets"}
+             "all": "a short representative run of the three and the issue-7 targets (batch "
+                    "rows at 64B only, one in flight Send-Driven only)"}
     for name in COMMANDS:
         sub.add_parser(name, parents=[common], help=helps[name], description=helps[name])
     return parser
@@ -147,6 +166,9 @@ class Options:
                 raise UsageError(f"--order {order!r}: choose from {', '.join(ORDERS)} or all")
         self.orders = orders
         self.baselines = not args.no_baselines
+        if args.batch < 0:
+            raise UsageError("--batch must not be negative")
+        self.batch: int = args.batch
         self.compare_impl = args.compare_impl or command == "all"
         if args.client and not args.addr:
             raise UsageError("--client needs --addr HOST:PORT of the server")
@@ -179,7 +201,7 @@ class Options:
         out.update(command=self.command, sizes=self.sizes, modes=self.modes, loop=self.loop,
                    impl=self.impl, iters=self.iters, duration=self.duration,
                    orders=list(self.orders), baselines=self.baselines, repeat=self.repeat,
-                   compare_impl=self.compare_impl)
+                   compare_impl=self.compare_impl, batch=self.batch)
         return out
 
 
@@ -196,6 +218,11 @@ class Bench:
         self.done = 0
         self.total = 0
         self.case_no = 0
+        # Why optional rows are skipped (None: they run); settled once the workers said hello.
+        self.zmq_missing: str | None = zmq_available()
+        self.batch_missing: str | None = (
+            None if hasattr(rvz.Node, "send_many") and hasattr(rvz.Node, "recv_many")
+            else "rvz.Node has no send_many/recv_many")
 
     # workers
 
@@ -228,6 +255,11 @@ class Bench:
                        else ""))
         if self.opts.remote:
             a.offset_ns = control.clock_offset(a)
+        for link in (a, b):  # a remote server may lack what this host has
+            if link.hello.get("pyzmq_missing") and not self.zmq_missing:
+                self.zmq_missing = f"worker {link.name}: {link.hello['pyzmq_missing']}"
+            if link.hello.get("batch_api") is False and not self.batch_missing:
+                self.batch_missing = f"worker {link.name}: rvz.Node has no send_many/recv_many"
         return a, b
 
     def close(self, interrupted: bool = False) -> None:
@@ -280,16 +312,28 @@ class Bench:
 
     def stream_case(self, variant: str, mode: str, size: int, impl: str | None = None) -> dict[str, Any]:
         opts = self.opts
-        concurrency = opts.stream_concurrency(size) if variant == "rvz" else 1
-        case = {"kind": "stream", "impl": variant, "mode": mode, "size": size,
+        pattern = PATTERNS.get(variant)
+        concurrency = opts.stream_concurrency(size) if variant in ("rvz", "rvz-hold") else 1
+        batch = opts.batch if variant == "rvz-batch" else None
+        case = {"kind": "stream", "impl": "rvz" if pattern else variant, "mode": mode, "size": size,
                 "warmup": opts.stream_warmup(size), "iters": opts.iters,
                 "duration": opts.duration, "concurrency": concurrency,
                 # --duration: still a few large messages (the slow streams baseline fewer)
                 "min_messages": 3 if variant == "streams" else 10}
+        if pattern:
+            case["pattern"] = pattern
+        if batch:
+            case["batch"] = batch
+        if variant == "rvz-one":
+            case["producer_yield"] = False  # a plain ``await send`` loop, nothing else
+        if variant == "rvz-hold":
+            case["hold_previous"] = True
         ra, rb = self.run_case(case, impl)
-        row: dict[str, Any] = {"variant": variant, "mode": mode if variant == "rvz" else None,
+        row: dict[str, Any] = {"variant": variant, "mode": mode if pattern else None,
                                "size": size, "loop": opts.loop, "impl": impl or opts.impl,
-                               "concurrency": concurrency, "label": label(variant, mode, opts.loop)}
+                               "concurrency": concurrency, "label": label(variant, mode, opts.loop),
+                               "pattern": pattern, "batch": batch,
+                               "in_flight": batch or concurrency}
         row.update(rb)
         row["process"] = {"a": ra.get("process"), "b": rb.get("process")}
         self.step(f"stream {row['label']:<16} {size_label(size):>5}: "
@@ -302,7 +346,7 @@ class Bench:
         for size in opts.sizes:
             runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
             for _ in range(opts.repeat):  # interleaved, so a burst of noise hits them all
-                for variant, mode in self.variants():
+                for variant, mode in self.stream_variants(size):
                     runs.setdefault((variant, mode), []).append(self.stream_case(variant, mode, size))
             for same in runs.values():
                 same.sort(key=lambda r: r["gbytes_per_s"])
@@ -317,17 +361,42 @@ class Bench:
                     row["memory"] = worst["memory"]
                 rows.append(row)
         for row in rows:
-            base = {r["variant"]: r for r in rows if r["size"] == row["size"] and r["variant"] != "rvz"}
-            sock, strm = base.get("socket"), base.get("streams")
+            base = {r["variant"]: r for r in rows if r["size"] == row["size"] and r["variant"] in BASELINES}
+            sock, strm, zmq = base.get("socket"), base.get("streams"), base.get("zmq")
             row["baseline_socket_gbps"] = sock["gbytes_per_s"] if sock else None
             row["baseline_streams_msgs"] = strm["msgs_per_s"] if strm else None
+            row["baseline_pyzmq_msgs"] = zmq["msgs_per_s"] if zmq else None
             row["ratio_socket"] = _ratio(row["gbytes_per_s"], sock["gbytes_per_s"] if sock else None)
             row["ratio_streams"] = _ratio(row["gbytes_per_s"], strm["gbytes_per_s"] if strm else None)
+            row["ratio_pyzmq"] = _ratio(row["gbytes_per_s"], zmq["gbytes_per_s"] if zmq else None)
         return rows
 
+    def baseline_variants(self) -> list[tuple[str, str]]:
+        if not self.opts.baselines:
+            return []
+        base = [("socket", ""), ("streams", "")]
+        return base + ([] if self.zmq_missing else [("zmq", "")])
+
     def variants(self) -> list[tuple[str, str]]:
-        base = [("socket", ""), ("streams", "")] if self.opts.baselines else []
-        return base + [("rvz", mode) for mode in self.opts.modes]
+        """Pingpong's: the baselines, then rvz in each mode."""
+        return self.baseline_variants() + [("rvz", mode) for mode in self.opts.modes]
+
+    def stream_variants(self, size: int) -> list[tuple[str, str]]:
+        """Stream's at ``size``: the baselines, rvz's lanes, and the rows of the patterns
+        that apply to this size."""
+        out = self.variants()
+        modes = self.opts.modes
+        # ``all`` stays short: there the batch and one-in-flight rows run only where a
+        # target reads them (batch at 64B, one in flight Send-Driven).
+        lean = self.opts.command == "all"
+        if (size <= BATCH_MAX_SIZE and self.opts.batch and not self.batch_missing
+                and not (lean and size != 64)):
+            out += [("rvz-batch", mode) for mode in modes]
+        if size == ONE_IN_FLIGHT_SIZE:
+            out += [("rvz-one", mode) for mode in modes if not (lean and mode != "send")]
+        if size >= HOLD_MIN_SIZE:
+            out += [("rvz-hold", mode) for mode in modes]
+        return out
 
     def impl_compare(self) -> dict[str, Any] | None:
         """64B stream (Send-Driven if asked for) on compiled and on pure-Python workers,
@@ -366,7 +435,7 @@ class Bench:
         samples = rb.pop("samples_ns")
         row = {"variant": variant, "mode": mode if variant == "rvz" else None, "size": size,
                "loop": opts.loop, "impl": opts.impl, "concurrency": concurrency,
-               "label": label(variant, mode, opts.loop)}
+               "label": label(variant, mode, opts.loop, "pingpong")}
         row.update(report.latency_stats(samples))
         row["process"] = {"a": ra.get("process"), "b": rb.get("process")}
         row["_samples"] = samples
@@ -392,12 +461,14 @@ class Bench:
                 row["samples_us"] = [s / 1e3 for s in report.subsample(samples)]
                 rows.append(row)
         for row in rows:
-            base = {r["variant"]: r for r in rows if r["size"] == row["size"] and r["variant"] != "rvz"}
-            sock, strm = base.get("socket"), base.get("streams")
+            base = {r["variant"]: r for r in rows if r["size"] == row["size"] and r["variant"] in BASELINES}
+            sock, strm, zmq = base.get("socket"), base.get("streams"), base.get("zmq")
             row["baseline_socket_p50_us"] = sock["p50_us"] if sock else None
             row["baseline_streams_p50_us"] = strm["p50_us"] if strm else None
+            row["baseline_pyzmq_p50_us"] = zmq["p50_us"] if zmq else None
             row["ratio_socket"] = _ratio(row["p50_us"], sock["p50_us"] if sock else None)
             row["ratio_streams"] = _ratio(row["p50_us"], strm["p50_us"] if strm else None)
+            row["ratio_pyzmq"] = _ratio(row["p50_us"], zmq["p50_us"] if zmq else None)
         return rows
 
     # rendezvous
@@ -460,13 +531,12 @@ class Bench:
     def count_cases(self) -> int:
         opts = self.opts
         n = 0
-        base = 2 if opts.baselines else 0
         if opts.command in ("stream", "all"):
-            n += len(opts.sizes) * (base + len(opts.modes)) * opts.repeat
+            n += sum(len(self.stream_variants(size)) for size in opts.sizes) * opts.repeat
             if opts.compare_impl:
                 n += 2 * opts.repeat
         if opts.command in ("pingpong", "all"):
-            n += ((len(opts.sizes) if opts.command == "pingpong" else 1) * (base + len(opts.modes))
+            n += ((len(opts.sizes) if opts.command == "pingpong" else 1) * len(self.variants())
                   * opts.repeat)
         if opts.command in ("rendezvous", "all"):
             n += len(opts.orders) * len(opts.modes)
@@ -474,8 +544,11 @@ class Bench:
 
     def run(self) -> dict[str, Any]:
         opts = self.opts
-        self.total = self.count_cases()
         started = time.time()
+        self.session(opts.impl)  # the workers' hellos settle which optional rows can run
+        if not opts.baselines:
+            self.zmq_missing = self.zmq_missing or "--no-baselines"
+        self.total = self.count_cases()
         results: dict[str, Any] = {
             "tool": "rvz-bench", "schema": 1, "command": opts.command,
             "argv": sys.argv[1:], "options": opts.record(),
@@ -484,6 +557,10 @@ class Bench:
             "transport": opts.transport, "loop": opts.loop, "impl": opts.impl,
             "stream": [], "pingpong": [], "rendezvous": [], "rendezvous_summary": [],
             "impl_compare": None,
+            "pyzmq": {"used": False, "skipped": self.zmq_missing if opts.command != "rendezvous" else None},
+            "batch": {"keys_per_call": opts.batch, "skipped": self.batch_missing
+                      if opts.command in ("stream", "all") and opts.batch else None},
+            "notes": self.notes(),
         }
         self.progress(f"rvz-bench {opts.command}: {self.total} cases, {opts.loop}, {opts.impl} hot "
                       f"paths, {opts.transport}" + (f", server {opts.remote}" if opts.remote else ""))
@@ -495,6 +572,8 @@ class Bench:
             results["pingpong"] = self.pingpong()
         if opts.command in ("rendezvous", "all"):
             results["rendezvous"], results["rendezvous_summary"] = self.rendezvous()
+        results["pyzmq"]["used"] = any(r["variant"] == "zmq"
+                                       for r in results["stream"] + results["pingpong"])
         results["workers"] = {impl: {"a": a.hello, "b": b.hello} for impl, (a, b) in self.sessions.items()}
         results["memory"] = [{"mode": r["mode"], "size": r["size"], **r["memory"]}
                              for r in results["stream"] if r["variant"] == "rvz" and r.get("memory")]
@@ -503,12 +582,27 @@ class Bench:
         return results
 
 
-def label(variant: str, mode: str, loop: str) -> str:
+    def notes(self) -> list[str]:
+        """Said once, in the report: which optional rows were skipped, and why."""
+        opts = self.opts
+        out = []
+        if self.zmq_missing and opts.baselines and opts.command != "rendezvous":
+            out.append(f"pyzmq baselines skipped: {self.zmq_missing}")
+        if (self.batch_missing and opts.batch and opts.command in ("stream", "all")
+                and any(size <= BATCH_MAX_SIZE for size in opts.sizes)):
+            out.append(f"batch rows skipped: {self.batch_missing}")
+        return out
+
+
+def label(variant: str, mode: str, loop: str, kind: str = "stream") -> str:
     if variant == "socket":
         return "blocking socket"
     if variant == "streams":
         return f"{loop} streams"
-    return f"rvz {mode}-driven"
+    if variant == "zmq":
+        return "pyzmq PUSH/PULL" if kind == "stream" else "pyzmq REQ/REP"
+    suffix = {"rvz-batch": " batch", "rvz-one": " 1 in flight", "rvz-hold": " holds previous"}
+    return f"rvz {mode}-driven{suffix.get(variant, '')}"
 
 
 def _ratio(x: float | None, base: float | None) -> float | None:
@@ -540,13 +634,15 @@ def render(results: dict[str, Any]) -> str:
             peak = mem.get("peak_above_idle")
             rows.append([size_label(r["size"]), r["label"], f"{r['gbytes_per_s']:.3f}",
                          rate_label(r["msgs_per_s"]), ratio_label(r.get("ratio_socket")),
-                         ratio_label(r.get("ratio_streams")), r["concurrency"],
-                         "-" if peak is None else f"{peak / 2**20:.0f}"])
-        parts.append("\nstream: one-way throughput (GB/s = 1e9 B/s; ratios of GB/s to the same-run "
-                     "baselines; peak = consumer RSS high-water above idle)")
+                         ratio_label(r.get("ratio_streams")), ratio_label(r.get("ratio_pyzmq")),
+                         r.get("in_flight", r["concurrency"]),
+                         "-" if peak is None else f"{max(peak, 0) / 2**20:.0f}"])
+        parts.append("\nstream: one-way throughput (GB/s = 1e9 B/s; msg/s counts messages, also in "
+                     "batches; ratios of GB/s to the same-run baselines; peak = consumer RSS "
+                     "high-water above idle)")
         parts.append(report.table(["size", "variant", "GB/s", "msg/s", "vs socket", "vs streams",
-                                   "in flight", "peak MiB"], rows,
-                                  right=[True, False, True, True, True, True, True, True]))
+                                   "vs pyzmq", "in flight", "peak MiB"], rows,
+                                  right=[True, False, True, True, True, True, True, True, True]))
     comp = results.get("impl_compare")
     if comp and comp.get("ratio") is not None:
         parts.append(f"\n  compiled vs pure Python, 64B {comp['mode']}-driven stream: "
@@ -557,11 +653,12 @@ def render(results: dict[str, Any]) -> str:
         for r in results["pingpong"]:
             rows.append([size_label(r["size"]), r["label"], f"{r['p50_us']:.1f}",
                          f"{r['p90_us']:.1f}", f"{r['p99_us']:.1f}", f"{r['max_us']:.0f}",
-                         ratio_label(r.get("ratio_socket")), ratio_label(r.get("ratio_streams"))])
+                         ratio_label(r.get("ratio_socket")), ratio_label(r.get("ratio_streams")),
+                         ratio_label(r.get("ratio_pyzmq"))])
         parts.append("\npingpong: round-trip latency in us (ratios of p50 to the same-run baselines)")
         parts.append(report.table(["size", "variant", "p50", "p90", "p99", "max", "vs socket",
-                                   "vs streams"], rows,
-                                  right=[True, False, True, True, True, True, True, True]))
+                                   "vs streams", "vs pyzmq"], rows,
+                                  right=[True, False, True, True, True, True, True, True, True]))
     if results["rendezvous"]:
         rows = []
         ratios = {s["order"]: s["send_over_recv_p50"] for s in results["rendezvous_summary"]}
@@ -575,6 +672,8 @@ def render(results: dict[str, Any]) -> str:
         parts.append(report.table(["order", "mode", "p50", "p90", "p99", "max", "producer waited",
                                    "consumer waited", "send/recv p50"], rows,
                                   right=[False, False, True, True, True, True, True, True, True]))
+    for note in results.get("notes") or []:
+        parts.append(f"\nnote: {note}")
     parts.append("")
     parts.append(report.targets_table(results["targets"]))
     return "\n".join(parts)

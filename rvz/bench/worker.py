@@ -14,6 +14,10 @@ each of them JSON commands, one per line:
 Side ``a`` is the producer (stream, rendezvous) or the echoing side (pingpong); side ``b``
 is the consumer or the pinging side, which takes the measurements.
 
+A case's ``impl`` says what moves the bytes: ``rvz`` (its ``pattern``: ``lanes``, ``batch``,
+``one`` in flight, ``hold`` the previous array), or a baseline: ``socket``, ``streams``,
+``zmq`` (pyzmq, imported only when a case asks for it).
+
 The protocol runs over the process's stdin and its *original* stdout; file descriptor 1 is
 pointed at stderr at start-up, so a stray ``print`` in the library cannot corrupt it.
 """
@@ -182,6 +186,29 @@ async def produce(plan: Plan, send_one: Callable[[Any], Awaitable[None]], body: 
     return sent + 1
 
 
+def produce_sync(plan: Plan, send_one: Callable[[Any], Any], body: Any, last: Any,
+                 check_every: int) -> int:
+    """``produce`` for a blocking ``send_one``, in a plain loop (no coroutine per message)."""
+    for _ in range(plan.warmup):
+        send_one(body)
+    sent = plan.warmup
+    if plan.iters is not None:
+        for _ in range(plan.iters - 1):
+            send_one(body)
+        sent += plan.iters - 1
+    else:
+        assert plan.duration is not None
+        deadline = time.perf_counter() + plan.duration
+        measured = 0
+        while time.perf_counter() < deadline or measured < plan.min_messages:
+            for _ in range(check_every):
+                send_one(body)
+            measured += check_every
+        sent += measured
+    send_one(last)
+    return sent + 1
+
+
 def stream_figures(count: int, size: int, start: int | None, end: int | None) -> dict[str, Any]:
     seconds = (end - start) / 1e9 if start is not None and end is not None else 0.0
     return {"messages": count, "bytes": count * size, "seconds": seconds,
@@ -250,21 +277,71 @@ async def rvz_stream(case: dict[str, Any], addrs: dict[str, str], role: str) -> 
             warm = plan.warmup_total
             start: int | None = None
             end: int | None = None
+            hold = bool(case.get("hold_previous", False))
             probe.start()
 
             async def lane_b(key: str) -> None:
                 nonlocal received, start, end
                 while True:
+                    # hold: the previous array stays alive until this await returns, as in
+                    # an application's ``v = await node.recv(k)`` loop
                     value = await recv(key)
                     received += 1
                     if received == warm:
                         start = time.perf_counter_ns()
                     if value[0]:
                         break
-                    del value  # do not keep a tensor alive while waiting for the next
+                    if not hold:
+                        del value  # do not keep a tensor alive while waiting for the next
                 end = time.perf_counter_ns()
 
             await asyncio.gather(*(lane_b(k) for k in keys))
+            result.update(stream_figures(received - warm, size, start, end))
+            result["memory"] = probe.result()
+            await finish(node, role)
+    return result
+
+
+async def rvz_batch_stream(case: dict[str, Any], addrs: dict[str, str], role: str) -> dict[str, Any]:
+    """The batch API: each ``send_many`` / ``recv_many`` call moves one message per lane key."""
+    size = int(case["size"])
+    batch = int(case["batch"])
+    plan = Plan(case, batch)  # per-key counts: one call = one message on every key
+    keys = [lane_key("b", lane) for lane in range(batch)]
+    result: dict[str, Any] = {}
+    async with make_node(case, addrs, A_JOB if role == "a" else B_JOB) as node:
+        batch_node: Any = node  # typed loosely: the batch API is newer than some builds
+        if role == "a":
+            body, last = payloads(size)
+            send_many = batch_node.send_many
+            sleep = asyncio.sleep
+
+            async def one(items: Any) -> None:
+                await send_many(items)
+                await sleep(0)  # an application task yields between steps, as the lanes do
+
+            result["sent"] = batch * await produce(
+                plan, one, [(k, body) for k in keys], [(k, last) for k in keys],
+                max(1, check_every(size) // batch))
+            await finish(node, role)
+        else:
+            recv_many = batch_node.recv_many
+            probe = MemoryProbe()
+            received = 0
+            warm = plan.warmup_total
+            start: int | None = None
+            probe.start()
+            while True:
+                values = await recv_many(keys)
+                if len(values) != batch:
+                    raise RuntimeError(f"recv_many of {batch} keys returned {len(values)} values")
+                received += batch
+                if received == warm:
+                    start = time.perf_counter_ns()
+                if values[0][0]:  # the producer's last call flags every key
+                    break
+                del values
+            end = time.perf_counter_ns()
             result.update(stream_figures(received - warm, size, start, end))
             result["memory"] = probe.result()
             await finish(node, role)
@@ -631,16 +708,159 @@ async def streams_pingpong(case: dict[str, Any], addrs: dict[str, str], role: st
         await _streams_close(writer, server)
 
 
+# -- baselines: pyzmq ----------------------------------------------------------------------------
+
+# pyzmq sends and receives larger messages without copying them (as its docs advise for
+# large messages); small ones are cheaper to copy.
+ZMQ_COPY_LIMIT = 64 << 10
+# Queue depth in messages: zmq's default (1000) for small messages, else about 64 MiB,
+# the bytes rvz's push window lets into flight.
+ZMQ_QUEUE_BYTES = 64 << 20
+
+
+def zmq_available() -> str | None:
+    """None if pyzmq imports here, else why not (the parent skips its baselines)."""
+    if os.environ.get("RVZ_BENCH_NO_PYZMQ", "") not in ("", "0"):
+        return "RVZ_BENCH_NO_PYZMQ is set"
+    try:
+        import zmq  # noqa: F401
+    except ImportError as exc:
+        return f"pyzmq does not import ({exc}); pip install 'rvz[compare]'"
+    return None
+
+
+def _zmq_socket(ctx: Any, kind: int, size: int, ipv6: bool) -> Any:
+    import zmq
+
+    sock = ctx.socket(kind)
+    hwm = max(2, min(1000, ZMQ_QUEUE_BYTES // size))
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.LINGER, int(CONNECT_TIMEOUT * 1000))  # deliver what was sent
+    sock.setsockopt(zmq.RECONNECT_IVL, 10)  # the peer may bind a moment after we connect
+    # No send/recv timeouts: they cost pyzmq a third of its small-message rate.  A worker
+    # stuck on a dead peer is stopped by the parent's deadline, like the socket baseline.
+    sock.setsockopt(zmq.IPV6, int(ipv6))
+    return sock
+
+
+def _zmq_payloads(size: int, copy: bool) -> tuple[Any, Any]:
+    """bytes for copied messages (pyzmq's fast path), arrays for zero-copy ones."""
+    body, last = payloads(size)
+    return (body.tobytes(), last.tobytes()) if copy else (body, last)
+
+
+def _zmq_endpoint(addr: str) -> str:
+    host, port = rvz.cluster.split_address(addr)
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def zmq_stream(case: dict[str, Any], addrs: dict[str, str], role: str) -> dict[str, Any]:
+    """pyzmq PUSH/PULL: ``send`` in a tight loop on ``a``, ``recv`` in a tight loop on ``b``."""
+    import zmq
+
+    size = int(case["size"])
+    plan = Plan(case, 1)
+    copy = size <= ZMQ_COPY_LIMIT
+    ipv6 = ":" in rvz.cluster.split_address(addrs["a"])[0]
+    ctx = zmq.Context()
+    try:
+        if role == "a":
+            sock = _zmq_socket(ctx, zmq.PUSH, size, ipv6)
+            sock.bind(_zmq_endpoint(addrs["a"]))
+            body, last = _zmq_payloads(size, copy)
+            send = sock.send
+            if copy:
+                sent = produce_sync(plan, send, body, last, check_every(size))
+            else:
+                sent = produce_sync(plan, lambda v: send(v, copy=False), body, last,
+                                    check_every(size))
+            sock.close()  # lingers until the queued messages are out
+            return {"sent": sent}
+        sock = _zmq_socket(ctx, zmq.PULL, size, ipv6)
+        sock.connect(_zmq_endpoint(addrs["a"]))
+        probe = MemoryProbe()
+        probe.start()
+        recv = sock.recv
+        received = 0
+        start = None
+        warm = plan.warmup
+        if copy:  # bytes: pyzmq's fastest path for small messages
+            while True:
+                msg = recv()
+                received += 1
+                if received == warm:
+                    start = time.perf_counter_ns()
+                if msg[0]:
+                    break
+        else:  # a zmq Frame, its buffer not copied
+            while True:
+                frame = recv(copy=False)
+                received += 1
+                if received == warm:
+                    start = time.perf_counter_ns()
+                if frame.buffer[0]:
+                    break
+                del frame
+        end = time.perf_counter_ns()
+        sock.close(0)
+        result = stream_figures(received - warm, size, start, end)
+        result["memory"] = probe.result()
+        return result
+    finally:
+        ctx.destroy(0)
+
+
+def zmq_pingpong(case: dict[str, Any], addrs: dict[str, str], role: str) -> dict[str, Any]:
+    """pyzmq REQ/REP: ``b`` sends and waits for the echo, ``a`` echoes what it receives."""
+    import zmq
+
+    size = int(case["size"])
+    plan = Plan(case, 1)
+    copy = size <= ZMQ_COPY_LIMIT
+    ctx = zmq.Context()
+    ipv6 = ":" in rvz.cluster.split_address(addrs["a"])[0]
+    try:
+        if role == "a":
+            sock = _zmq_socket(ctx, zmq.REP, size, ipv6)
+            sock.bind(_zmq_endpoint(addrs["a"]))
+            recv, send = sock.recv, sock.send
+            while True:
+                msg = recv(copy=copy)
+                send(msg, copy=copy)
+                if (msg[0] if copy else msg.buffer[0]):
+                    sock.close()
+                    return {}
+        sock = _zmq_socket(ctx, zmq.REQ, size, ipv6)
+        sock.connect(_zmq_endpoint(addrs["a"]))
+        samples: list[int] = []
+        clock = time.perf_counter_ns
+        send, recv = sock.send, sock.recv
+        body, last = _zmq_payloads(size, copy)
+
+        def one(value: Any) -> None:
+            t = clock()
+            send(value, copy=copy)
+            recv(copy=copy)
+            samples.append(clock() - t)
+        produce_sync(plan, one, body, last, 16)
+        sock.close(0)
+        return {"samples_ns": samples[plan.warmup:]}
+    finally:
+        ctx.destroy(0)
+
+
 # -- the worker process -------------------------------------------------------------------------
 
 def versions() -> dict[str, str]:
     out = {"rvz": rvz.__version__, "python": platform.python_version(), "numpy": np.__version__}
-    for name in ("uvloop", "msgpack", "Cython"):
+    for name in ("uvloop", "msgpack", "Cython", "zmq"):
         try:
             module = __import__(name)
             out[name] = str(getattr(module, "__version__", getattr(module, "version", "?")))
         except ImportError:
             out[name] = "not installed"
+    out["pyzmq"] = out.pop("zmq")
     return out
 
 
@@ -684,6 +904,8 @@ class Worker:
         host = case["bind_host"]
         if case["impl"] == "rvz":
             return {"addr": free_addr(host)}
+        if case["impl"] == "zmq":  # side a binds this port when the case runs
+            return {"addr": free_addr(host) if case["role"] == "a" else None}
         if case["role"] == "b":
             return {"addr": None}
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -736,6 +958,14 @@ class Worker:
         if impl == "streams":
             sbody = {"stream": streams_stream, "pingpong": streams_pingpong}[kind]
             return self._on_loop(case, sbody(case, addrs, role, listener))
+        if impl == "zmq":
+            why = zmq_available()
+            if why:
+                raise RuntimeError(f"pyzmq baseline asked for, but {why}")
+            zbody = {"stream": zmq_stream, "pingpong": zmq_pingpong}[kind]
+            return dict(zbody(case, addrs, role))
+        if kind == "stream" and case.get("pattern") == "batch":
+            return self._on_loop(case, rvz_batch_stream(case, addrs, role))
         rbody = {"stream": rvz_stream, "pingpong": rvz_pingpong, "rendezvous": rvz_rendezvous}[kind]
         return self._on_loop(case, rbody(case, addrs, role))
 
@@ -770,7 +1000,8 @@ def serve(rfile: IO[bytes], wfile: IO[bytes]) -> int:
 
     reply({"event": "hello", "pid": os.getpid(), "implementation": rvz.implementation(),
            "env_no_extensions": os.environ.get("RVZ_NO_EXTENSIONS", ""),
-           "versions": versions(), "machine": machine()})
+           "versions": versions(), "machine": machine(), "pyzmq_missing": zmq_available(),
+           "batch_api": hasattr(rvz.Node, "send_many") and hasattr(rvz.Node, "recv_many")})
     worker = Worker()
     for line in rfile:
         try:
