@@ -60,7 +60,6 @@ _keys = _impl.keys
 _table = _impl.table
 _engine = _impl.engine
 EMPTY = _table.EMPTY
-wait_value = _table.wait_value
 Peer = _engine.Peer
 Route = _engine.Route
 MESSAGE_COST = _engine.MESSAGE_COST
@@ -491,40 +490,29 @@ class Node:
 
     async def _recv_wait(self, key: Any, mode: str | None, step: int, timeout: float | None) -> Any:
         core = self._core
-        core.waits_consumer += 1
-        route = core.route(key)
-        table = core.table(step)
-        assert self._loop is not None
-        waiter = self._loop.create_future()
-        table.take_or_wait(route.text, waiter)
-        if route.src == self.id:
-            return await wait_value(table, route.text, waiter, self._loop, timeout,
-                                    f"recv of {route.text}")
-        peer = core.peer(route.src)
-        core.joined(step, peer)
-        try:
-            mode = core.recv_mode(peer, mode)
-        except ValueError:
-            table.remove_waiter(route.text, waiter)
-            raise
-        if mode == "recv":
-            core.request(peer, step, route)
-        elif not peer.live_connections():
+        loop = self._loop
+        assert loop is not None
+        waiter = loop.create_future()
+        route, table, peer, dial, stamp = core.park(key, step, mode, waiter)
+        if dial:
             self._spawn(self._link(peer, route.text))  # to notice if it is gone
+        text = route.text
+        handle = _table.arm_timeout(loop, timeout, table, text, waiter,
+                                    peer.name if peer is not None else None)
         try:
-            return await wait_value(table, route.text, waiter, self._loop, timeout,
-                                    f"recv of {route.text} from {peer.name}")
-        except asyncio.CancelledError:
-            # wait_value gave the delivered value back: to the queue, where it is unconsumed
-            # again (its credit is returned when it is taken), or to the next waiter, which
-            # consumed it (the credit already counted stands).  A queue and waiters never
-            # coexist, so a non-empty queue means the former.
-            if (waiter.done() and not waiter.cancelled() and waiter.exception() is None
-                    and table.queued(route.text)):
+            return await waiter
+        except BaseException:
+            # The value may have been delivered just before the failure: it goes back to the
+            # queue, where it is unconsumed again (its credit is returned when it is taken),
+            # or to the next waiter, which consumed it (the credit already counted stands).
+            if _table.give_back(table, text, waiter, stamp) and peer is not None:
                 core.unconsumed(route.src, waiter.result())
             raise
         finally:
-            core.rebalance(step, route.text, table)
+            if handle is not None:
+                handle.cancel()
+            if peer is not None:
+                core.rebalance(step, text, table)
 
     async def recv_many(self, keys: Iterable[Any], *, mode: str | None = None, step: int = 0,
                         timeout: float | None = None) -> list[Any]:
@@ -573,7 +561,7 @@ class Node:
                 self._request_when_linked(requests)
         handle = None
         if timeout is not None:
-            handle = loop.call_later(timeout, _expire_batch, batch, timeout, len(routes))
+            handle = loop.call_later(timeout, _table.expire_batch, batch, timeout)
         try:
             return await batch.future
         except BaseException:
@@ -917,6 +905,7 @@ class Node:
             for request_id in core.outstanding.pop(key):
                 core.requests.pop(request_id, None)
         for peer in core.step_peers.pop(step, ()):
+            peer.joined_step = None
             if peer is origin:
                 continue
             for conn in peer.live_connections()[:1]:
@@ -933,14 +922,6 @@ class Node:
                 core.released_held(nbytes_of(value))
             elif route.src != self.id:
                 core.consumed(route.src, value)
-
-
-def _expire_batch(batch: Any, timeout: float, count: int) -> None:
-    if not batch.future.done():
-        keys = [batch.keys[slot.index] for slot in batch.slots if not slot.filled]
-        shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-        batch.future.set_exception(TimeoutError(
-            f"recv_many of {count} keys timed out after {timeout}s waiting for {shown}"))
 
 
 class Step:

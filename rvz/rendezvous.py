@@ -40,7 +40,16 @@ class Rendezvous:
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         table.take_or_wait(text, waiter)
-        return await _table.wait_value(table, text, waiter, loop, timeout, f"recv of {text}")
+        stamp = table.stamp
+        handle = _table.arm_timeout(loop, timeout, table, text, waiter, None)
+        try:
+            return await waiter
+        except BaseException:
+            _table.give_back(table, text, waiter, stamp)
+            raise
+        finally:
+            if handle is not None:
+                handle.cancel()
 
     def send_many(self, items: Any) -> None:
         """``send`` each ``(key, value)`` pair, in order."""
@@ -56,16 +65,20 @@ class Rendezvous:
         """
         texts = [_text(key) for key in keys]
         table = self._table
-        values = [table.take(text) for text in texts]
+        values = []
+        stamps = []
+        for text in texts:
+            values.append(table.take(text))
+            stamps.append(table.stamp)
         missing = sum(1 for v in values if v is _table.EMPTY)
         if not missing:
             return values
         loop = asyncio.get_running_loop()
-        batch = _table.Batch(table, texts, values, missing, loop.create_future())
+        batch = _table.Batch(table, texts, values, stamps, missing, loop.create_future())
         batch.wait()
         handle = None
         if timeout is not None:
-            handle = loop.call_later(timeout, _expire, batch, timeout)
+            handle = loop.call_later(timeout, _table.expire_batch, batch, timeout)
         try:
             return await batch.future
         except BaseException:
@@ -90,7 +103,3 @@ class Rendezvous:
         text = _text(key)
         return self._table.queued(text), self._table.waiting(text)
 
-
-def _expire(batch: Any, timeout: float) -> None:
-    if not batch.future.done():
-        batch.future.set_exception(TimeoutError(f"recv_many timed out after {timeout}s"))

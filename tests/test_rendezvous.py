@@ -336,8 +336,22 @@ def test_table_abort_returns_dropped_values_and_fails_waiters() -> None:
     assert table.abort("again", None) == []
 
 
-def test_wait_value_timeout_and_cancel(run) -> None:  # type: ignore[no-untyped-def]
+def test_waiter_timeout_and_cancel_give_the_value_back(run) -> None:  # type: ignore[no-untyped-def]
+    """arm_timeout fails a parked waiter naming the key and its source; give_back returns
+    a value delivered to a waiter whose recv was cancelled to the head of the queue."""
     tbl = _impl.table
+
+    async def wait(table, k, waiter, loop, timeout):  # type: ignore[no-untyped-def]
+        stamp = table.stamp
+        handle = tbl.arm_timeout(loop, timeout, table, k, waiter, "a producer")
+        try:
+            return await waiter
+        except BaseException:
+            tbl.give_back(table, k, waiter, stamp)
+            raise
+        finally:
+            if handle is not None:
+                handle.cancel()
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -345,12 +359,13 @@ def test_wait_value_timeout_and_cancel(run) -> None:  # type: ignore[no-untyped-
         k = str(K)
         w1 = loop.create_future()
         table.take_or_wait(k, w1)
-        with pytest.raises(TimeoutError):
-            await tbl.wait_value(table, k, w1, loop, 0.02, "recv of x")
+        with pytest.raises(TimeoutError) as info:
+            await wait(table, k, w1, loop, 0.02)
+        assert k in str(info.value) and "a producer" in str(info.value)
         assert table.waiting(k) == 0
         w2 = loop.create_future()
         table.take_or_wait(k, w2)
-        task = asyncio.ensure_future(tbl.wait_value(table, k, w2, loop, None, "recv of x"))
+        task = asyncio.ensure_future(wait(table, k, w2, loop, None))
         await settle()
         table.put(k, "v")
         task.cancel()

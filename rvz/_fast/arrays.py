@@ -14,28 +14,48 @@ from typing import Any
 
 import numpy as np
 
+from . import dtypes as _dtypes
+
 VERSION = 2
 DATA = 2
 
-# dtype code 0 is a ``bytes`` value; the others are numpy dtypes, little-endian on the wire.
-BYTES_CODE = 0
-WIRE_DTYPES = ["|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8",
-               "<f2", "<f4", "<f8", "<c8", "<c16"]
-DTYPES: list[Any] = [None] + [np.dtype(s) for s in WIRE_DTYPES]
-CODES = {np.dtype(s).str: i + 1 for i, s in enumerate(WIRE_DTYPES)}
+BYTES_CODE = _dtypes.BYTES_CODE
+WIRE_DTYPES = _dtypes.WIRE_DTYPES
+DTYPES = _dtypes.DTYPES
+CODES = _dtypes.CODES
 MAX_NDIM = 32
+_describe_other = _dtypes.describe_other
 
 # One struct per ndim packs the whole DATA header (frame header + metadata) in one call.
 _DATA_HEADERS = [struct.Struct("<BBHIQQQHBB" + "Q" * n) for n in range(MAX_NDIM + 1)]
+
+
+# dtype -> wire code; numpy caches a dtype's hash, where ``dtype.str`` formats a new string
+_CODE_OF_DTYPE = {np.dtype(s): i + 1 for i, s in enumerate(WIRE_DTYPES)}
+
+
+def describe(value: Any) -> tuple:
+    """``(value, dtype_code, shape, nbytes)`` of a value about to be sent.
+
+    Arrays come back C-contiguous and in little-endian order (a copy only when the caller's
+    array was not); numpy scalars as 0-d arrays; ``bytes``-like values as they are.
+    """
+    if type(value) is np.ndarray and value.flags.c_contiguous:
+        code = _CODE_OF_DTYPE.get(value.dtype, -1)
+        if code > 0:
+            return value, code, value.shape, value.nbytes
+    return _describe_other(value)
 
 
 def append_data(out: bytearray, step: int, request_id: int, key: bytes, code: int,
                 shape: tuple, nbytes: int, value: Any, with_payload: bool) -> None:
     """Append a DATA frame's header and key to ``out``, and its payload if ``with_payload``.
 
-    The caller has checked ``len(shape) <= MAX_NDIM`` and the key's length.
+    The caller has checked the key's length (at most ``codec.MAX_KEY`` bytes).
     """
     ndim = len(shape)
+    if ndim > MAX_NDIM:
+        raise ValueError(f"array has {ndim} dimensions; rvz carries at most {MAX_NDIM}")
     out += _DATA_HEADERS[ndim].pack(VERSION, DATA, 0, 20 + 8 * ndim + len(key), nbytes,
                                     step, request_id, len(key), code, ndim, *shape)
     out += key

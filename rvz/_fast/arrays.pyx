@@ -22,20 +22,44 @@ cnp.import_array()
 if sys.byteorder != "little":
     raise ImportError("rvz's compiled data path assumes a little-endian host")
 
+from rvz._fast import dtypes as _dtypes
+
 VERSION = 2
 DATA = 2
-BYTES_CODE = 0
-WIRE_DTYPES = ["|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8",
-               "<f2", "<f4", "<f8", "<c8", "<c16"]
-DTYPES = [None] + [np.dtype(s) for s in WIRE_DTYPES]
-CODES = {np.dtype(s).str: i + 1 for i, s in enumerate(WIRE_DTYPES)}
+BYTES_CODE = _dtypes.BYTES_CODE
+WIRE_DTYPES = _dtypes.WIRE_DTYPES
+DTYPES = _dtypes.DTYPES
+CODES = _dtypes.CODES
 MAX_NDIM = 32
+_describe_other = _dtypes.describe_other
 
 # numpy type numbers of the wire codes (index = code)
 cdef int[15] _TYPENUMS
 _TYPENUMS[:] = [0, cnp.NPY_BOOL, cnp.NPY_INT8, cnp.NPY_UINT8, cnp.NPY_INT16, cnp.NPY_UINT16,
                 cnp.NPY_INT32, cnp.NPY_UINT32, cnp.NPY_INT64, cnp.NPY_UINT64, cnp.NPY_FLOAT16,
                 cnp.NPY_FLOAT32, cnp.NPY_FLOAT64, cnp.NPY_COMPLEX64, cnp.NPY_COMPLEX128]
+
+
+# wire code of each numpy type number (-1: not carried), for native-order arrays
+cdef int[32] _CODE_OF_TYPENUM
+_CODE_OF_TYPENUM[:] = [-1] * 32
+for _code in range(1, 15):
+    _CODE_OF_TYPENUM[_TYPENUMS[_code]] = _code
+
+
+def describe(object value):
+    cdef cnp.ndarray arr
+    cdef int typenum
+    cdef int code
+    if cnp.PyArray_CheckExact(value):
+        arr = <cnp.ndarray>value
+        typenum = cnp.PyArray_TYPE(arr)
+        if (0 <= typenum < 32 and cnp.PyArray_ISNOTSWAPPED(arr)
+                and cnp.PyArray_IS_C_CONTIGUOUS(arr)):
+            code = _CODE_OF_TYPENUM[typenum]
+            if code > 0:
+                return value, code, value.shape, cnp.PyArray_NBYTES(arr)
+    return _describe_other(value)
 
 
 cdef inline void _put16(char* p, uint16_t v) noexcept nogil:

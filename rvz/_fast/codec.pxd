@@ -1,3 +1,9 @@
+cimport cython
+
+cdef bint COMPILED
+
+cdef unsigned long long _u32(bytearray buf, Py_ssize_t pos)
+cdef unsigned long long _u64(bytearray buf, Py_ssize_t pos)
 cpdef bytes encode_data(unsigned long long step, unsigned long long request_id, bytes key,
                         int code, tuple shape, unsigned long long nbytes)
 cpdef bytes encode_request(unsigned long long step, unsigned long long request_id, bytes key)
@@ -24,6 +30,10 @@ cdef class Decoder:
     cpdef list buffer_updated(self, Py_ssize_t nbytes)
     cdef _compact(self)
     cdef _fail(self, str message)
+    @cython.locals(buf=bytearray, pos=Py_ssize_t, end=Py_ssize_t, need=Py_ssize_t,
+                   mstart=Py_ssize_t, kstart=Py_ssize_t, pstart=Py_ssize_t, pend=Py_ssize_t,
+                   avail=Py_ssize_t, meta_len=Py_ssize_t, klen=Py_ssize_t, ndim=Py_ssize_t,
+                   code=Py_ssize_t, ftype=int, version=int, flags=int)
     cdef list _parse(self)
-    cdef str _key(self, object view, Py_ssize_t start, Py_ssize_t length)
+    cdef str _key(self, bytearray buf, Py_ssize_t start, Py_ssize_t length)
     cdef _requests(self, bytearray buf, object view, Py_ssize_t start, Py_ssize_t length, list events)

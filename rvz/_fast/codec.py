@@ -30,6 +30,12 @@ import numpy as np
 from ..errors import ProtocolError
 from . import arrays as _arrays
 
+try:  # Cython's own module; a compiled build sees the constant True
+    import cython
+    COMPILED = cython.compiled
+except ImportError:  # pure Python without Cython installed
+    COMPILED = False
+
 VERSION = _arrays.VERSION  # 2: REQUESTS (several keys in one frame) was added
 
 HELLO = 1
@@ -79,30 +85,7 @@ def dtype_code(dtype: Any) -> int:
     return _CODES.get(dtype.str, -1)
 
 
-def describe(value: Any) -> tuple:
-    """``(value, dtype_code, shape, nbytes)`` of a value about to be sent.
-
-    Arrays come back C-contiguous and in little-endian order (a copy only when the caller's
-    array was not); ``bytes``-like values come back as they are.
-    """
-    if isinstance(value, np.ndarray):
-        code = _CODES.get(value.dtype.str, -1)
-        if code < 0:
-            dtype = value.dtype
-            if dtype.kind in "biufc" and dtype.byteorder == ">":
-                value = value.astype(dtype.newbyteorder("<"))
-                code = _CODES.get(value.dtype.str, -1)
-            if code < 0:
-                raise TypeError(f"rvz does not send arrays of dtype {dtype} (numeric and bool "
-                                "dtypes only; nothing is pickled)")
-        if not value.flags.c_contiguous:
-            value = np.ascontiguousarray(value)
-        return value, code, value.shape, value.nbytes
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        if isinstance(value, memoryview):
-            value = value.cast("B") if value.c_contiguous else memoryview(value.tobytes())
-        return value, BYTES_CODE, (), len(value)
-    raise TypeError(f"rvz sends numpy arrays or bytes, not {type(value).__name__}")
+describe = _arrays.describe
 
 
 def payload_view(value: Any) -> memoryview:
@@ -160,6 +143,16 @@ def encode_requests(step: int, entries: list) -> bytes:
         raise ValueError(f"{len(entries)} requests do not fit one REQUESTS frame")
     parts[0] = _HEADER.pack(VERSION, REQUESTS, 0, meta, 0)
     return b"".join(parts)
+
+
+def _u32(buf: bytearray, pos: int) -> int:
+    """A little-endian u32 at ``buf[pos]`` (used compiled, where indexing is a C read)."""
+    return buf[pos] | buf[pos + 1] << 8 | buf[pos + 2] << 16 | buf[pos + 3] << 24
+
+
+def _u64(buf: bytearray, pos: int) -> int:
+    """A little-endian u64 at ``buf[pos]``."""
+    return _u32(buf, pos) | _u32(buf, pos + 4) << 32
 
 
 def _encode_u64(ftype: int, n: int) -> bytes:
@@ -300,7 +293,14 @@ class Decoder:
         end = self._end
         need = HEADER_SIZE
         while end - pos >= HEADER_SIZE:
-            version, ftype, flags, meta_len, payload_len = _HEADER.unpack_from(buf, pos)
+            if COMPILED:  # C reads of the little-endian fields; struct is faster in Python
+                version = buf[pos]
+                ftype = buf[pos + 1]
+                flags = buf[pos + 2] | buf[pos + 3]
+                meta_len = _u32(buf, pos + 4)
+                payload_len = _u64(buf, pos + 8)
+            else:
+                version, ftype, flags, meta_len, payload_len = _HEADER.unpack_from(buf, pos)
             if version != VERSION:
                 self._fail(f"unsupported protocol version {version} (this side speaks {VERSION})")
             if flags != 0:
@@ -319,7 +319,14 @@ class Decoder:
             if ftype == DATA:
                 if meta_len < 20:
                     self._fail(f"DATA metadata of {meta_len} bytes is too short")
-                step, request_id, klen, code, ndim = _DATA_FIXED.unpack_from(buf, mstart)
+                if COMPILED:
+                    step = _u64(buf, mstart)
+                    request_id = _u64(buf, mstart + 8)
+                    klen = buf[mstart + 16] | buf[mstart + 17] << 8
+                    code = buf[mstart + 18]
+                    ndim = buf[mstart + 19]
+                else:
+                    step, request_id, klen, code, ndim = _DATA_FIXED.unpack_from(buf, mstart)
                 if ndim > MAX_NDIM:
                     self._fail(f"DATA frame has {ndim} dimensions, the limit is {MAX_NDIM}")
                 if klen > MAX_KEY or meta_len != 20 + 8 * ndim + klen:
@@ -328,16 +335,21 @@ class Decoder:
                 if code >= len(DTYPES):
                     self._fail(f"DATA frame has unknown dtype code {code}")
                 kstart = mstart + 20 + 8 * ndim
-                key = self._key(view, kstart, klen)
+                key = self._key(buf, kstart, klen)
                 dtype = DTYPES[code]
                 value: Any
+                shape: tuple
+                arr: Any
                 if dtype is None:
                     if ndim != 0:
                         self._fail(f"bytes value for key {key} has a shape")
                     shape = ()
                     expected = payload_len
                 else:
-                    shape = _SHAPES[ndim].unpack_from(buf, mstart + 20)
+                    if COMPILED and ndim == 1:
+                        shape = (_u64(buf, mstart + 20),)
+                    else:
+                        shape = _SHAPES[ndim].unpack_from(buf, mstart + 20)
                     expected = dtype.itemsize
                     for dim in shape:
                         expected *= dim
@@ -399,7 +411,7 @@ class Decoder:
                 step, request_id, klen = _REQUEST_FIXED.unpack_from(buf, mstart)
                 if klen > MAX_KEY or meta_len != 18 + klen:
                     self._fail(f"REQUEST metadata length {meta_len} does not match key length {klen}")
-                events.append((REQUEST, step, request_id, self._key(view, mstart + 18, klen)))
+                events.append((REQUEST, step, request_id, self._key(buf, mstart + 18, klen)))
             elif ftype == REQUESTS:
                 self._requests(buf, view, mstart, meta_len, events)
             elif ftype == CANCEL or ftype == CREDIT:
@@ -459,14 +471,15 @@ class Decoder:
             request_id, klen = _ENTRY.unpack_from(buf, pos)
             if klen > MAX_KEY or end - pos - 10 < klen:
                 self._fail(f"REQUESTS entry key of {klen} bytes does not fit the frame")
-            events.append((REQUEST, step, request_id, self._key(view, pos + 10, klen)))
+            events.append((REQUEST, step, request_id, self._key(buf, pos + 10, klen)))
             pos += 10 + klen
         if pos != end:
             self._fail(f"REQUESTS frame has {end - pos} bytes after its {count} entries")
 
-    def _key(self, view: memoryview, start: int, length: int) -> str:
+    def _key(self, buf: bytearray, start: int, length: int) -> str:
         try:
-            return str(view[start:start + length], "utf-8")
+            # Compiled, a slice of a bytearray decoded at once is read in place (no copy).
+            return buf[start:start + length].decode("utf-8")
         except UnicodeDecodeError:
             raise ProtocolError("key is not valid UTF-8") from None
 

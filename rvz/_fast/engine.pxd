@@ -1,7 +1,9 @@
+cimport cython
 from rvz._fast.table cimport Table
 
 cdef class Core
 cdef class Wire
+cdef class Peer
 
 
 cdef class Route:
@@ -9,6 +11,9 @@ cdef class Route:
     cdef public bytes wire
     cdef public tuple src
     cdef public tuple dst
+    cdef public bint from_me
+    cdef public bint to_me
+    cdef public Peer peer
 
 
 cdef class Peer:
@@ -27,6 +32,7 @@ cdef class Peer:
     cdef public Py_ssize_t owed
     cdef public bint owed_scheduled
     cdef public bint owe_now
+    cdef public object joined_step
     cdef object __weakref__
 
     cpdef list live_connections(self)
@@ -106,24 +112,32 @@ cdef class Core:
     cdef public Py_ssize_t waits_producer
     cdef public Py_ssize_t waits_consumer
 
+    @cython.locals(route=Route)
     cpdef Route route(self, object key)
     cpdef tuple _task_of(self, str device, str key)
+    @cython.locals(route=Route)
     cpdef Route own_route(self, object key, bint sending)
     cpdef Peer peer(self, tuple task_id)
     cpdef Table table(self, object step)
     cpdef joined(self, object step, Peer peer)
     cpdef str _check_mode(self, object mode)
+    @cython.locals(route=Route, table=Table, peer=Peer)
     cpdef object send(self, object key, object value, object mode, object step)
     cpdef bint hold_full(self, Table table, Route route, Py_ssize_t nbytes) except -1
     cpdef hold(self, Table table, object step, Route route, object value, Py_ssize_t nbytes)
+    @cython.locals(conn=Wire)
     cpdef object push(self, Peer peer, object step, Route route, object value, int code,
                       tuple shape, Py_ssize_t nbytes)
     cpdef object queue_push(self, Peer peer, object step, Route route, object value, int code,
                             tuple shape, Py_ssize_t nbytes)
+    @cython.locals(conn=Wire)
     cpdef pump(self, Peer peer)
     cpdef answer(self, Wire conn, object step, object request_id, Route route, object value)
     cpdef released_held(self, Py_ssize_t nbytes)
+    @cython.locals(route=Route, table=Table)
     cpdef object take(self, object key, object step)
+    @cython.locals(route=Route, table=Table, peer=Peer, link=Wire)
+    cpdef tuple park(self, object key, object step, object mode, object waiter)
     cpdef str recv_mode(self, Peer peer, object mode)
     cpdef Request new_request(self, Peer peer, object step, Route route)
     cpdef request(self, Peer peer, object step, Route route)
@@ -131,14 +145,19 @@ cdef class Core:
     cpdef forget_request(self, object request_id, object step, str key)
     cpdef rebalance(self, object step, str key, Table table)
     cpdef consumed(self, tuple src, object value)
+    cpdef consumed_from(self, Peer peer, object value)
     cpdef unconsumed(self, tuple src, object value)
     cpdef flush_credit(self, Peer peer)
     cpdef flush_credit_now(self, object peer)
     cpdef object send_many(self, list items, object mode, object step, Py_ssize_t start)
     cpdef list check_routes(self, list keys, bint sending)
+    @cython.locals(route=Route, table=Table)
     cpdef object take_many(self, list routes, object step)
+    @cython.locals(event=tuple)
     cpdef dispatch(self, Wire conn, list events)
+    @cython.locals(route=Route, table=Table, peer=Peer)
     cpdef on_data(self, Wire conn, object step, object request_id, str key, object value)
+    @cython.locals(route=Route, table=Table, peer=Peer)
     cpdef on_request(self, Wire conn, object step, object request_id, str key)
     cpdef on_credit(self, Wire conn, object nbytes)
     cpdef on_cancel(self, Wire conn, object request_id)

@@ -25,12 +25,13 @@ from collections import deque
 from typing import Any
 
 from ..errors import Aborted, KeyFormatError, PeerLost, ProtocolError, TransportError, WrongEndpoint
+from . import arrays as _arrays
 from . import codec as _codec
 from . import keys as _keys
 from .table import EMPTY, Batch, Table
 
 describe = _codec.describe
-append_data = _codec.append_data
+append_data = _arrays.append_data  # checks ndim; a route's key length is checked once
 encode_request = _codec.encode_request
 encode_requests = _codec.encode_requests
 encode_credit = _codec.encode_credit
@@ -66,15 +67,22 @@ def nbytes_of(value: Any) -> int:
 
 
 class Route:
-    """What the node needs to know of a key, computed once per key string."""
+    """What the node needs to know of a key, computed once per key string: its two ends,
+    whether they are this node, and the ``Peer`` at the other end (None for a local key)."""
 
-    __slots__ = ("text", "wire", "src", "dst")
+    __slots__ = ("text", "wire", "src", "dst", "from_me", "to_me", "peer")
 
-    def __init__(self, text: str, src: tuple, dst: tuple) -> None:
+    def __init__(self, text: str, src: tuple, dst: tuple, me: tuple, peer: Any) -> None:
         self.text = text
         self.wire = text.encode("utf-8")
+        if len(self.wire) > _codec.MAX_KEY:
+            raise KeyFormatError(f"key of {len(self.wire)} bytes is longer than the "
+                                 f"{_codec.MAX_KEY} bytes rvz carries: {text[:80]}...")
         self.src = src
         self.dst = dst
+        self.from_me = src == me
+        self.to_me = dst == me
+        self.peer = peer
 
 
 class Peer:
@@ -82,7 +90,7 @@ class Peer:
 
     __slots__ = ("id", "name", "address", "out", "dialling", "inbound", "incarnation", "mode",
                  "link", "credit", "asked", "queue", "owed", "owed_scheduled", "owe_now",
-                 "__weakref__")
+                 "joined_step", "__weakref__")
 
     def __init__(self, task_id: tuple, address: str, window: int) -> None:
         self.id = task_id
@@ -105,6 +113,7 @@ class Peer:
         self.owed = 0                               # bytes of its values we consumed, to return
         self.owed_scheduled = False
         self.owe_now = False                        # it asked: return credit at the next consumption
+        self.joined_step: Any = None                # the step it was last added to (a cache)
 
     def live_connections(self) -> list:
         conns = [c for c in self.inbound if not c.closed]
@@ -318,8 +327,12 @@ class Core:
             # Keys change every step (frame:iter), devices do not: those are parsed once.
             parsed = _keys.as_key(key)
             canonical = str(parsed)
-            route = Route(canonical, self._task_of(parsed.src, canonical),
-                          self._task_of(parsed.dst, canonical))
+            src = self._task_of(parsed.src, canonical)
+            dst = self._task_of(parsed.dst, canonical)
+            me = self.id
+            other = dst if src == me else src if dst == me else None
+            peer = self.peer(other) if other is not None and other != me else None
+            route = Route(canonical, src, dst, me, peer)
             if len(self.routes) >= _ROUTE_CACHE_MAX:
                 self.routes.clear()
             self.routes[text] = route
@@ -343,8 +356,8 @@ class Core:
     def own_route(self, key: Any, sending: bool) -> Route:
         """The route of a key this node may send (its src) or receive (its dst) now."""
         route = self.route(key)
-        end = route.src if sending else route.dst
-        if end != self.id:
+        if not (route.from_me if sending else route.to_me):
+            end = route.src if sending else route.dst
             op, role = ("send", "source") if sending else ("recv", "destination")
             raise WrongEndpoint(f"cannot {op} key {route.text} on {self.name}: its {role} is "
                                 f"/job:{end[0]}/task:{end[1]}")
@@ -370,6 +383,10 @@ class Core:
         return table
 
     def joined(self, step: Any, peer: Peer) -> None:
+        """Remember that ``peer`` took part in ``step`` (its clean-up must reach it)."""
+        if peer.joined_step is not None and peer.joined_step == step:
+            return
+        peer.joined_step = step
         peers = self.step_peers.get(step)
         if peers is None:
             self.step_peers[step] = {peer}
@@ -396,10 +413,10 @@ class Core:
         route = self.own_route(key, True)
         value, code, shape, nbytes = describe(value)
         table = self.table(step)
-        if route.dst == self.id:
+        peer = route.peer
+        if peer is None:  # a key from this node to itself
             table.put(route.text, value)
             return None
-        peer = self.peer(route.dst)
         self.joined(step, peer)
         mode = self._check_mode(mode)
         if mode == "send" and not table.waiting(route.text):
@@ -516,9 +533,38 @@ class Core:
         route = self.own_route(key, False)
         table = self.table(step)
         value = table.take(route.text)
-        if value is not EMPTY and route.src != self.id:
-            self.consumed(route.src, value)
+        if value is not EMPTY and route.peer is not None:
+            self.consumed_from(route.peer, value)
         return value
+
+    def park(self, key: Any, step: Any, mode: Any, waiter: Any) -> tuple:
+        """The rest of a recv that found nothing queued (``take`` returned ``EMPTY``): queue
+        ``waiter`` and, Recv-Driven, ask the producer.
+
+        Returns ``(route, table, peer, dial, stamp)``: ``peer`` is None for a local key,
+        ``dial`` says a Send-Driven consumer has no connection to the producer yet (the node
+        then dials it, to notice if it is gone), and ``stamp`` is the waiter's place in the
+        key's order (for ``give_back``).
+        """
+        route = self.route(key)
+        table = self.table(step)
+        self.waits_consumer += 1
+        table.take_or_wait(route.text, waiter)
+        peer = route.peer
+        if peer is None:
+            return (route, table, None, False, table.stamp)
+        self.joined(step, peer)
+        try:
+            mode = self.recv_mode(peer, mode)
+        except ValueError:
+            table.remove_waiter(route.text, waiter)
+            raise
+        if mode == "recv":
+            self.request(peer, step, route)
+            return (route, table, peer, False, table.stamp)
+        link = peer.link
+        dial = (link is None or link.closed) and not peer.live_connections()
+        return (route, table, peer, dial, table.stamp)
 
     def recv_mode(self, peer: Peer, mode: Any) -> str:
         """The mode a recv of a key from ``peer`` runs in.
@@ -596,8 +642,10 @@ class Core:
     def consumed(self, src: tuple, value: Any) -> None:
         """A value from ``src`` left our table: grant that producer the space again."""
         peer = self.peers.get(src)
-        if peer is None:
-            return
+        if peer is not None:
+            self.consumed_from(peer, value)
+
+    def consumed_from(self, peer: Peer, value: Any) -> None:
         peer.owed += nbytes_of(value) + MESSAGE_COST
         # Credit goes back in batches of a quarter window (one frame per many messages),
         # or at once when the producer said it is waiting for it.
@@ -652,8 +700,8 @@ class Core:
         table = self.table(step)
         n = len(routes)
         values = [EMPTY] * n
+        stamps = [0] * n
         missing = 0
-        me = self.id
         for i in range(n):
             route = routes[i]
             value = table.take(route.text)
@@ -661,12 +709,14 @@ class Core:
                 missing += 1
             else:
                 values[i] = value
-                if route.src != me:
-                    self.consumed(route.src, value)
+                stamps[i] = table.stamp
+                if route.peer is not None:
+                    self.consumed_from(route.peer, value)
         if not missing:
             return values
         self.waits_consumer += 1
-        return Batch(table, [r.text for r in routes], values, missing, self.loop.create_future())
+        return Batch(table, [r.text for r in routes], values, stamps, missing,
+                     self.loop.create_future())
 
     # -- frames from peers ----------------------------------------------------------------
 
@@ -713,24 +763,24 @@ class Core:
             if request is not None:
                 self.forget_request(request_id, step, key)
         route = self.route(key)
-        if route.dst != self.id or route.src != peer.id:
+        if not route.to_me or route.peer is not peer:
             raise ProtocolError(f"{peer.name} sent key {key} to {self.name}; the key routes from "
                                 f"/job:{route.src[0]}/task:{route.src[1]} to "
                                 f"/job:{route.dst[0]}/task:{route.dst[1]} (cluster specs differ?)")
         table = self.tables.get(step)
         if table is None:
             if step in self.dead_steps:
-                self.consumed(peer.id, value)  # dropped: the step is gone
+                self.consumed_from(peer, value)  # dropped: the step is gone
                 return
             table = Table()
             self.tables[step] = table
         self.joined(step, peer)
-        if table.put(key, value):
-            self.consumed(peer.id, value)
+        if table.put(route.text, value):
+            self.consumed_from(peer, value)
 
     def on_request(self, conn: Wire, step: Any, request_id: Any, key: str) -> None:
         route = self.route(key)
-        if route.src != self.id:
+        if not route.from_me:
             conn.write_frame(encode_error(
                 request_id, step, key, "WrongEndpoint",
                 f"{self.name} cannot answer a request for key {key}: its source is "

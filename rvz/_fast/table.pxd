@@ -3,6 +3,8 @@ cdef class Table:
     cdef dict _waiters
     cdef object _abort_cause
     cdef object _abort_message
+    cdef dict _back
+    cdef public long long stamp
 
     cpdef object aborted_error(self, str key)
     cpdef bint put(self, str key, object value) except -1
@@ -13,13 +15,15 @@ cdef class Table:
     cpdef Py_ssize_t waiting(self, str key) except -1
     cpdef Py_ssize_t queued(self, str key) except -1
     cpdef list abort(self, str message, object cause)
-    cpdef list restore(self, str key, list values)
+    cpdef bint put_back(self, str key, object value, long long stamp) except -1
+    cdef _took_back(self, str key)
 
 
 cdef class Batch:
     cdef public Table table
     cdef public list keys
     cdef public list values
+    cdef public list stamps
     cdef public Py_ssize_t missing
     cdef public object future
     cdef public list slots

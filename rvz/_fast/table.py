@@ -8,10 +8,16 @@ out, its connection gone) is skipped, so a cancel never loses a value.
 
 rvz runs on one event loop thread, so the table needs no lock: callbacks run from
 ``set_result`` after the table's state is already consistent.
+
+A value can come back after it was delivered (its recv was cancelled, or a batch failed
+before it resumed).  Every take and every waiter gets a stamp, in the order values leave the
+key's queue; a value that comes back is put ahead of the values never delivered, in stamp
+order among those that came back, so FIFO holds however many come back in what order.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from typing import Any
 
@@ -23,13 +29,16 @@ EMPTY = object()  # what take() returns when no value is queued
 class Table:
     """Per-key FIFO of values or waiters, with abort (TF LocalRendezvous)."""
 
-    __slots__ = ("_values", "_waiters", "_abort_cause", "_abort_message")
+    __slots__ = ("_values", "_waiters", "_abort_cause", "_abort_message", "_back", "stamp")
 
     def __init__(self) -> None:
         self._values: dict[str, deque[Any]] = {}   # key -> values nobody received yet
         self._waiters: dict[str, deque[Any]] = {}  # key -> waiters no value reached yet
         self._abort_cause: Any = None
         self._abort_message: Any = None
+        # key -> stamps of the values at the head of its queue that came back (ascending)
+        self._back: dict[str, list] = {}
+        self.stamp = 0  # the stamp of the last take or queued waiter
 
     def aborted_error(self, key: str) -> Aborted:
         """A fresh ``Aborted`` for ``key`` carrying the abort's original cause."""
@@ -63,9 +72,15 @@ class Table:
         return False
 
     def put_front(self, key: str, value: object) -> bool:
-        """Return a value whose receiver went away after it was delivered.
+        """Return a value ahead of every other (to the next waiter, else the queue's head)."""
+        return self.put_back(key, value, -1)
 
-        It goes to the next waiter or back to the head of the queue, so FIFO order holds.
+    def put_back(self, key: str, value: object, stamp: int) -> bool:
+        """Return a value delivered under ``stamp`` whose receiver went away.
+
+        It goes to the next waiter, or back into the queue ahead of the values never
+        delivered and after those that came back with a smaller stamp.  True if a waiter
+        took it.
         """
         if self._abort_message is not None:
             return False
@@ -74,10 +89,24 @@ class Table:
             return self.put(key, value)
         values = self._values.get(key)
         if values is None:
-            self._values[key] = deque((value,))
-        else:
+            values = self._values[key] = deque()
+        stamps = self._back.get(key)
+        if stamps is None:
+            self._back[key] = [stamp]
             values.appendleft(value)
+        else:
+            i = bisect_left(stamps, stamp)
+            stamps.insert(i, stamp)
+            values.insert(i, value)
         return False
+
+    def _took_back(self, key: str) -> None:
+        """The head of ``key``'s queue left: drop its stamp if it was a value that came back."""
+        stamps = self._back.get(key)
+        if stamps is not None:
+            del stamps[0]
+            if not stamps:
+                del self._back[key]
 
     def take(self, key: str) -> object:
         """Pop the oldest queued value of ``key``, or return ``EMPTY``."""
@@ -89,6 +118,9 @@ class Table:
         value = values.popleft()
         if not values:
             del self._values[key]
+        self.stamp += 1
+        if self._back:
+            self._took_back(key)
         return value
 
     def take_or_wait(self, key: str, waiter: object) -> object:
@@ -96,10 +128,13 @@ class Table:
         if self._abort_message is not None:
             raise self.aborted_error(key)
         values = self._values.get(key)
+        self.stamp += 1
         if values is not None:
             value = values.popleft()
             if not values:
                 del self._values[key]
+            if self._back:
+                self._took_back(key)
             return value
         waiters = self._waiters.get(key)
         if waiters is None:
@@ -136,30 +171,6 @@ class Table:
         values = self._values.get(key)
         return 0 if values is None else len(values)
 
-    def restore(self, key: str, values: list) -> list:
-        """Give back values, oldest first, that a batch had taken and no longer wants.
-
-        They go to the key's live waiters in order, and what is left to the head of its
-        queue, so FIFO order holds.  Returns the values that went back to the queue (nothing
-        after an abort: they are dropped).
-        """
-        if self._abort_message is not None:
-            return []
-        n = len(values)
-        i = 0
-        while i < n and self.waiting(key):
-            self.put(key, values[i])
-            i += 1
-        if i == n:
-            return []
-        rest = values[i:]
-        queue = self._values.get(key)
-        if queue is None:
-            self._values[key] = deque(rest)
-        else:
-            queue.extendleft(reversed(rest))
-        return rest
-
     def keys_waiting(self) -> list:
         return list(self._waiters)
 
@@ -190,6 +201,7 @@ class Table:
             for value in values:
                 dropped.append((key, value))
         self._values.clear()
+        self._back.clear()
         waiters_by_key = self._waiters
         self._waiters = {}
         for key, waiters in waiters_by_key.items():
@@ -208,6 +220,7 @@ class Slot:
         self.batch = batch
         self.index = index
         self.filled = False
+
 
     def done(self) -> bool:
         return self.filled or self.batch.future.done()
@@ -232,12 +245,14 @@ class Batch:
     the batch fails, times out or is cancelled.
     """
 
-    __slots__ = ("table", "keys", "values", "missing", "future", "slots")
+    __slots__ = ("table", "keys", "values", "stamps", "missing", "future", "slots")
 
-    def __init__(self, table: Table, keys: list, values: list, missing: int, future: Any) -> None:
+    def __init__(self, table: Table, keys: list, values: list, stamps: list, missing: int,
+                 future: Any) -> None:
         self.table = table
         self.keys = keys
         self.values = values
+        self.stamps = stamps  # the table's stamp of each position's take or waiter
         self.missing = missing
         self.future = future
         self.slots: list = []
@@ -252,6 +267,7 @@ class Batch:
             if values[i] is EMPTY:
                 slot = Slot(self, i)
                 value = table.take_or_wait(keys[i], slot)
+                self.stamps[i] = table.stamp
                 if value is EMPTY:
                     self.slots.append(slot)
                     waiting.append(i)
@@ -260,59 +276,62 @@ class Batch:
         return waiting
 
     def restore(self) -> list:
-        """Undo the batch: drop its waiters and give its values back.
+        """Undo the batch: drop its waiters and give its values back (see ``put_back``).
 
         Returns the ``(key, value)`` pairs that went back to a queue (their consumption is
         undone), not those another waiter took.
         """
         table = self.table
+        keys = self.keys
         for slot in self.slots:
             if not slot.filled:
-                table.remove_waiter(self.keys[slot.index], slot)
-        by_key: dict = {}
+                table.remove_waiter(keys[slot.index], slot)
         values = self.values
-        keys = self.keys
+        queued = []
         for i in range(len(keys)):
             value = values[i]
             if value is not EMPTY:
                 values[i] = EMPTY
-                got = by_key.get(keys[i])
-                if got is None:
-                    by_key[keys[i]] = [value]
-                else:
-                    got.append(value)
-        queued = []
-        for key, got in by_key.items():
-            for value in table.restore(key, got):
-                queued.append((key, value))
+                if not table.put_back(keys[i], value, self.stamps[i]):
+                    if not table.aborted:
+                        queued.append((keys[i], value))
         return queued
 
 
-async def wait_value(table: Table, key: str, waiter: Any, loop: Any, timeout: Any,
-                     describe: str) -> Any:
-    """Await ``waiter`` (already queued in ``table``) with an optional timeout.
-
-    If the caller is cancelled after the value was delivered, the value goes back to the
-    head of the queue: a cancel after delivery changes nothing for the other receivers.
-    """
-    handle = None
-    if timeout is not None:
-        handle = loop.call_later(timeout, _expire, table, key, waiter, timeout, describe)
-    try:
-        return await waiter
-    except BaseException:
-        if waiter.done() and not waiter.cancelled():
-            if waiter.exception() is None:
-                table.put_front(key, waiter.result())
-        else:
-            table.remove_waiter(key, waiter)
-        raise
-    finally:
-        if handle is not None:
-            handle.cancel()
+def arm_timeout(loop: Any, timeout: Any, table: Table, key: str, waiter: Any,
+                source: Any) -> Any:
+    """Fail ``waiter`` (queued in ``table``) with ``TimeoutError`` after ``timeout`` seconds;
+    returns the timer handle, or None without a timeout.  ``source`` names the producer."""
+    if timeout is None:
+        return None
+    return loop.call_later(timeout, _expire, table, key, waiter, timeout, source)
 
 
-def _expire(table: Table, key: str, waiter: Any, timeout: Any, describe: str) -> None:
+def give_back(table: Table, key: str, waiter: Any, stamp: int) -> bool:
+    """The recv awaiting ``waiter`` (queued under ``stamp``) failed or was cancelled: drop
+    the waiter, or, if a value had already been delivered to it, return the value to the
+    next waiter or to its place in the queue.  A cancel after delivery changes nothing for
+    the other receivers.  True if the value went back to the queue."""
+    if waiter.done() and not waiter.cancelled():
+        if waiter.exception() is None:
+            return not table.put_back(key, waiter.result(), stamp) and not table.aborted
+        return False
+    table.remove_waiter(key, waiter)
+    return False
+
+
+def _expire(table: Table, key: str, waiter: Any, timeout: Any, source: Any) -> None:
     if not waiter.done():
         table.remove_waiter(key, waiter)
-        waiter.set_exception(TimeoutError(f"{describe} timed out after {timeout}s"))
+        where = f" from {source}" if source else ""
+        waiter.set_exception(TimeoutError(f"recv of {key}{where} timed out after {timeout}s"))
+
+
+def expire_batch(batch: Batch, timeout: Any) -> None:
+    """The ``call_later`` callback of a batch's timeout: fail it naming what it waits for."""
+    if batch.future.done():
+        return
+    keys = [batch.keys[slot.index] for slot in batch.slots if not slot.filled]
+    shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    batch.future.set_exception(TimeoutError(
+        f"recv_many of {len(batch.keys)} keys timed out after {timeout}s waiting for {shown}"))

@@ -38,7 +38,7 @@ import itertools
 import logging
 import struct
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -49,7 +49,6 @@ from .provider import FAILED, RECV_MSG, RECV_WRITE, SEND_DONE, Provider
 
 if TYPE_CHECKING:
     from ..connection import Connection
-    from ..node import Node
 
 log = logging.getLogger("rvz")
 
@@ -77,6 +76,18 @@ DEST = 2
 
 def slot_header_size(ndim: int) -> int:
     return align(SLOT_HDR.size + 8 * ndim)
+
+
+class Host(Protocol):
+    """What the one-sided transports read of the node that owns them (rvz.node.Node)."""
+
+    name: str
+    transport: str
+    peer_timeout: float
+    max_payload: int
+
+    @property
+    def _peers(self) -> dict[Any, Any]: ...
 
 
 class Options:
@@ -128,7 +139,7 @@ class _Target:
 class Engine:
     """A provider's pool, completion queues and channels, for one node."""
 
-    def __init__(self, node: Node, provider: Provider, options: Options) -> None:
+    def __init__(self, node: Host, provider: Provider, options: Options) -> None:
         self.node = node
         self.provider = provider
         self.name = provider.name

@@ -23,11 +23,10 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from ..errors import TransportError
-from .engine import Channel, Engine, Options
+from .engine import Channel, Engine, Host, Options
 
 if TYPE_CHECKING:
     from ..connection import Connection
-    from ..node import Node
 
 log = logging.getLogger("rvz")
 
@@ -105,7 +104,7 @@ def decide(want: str, local: set[str], host: dict[str, Any], remote: Any,
 class Hub:
     """The one-sided engines of one node and the transport each peer got."""
 
-    def __init__(self, node: Node, options: dict[str, Any] | None) -> None:
+    def __init__(self, node: Host, options: dict[str, Any] | None) -> None:
         self.node = node
         self.want = node.transport
         self.options = Options(options)

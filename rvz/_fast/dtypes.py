@@ -1,0 +1,42 @@
+"""The dtypes rvz carries and their wire codes, and how an unusual value is described.
+
+Plain Python shared by both implementations of ``arrays`` (this is not a hot path: the
+common case, a C-contiguous native array, never gets here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+# dtype code 0 is a ``bytes`` value; the others are numpy dtypes, little-endian on the wire.
+BYTES_CODE = 0
+WIRE_DTYPES = ["|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8",
+               "<f2", "<f4", "<f8", "<c8", "<c16"]
+DTYPES: list[Any] = [None] + [np.dtype(s) for s in WIRE_DTYPES]
+CODES = {np.dtype(s).str: i + 1 for i, s in enumerate(WIRE_DTYPES)}
+
+
+def describe_other(value: Any) -> tuple:
+    """``describe`` for everything but a little-endian, C-contiguous array of a wire dtype."""
+    if isinstance(value, np.generic):  # a numpy scalar (say ``arr.sum()``): a 0-d array
+        value = np.asarray(value)
+    if isinstance(value, np.ndarray):
+        code = CODES.get(value.dtype.str, -1)
+        if code < 0:
+            dtype = value.dtype
+            if dtype.kind in "biufc" and dtype.byteorder == ">":
+                value = value.astype(dtype.newbyteorder("<"))
+                code = CODES.get(value.dtype.str, -1)
+            if code < 0:
+                raise TypeError(f"rvz does not send arrays of dtype {dtype} (numeric and bool "
+                                "dtypes only; nothing is pickled)")
+        if not value.flags.c_contiguous:
+            value = np.ascontiguousarray(value)
+        return value, code, value.shape, value.nbytes
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        if isinstance(value, memoryview):
+            value = value.cast("B") if value.c_contiguous else memoryview(value.tobytes())
+        return value, BYTES_CODE, (), len(value)
+    raise TypeError(f"rvz sends numpy arrays or bytes, not {type(value).__name__}")
