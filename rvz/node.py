@@ -483,13 +483,11 @@ class Node:
         ``TimeoutError``; cancelling the awaiting task cancels just this recv.  Remote
         failures raise ``PeerLost`` or ``Aborted`` with the original cause.
         """
-        value = self._core.take(key, step)
+        core = self._core
+        value = core.take(key, step)
         if value is not EMPTY:
             return value
-        return await self._recv_wait(key, mode, step, timeout)
-
-    async def _recv_wait(self, key: Any, mode: str | None, step: int, timeout: float | None) -> Any:
-        core = self._core
+        # Nothing queued: wait here (one coroutine per recv, no nested one).
         loop = self._loop
         assert loop is not None
         waiter = loop.create_future()

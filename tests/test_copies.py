@@ -147,6 +147,8 @@ def test_small_frames_of_one_iteration_leave_in_one_write(run, cluster) -> None:
             assert [int(v[0]) for v in got] == list(range(20))
             with_requests = [frame_types(d).count(_impl.codec.REQUEST) for d in written]
             assert sum(with_requests) == 20
-            assert max(with_requests) == 20, with_requests   # all 20 in one write
+            # The first frame leaves at once (latency), the other 19 of that iteration together.
+            assert len([n for n in with_requests if n]) <= 2, with_requests
+            assert max(with_requests) >= 19, with_requests
 
     run(main(), timeout=15)

@@ -253,13 +253,16 @@ class Wire:
             self._write(out, _codec.payload_view(value))
 
     def _queued(self) -> None:
-        """Frames were added: write now if enough is pending, else at the end of this loop
-        iteration."""
-        if len(self._out) >= FLUSH_AT:
-            self._write_out()
-        elif not self._flush_scheduled:
+        """Frames were added: the first frame since the last flush leaves at once (a reply or
+        a ping-pong waits for no loop iteration); the frames that follow it in the same
+        iteration are coalesced into one write at its end, or earlier once FLUSH_AT bytes are
+        pending.  A burst of N frames costs two writes, not N."""
+        if not self._flush_scheduled:
             self._flush_scheduled = True
             self._call_soon(self.flush)
+            self._write_out()
+        elif len(self._out) >= FLUSH_AT:
+            self._write_out()
 
     def flush(self) -> None:
         """Write what is pending (the end-of-iteration callback)."""
