@@ -35,6 +35,7 @@ import asyncio
 import logging
 import os
 import sys
+from asyncio.events import _get_running_loop
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -138,6 +139,7 @@ class Node:
         # One-sided transports (rvz.onesided): options, and the hub start() opens for them.
         self._onesided_options = onesided
         self._onesided: Any = None
+        self._closing_pushes: list[Any] = []
 
     # the engine's state, read by the one-sided hub and by tests
     @property
@@ -179,10 +181,13 @@ class Node:
         try:
             self._server = await self._loop.create_server(
                 lambda: self._connection(outbound=False), host, port, reuse_address=True)
-        except BaseException:
+        except BaseException as exc:
             if self._onesided is not None:  # its completion queues are on this loop
                 self._onesided.close()
                 self._onesided = None
+            if isinstance(exc, OSError):
+                raise TransportError(f"node {self.name} cannot listen on {host}:{port}: "
+                                     f"{exc.strerror or exc}") from exc
             raise
         self._set_state("running")
         self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
@@ -208,9 +213,21 @@ class Node:
             if self._state == "closed" and self._close_cause is not None:
                 # abort()/close() promise that every later operation fails with Aborted.
                 err = Aborted(f"node {self.name} is closed: {self._close_cause}{where}")
+            elif self._state == "new":
+                err = RvzError(f"node {self.name} is not started{where}: use `async with "
+                               "rvz.Node(...) as node` or `await node.start()` first")
             else:
                 err = RvzError(f"node {self.name} is {self._state}{where}")
             raise err from self._close_cause
+
+    def _entry(self, timeout: float | None) -> None:
+        """Checks every public call makes: the calling thread and the timeout."""
+        if _get_running_loop() is not self._loop and self._loop is not None:
+            raise RuntimeError(
+                f"node {self.name} runs on another thread's event loop; call it from that "
+                "thread, e.g. asyncio.run_coroutine_threadsafe(node.recv(key), node_loop)")
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be None or >= 0 seconds, not {timeout!r}")
 
     def transport_for(self, peer: str | TaskId) -> str:
         """The transport used toward ``peer`` (a device name or ``(job, task)``).
@@ -286,8 +303,10 @@ class Node:
     async def close(self) -> None:
         """Graceful close: deliver what was sent, then say BYE and close.
 
-        Pushes already accepted are flushed; Recv-Driven values still held for remote
-        consumers keep being served until fetched or until ``linger`` seconds passed.
+        Pushes already accepted are flushed, and Recv-Driven values still held for remote
+        consumers are pushed to them (their recvs find them in their own tables), in both
+        cases for at most ``linger`` seconds.  What cannot be delivered by then is dropped
+        and counted in one log line.
         """
         if self._state in ("new", "closed"):
             self._state = "closed"
@@ -302,6 +321,7 @@ class Node:
         core = self._core
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.linger
+        self._closing_pushes = self._push_held()
         # Not every background task: a dial retrying toward a dead peer would hold the close
         # for the whole linger although it delivers nothing.
         while loop.time() < deadline and (core.held_count or self._deliveries or any(
@@ -331,7 +351,14 @@ class Node:
         for conn in list(self._conns):
             if not conn.closed:
                 conn.fail(cause)
+        # Counted once: still queued now, or pushed at close and already failed.
+        undelivered = sum(len(p.queue) for p in core.peers.values()) + sum(
+            1 for d in self._closing_pushes
+            if d.done() and not d.cancelled() and d.exception() is not None)
         self._finish(cause)
+        if undelivered:
+            log.warning("rvz %s: closed after a linger of %ss with %d values undelivered",
+                        self.name, self.linger, undelivered)
         # Give the transports one iteration to run their close callbacks.
         await asyncio.sleep(0)
 
@@ -383,6 +410,7 @@ class Node:
         (Recv-Driven), or on the wire (Send-Driven).  Waits only for backpressure; a send
         that fits the push window completes without suspending.
         """
+        self._entry(timeout)
         pending = self._core.send(key, value, mode, step)
         if pending is not None:
             await self._send_wait(pending, step, timeout)
@@ -395,6 +423,7 @@ class Node:
         one consumer leave in one write.  If the call times out or is cancelled while one
         item waits for backpressure, the items before it were sent and the rest were not.
         """
+        self._entry(timeout)
         batch = list(items)
         core = self._core
         core.check_routes([item[0] for item in batch], True)
@@ -483,6 +512,7 @@ class Node:
         ``TimeoutError``; cancelling the awaiting task cancels just this recv.  Remote
         failures raise ``PeerLost`` or ``Aborted`` with the original cause.
         """
+        self._entry(timeout)
         core = self._core
         value = core.take(key, step)
         if value is not EMPTY:
@@ -521,6 +551,7 @@ class Node:
         lost.  Every key is checked first (``WrongEndpoint`` before anything is taken).
         Recv-Driven, one request frame goes to each producer for all of its keys.
         """
+        self._entry(timeout)
         core = self._core
         routes = core.check_routes(list(keys), False)
         if not routes:
@@ -761,6 +792,24 @@ class Node:
                 core.flush_credit_now(peer)
         self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
 
+    def _push_held(self) -> list[Any]:
+        """At close: push every Recv-Driven value still held to its consumer."""
+        core = self._core
+        dones = []
+        for step, table in list(core.tables.items()):
+            for key in table.queued_keys():
+                route = core.route(key)
+                if not route.from_me or route.peer is None:
+                    continue
+                while table.queued(key):
+                    value = table.take(key)
+                    core.released_held(nbytes_of(value))
+                    value, code, shape, nbytes = _codec.describe(value)
+                    dones.append(core.queue_push(route.peer, step, route, value, code, shape,
+                                                 nbytes))
+        core.claims.clear()
+        return dones
+
     def _push_unclaimed(self, now: float) -> None:
         core = self._core
         claims = core.claims
@@ -865,7 +914,8 @@ class Node:
 
     def _on_abort_step(self, conn: Connection, step: int, message: str) -> None:
         name = self._peer_name(conn)
-        text = message if name in message else f"{message} (aborted by {name})"
+        # Said once: a message relayed from node to node already names who started it.
+        text = message if " by /job:" in message else f"{message} (by {name})"
         self._abort_step(step, text, RemoteError(message, name), origin=conn.peer)
 
     # -- steps ---------------------------------------------------------------------------------
@@ -875,7 +925,17 @@ class Node:
         return Step(self, step_id)
 
     async def cleanup_step(self, step_id: int, message: str | None = None) -> None:
-        """Abort ``step_id`` here and on every node that took part in it."""
+        """Abort ``step_id`` here and on every node that took part in it.
+
+        Every pending and later send and recv of that step fails with ``Aborted``: a step
+        id is dead for good once cleaned up, on every node it reached, so give each step
+        its own id (a counter).  Step 0, where plain ``send``/``recv`` run, cannot be
+        cleaned up (``ValueError``): it would break them for good.
+        """
+        if step_id == 0:
+            raise ValueError("step 0 is the step of plain send/recv and cannot be cleaned up; "
+                             "run work that may need a clean-up under node.step(n), n > 0")
+        self._entry(None)
         core = self._core
         text = message or f"step {step_id} was cleaned up by {self.name}"
         if step_id not in core.dead_steps:

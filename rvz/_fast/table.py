@@ -171,6 +171,24 @@ class Table:
         values = self._values.get(key)
         return 0 if values is None else len(values)
 
+    def queued_keys(self) -> list:
+        """The keys that have values queued."""
+        return list(self._values)
+
+    def counts(self) -> tuple:
+        """``(keys with values, values, keys with waiters, live waiters)``, for stats."""
+        values = 0
+        for queue in self._values.values():
+            values += len(queue)
+        waiters = 0
+        for key in self._waiters:
+            waiters += self.waiting(key)
+        return (len(self._values), values, len(self._waiters), waiters)
+
+    def empty(self) -> bool:
+        """No value and no waiter: the table may be dropped (it is made again on use)."""
+        return not self._values and not self._waiters and self._abort_message is None
+
     def keys_waiting(self) -> list:
         return list(self._waiters)
 
