@@ -241,6 +241,71 @@ class Node:
             return str(self._onesided.transport_for(task_id))
         return self.transport
 
+    # -- introspection ------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        peers = sum(1 for p in self._core.peers.values() if p.live_connections())
+        return (f"<rvz.Node {self.name} at {self.address} {self._state} mode={self.mode} "
+                f"transport={self.transport} peers={peers}>")
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of this node's state and counters, as plain data (see the README).
+
+        ``peers`` maps each peer's name to its connection ``state`` (``"connected"``,
+        ``"dialling"``, ``"idle"``), the ``transport`` in use, ``bytes_in``/``bytes_out``
+        and ``messages_in``/``messages_out`` over its live connections, the push ``credit``
+        it granted us, the ``owed`` credit we hold back, ``queued_pushes``, the requests it
+        parked here (``parked_requests``) and ours to it (``outstanding_requests``).
+        ``steps`` maps each step with a table to its ``queued_values``, ``queued_keys``,
+        ``waiting_recvs`` and ``waiting_keys``.  ``held`` counts the Recv-Driven values
+        kept for remote consumers; ``waits`` how often a send (``producer``) or a recv
+        (``consumer``) had to wait.
+        """
+        core = self._core
+        outstanding: dict[Any, int] = {}
+        for request in core.requests.values():
+            outstanding[request.peer] = outstanding.get(request.peer, 0) + 1
+        peers = {}
+        for peer in core.peers.values():
+            conns = peer.live_connections()
+            ready = [c for c in conns if c.ready]
+            if ready:
+                state = "connected"
+            elif conns or (peer.dialling is not None and not peer.dialling.done()):
+                state = "dialling"
+            else:
+                state = "idle"
+            peers[peer.name] = {
+                "state": state,
+                "transport": self.transport_for(peer.id) if ready else None,
+                "incarnation": peer.incarnation,
+                "mode": peer.mode or None,
+                "bytes_in": sum(int(c.decoder.bytes_in) for c in conns),
+                "bytes_out": sum(int(c.bytes_out) for c in conns),
+                "messages_in": sum(int(c.decoder.frames) for c in conns),
+                "messages_out": sum(int(c.frames_out) for c in conns),
+                "credit": int(peer.credit),
+                "owed": int(peer.owed),
+                "queued_pushes": len(peer.queue),
+                "parked_requests": sum(len(c.parked) for c in conns),
+                "outstanding_requests": outstanding.get(peer, 0),
+            }
+        steps = {}
+        for step, table in core.tables.items():
+            keys_queued, queued, keys_waiting, waiting = table.counts()
+            steps[step] = {"queued_values": queued, "queued_keys": keys_queued,
+                           "waiting_recvs": waiting, "waiting_keys": keys_waiting}
+        return {
+            "node": self.name, "address": self.address, "state": self._state,
+            "mode": self.mode, "transport": self.transport,
+            "implementation": _impl.implementation(),
+            "peers": peers, "steps": steps,
+            "held": {"values": int(core.held_count), "bytes": int(core.held_bytes)},
+            "waits": {"producer": int(core.waits_producer), "consumer": int(core.waits_consumer)},
+            "dead_steps": len(core.dead_steps),
+            "recv_pool": self._recv_pool.stats() if self._recv_pool is not None else None,
+        }
+
     # -- what the connections tell the node (rvz.connection.Owner) ----------------------------
 
     def _connection(self, outbound: bool, peer: Any = None) -> Connection:
@@ -787,6 +852,11 @@ class Node:
             conn.seen_out = conn.bytes_out
         if core.claims:
             self._push_unclaimed(self._loop.time())
+        # A step's table is made on first use; dropping the empty ones keeps finished steps
+        # from piling up (a later use of the step makes a new one).
+        empty = [step for step, table in core.tables.items() if table.empty()]
+        for step in empty:
+            del core.tables[step]
         for peer in core.peers.values():
             if peer.owed > 0:  # a batch below a quarter window still goes back when idle
                 core.flush_credit_now(peer)

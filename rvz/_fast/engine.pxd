@@ -69,6 +69,7 @@ cdef class Wire:
     cdef public dict parked
     cdef public object dataplane
     cdef public object bytes_out
+    cdef public Py_ssize_t frames_out
     cdef public bytearray _out
     cdef public bint _flush_scheduled
     cdef object _call_soon

@@ -196,6 +196,7 @@ class Wire:
         # goes one-sided through it, and its control frames are handed to it.
         self.dataplane: Any = None
         self.bytes_out = 0
+        self.frames_out = 0
         self._out = bytearray()
         self._flush_scheduled = False
         self._call_soon = core.loop.call_soon
@@ -232,6 +233,7 @@ class Wire:
         if self.closed:
             return
         self._out += frame
+        self.frames_out += 1
         self._queued()
 
     def write_value(self, step: Any, request_id: Any, key: bytes, value: Any, code: int,
@@ -239,6 +241,7 @@ class Wire:
         """Queue a DATA frame: header in the coalescing buffer, a large payload by reference."""
         if self.closed:
             raise self.lost_error()
+        self.frames_out += 1
         if self.dataplane is not None:  # shm / verbs: the payload goes one-sided
             self.dataplane.write_value(step, request_id, key, value, code, shape, nbytes)
             return

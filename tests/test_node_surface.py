@@ -1,0 +1,209 @@
+"""The node's surface around the core: stats, repr, the checks every call makes, close."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import rvz
+
+from .conftest import FAST, eventually, key, pair, pending, settle
+
+
+def test_stats_and_repr_describe_a_running_pair(run, cluster) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        async with pair(cluster, "send") as (w, p):
+            for i in range(5):
+                await w.send(key("s"), np.arange(4))
+            await eventually(lambda: p.stats()["steps"].get(0, {}).get("queued_values") == 5,
+                             "five values queued at the consumer")
+            ps = p.stats()
+            assert ps["node"] == p.name and ps["state"] == "running" and ps["mode"] == "send"
+            assert ps["implementation"] == rvz.implementation()
+            peer = ps["peers"][w.name]
+            assert peer["state"] == "connected" and peer["messages_in"] >= 5
+            assert peer["bytes_in"] >= 5 * 32
+            ws = w.stats()["peers"][p.name]
+            assert ws["messages_out"] >= 5 and ws["credit"] < w.push_window
+            blocked = await pending(p.recv(key("other"), timeout=5))
+            st = p.stats()
+            assert st["steps"][0]["waiting_recvs"] == 1 and st["waits"]["consumer"] >= 1
+            blocked.cancel()
+            assert repr(p).startswith(f"<rvz.Node {p.name} at {p.address} running")
+            assert "peers=1" in repr(p)
+
+    run(main(), timeout=15)
+
+
+def test_recv_driven_stats_count_requests(run, cluster) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        async with pair(cluster, "recv") as (w, p):
+            waiting = await pending(p.recv(key("r"), timeout=5))
+            await eventually(lambda: w.stats()["peers"].get(p.name, {}).get("parked_requests") == 1,
+                             "the producer parked the consumer's request")
+            assert p.stats()["peers"][w.name]["outstanding_requests"] == 1
+            await w.send(key("r"), np.arange(3))
+            assert (await waiting).tolist() == [0, 1, 2]
+            assert w.stats()["peers"][p.name]["parked_requests"] == 0
+            assert p.stats()["peers"][w.name]["outstanding_requests"] == 0
+
+    run(main(), timeout=15)
+
+
+def test_a_call_from_another_thread_is_refused(run, cluster) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        async with pair(cluster, "send") as (w, p):
+            errors: list[BaseException] = []
+
+            def other_thread() -> None:
+                try:
+                    asyncio.run(w.send(key("t"), np.arange(2)))
+                except BaseException as exc:
+                    errors.append(exc)
+
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            while thread.is_alive():
+                await asyncio.sleep(0.01)
+            assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+            assert "run_coroutine_threadsafe" in str(errors[0])
+            # the supported way works
+            loop = asyncio.get_running_loop()
+            done = await asyncio.to_thread(
+                lambda: asyncio.run_coroutine_threadsafe(w.send(key("t"), np.arange(2)), loop)
+                .result(5))
+            assert done is None
+            assert (await p.recv(key("t"), timeout=5)).tolist() == [0, 1]
+
+    run(main(), timeout=15)
+
+
+def test_bad_arguments_fail_before_anything_happens(run, cluster) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        async with pair(cluster, "send") as (w, p):
+            with pytest.raises(ValueError, match="timeout"):
+                await p.recv(key("n"), timeout=-1)
+            with pytest.raises(ValueError, match="timeout"):
+                await w.send(key("n"), np.arange(1), timeout=-0.5)
+            with pytest.raises(ValueError, match="step 0"):
+                await w.cleanup_step(0)
+            # step 0 still works after the refusal
+            await w.send(key("n"), np.arange(1))
+            assert (await p.recv(key("n"), timeout=5)).tolist() == [0]
+            # a numpy scalar goes as a 0-d array
+            await w.send(key("scalar"), np.arange(4).sum())
+            got = await p.recv(key("scalar"), timeout=5)
+            assert got.shape == () and int(got) == 6
+
+    run(main(), timeout=15)
+
+
+def test_a_node_not_started_says_how_to_start_it(run, cluster) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        node = rvz.Node(cluster, "worker", 0)
+        with pytest.raises(rvz.RvzError, match="start"):
+            await node.send(key("x"), np.arange(1))
+
+    run(main(), timeout=5)
+
+
+def test_a_port_in_use_is_a_transport_error_naming_the_node(run, cluster) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        async with rvz.Node(cluster, "worker", 0, **FAST):
+            twin = rvz.Node(cluster, "worker", 0, **FAST)
+            with pytest.raises(rvz.TransportError) as info:
+                await twin.start()
+            assert "/job:worker/replica:0/task:0" in str(info.value)
+            assert cluster.address("worker", 0).rsplit(":", 1)[1] in str(info.value)
+
+    run(main(), timeout=10)
+
+
+@pytest.mark.parametrize("mode", ["recv", "send"])
+def test_close_does_not_wait_for_values_whose_recvs_were_cancelled(run, cluster, mode, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The producer sends values the consumer asked for and then stopped waiting for; its
+    close delivers them (they land in the consumer's table) instead of lingering, and the
+    consumer's next recvs get them in order."""
+
+    async def main() -> None:
+        async with rvz.Node(cluster, "ps", 0, mode, **FAST) as p:
+            w = await rvz.Node(cluster, "worker", 0, mode,
+                               **{**FAST, "linger": 30.0, "claim_timeout": None}).start()
+            recvs = [await pending(p.recv(key(f"c{i}"), timeout=10), 0.01) for i in range(6)]
+            for task in recvs:
+                task.cancel()
+            await settle()
+            for i in range(6):
+                await w.send(key(f"c{i}"), np.array([i]))
+            with caplog.at_level(logging.WARNING, logger="rvz"):
+                await asyncio.wait_for(w.close(), 8)   # far below the 30 s linger
+            assert not [r for r in caplog.records if "undelivered" in r.getMessage()]
+            got = [int((await p.recv(key(f"c{i}"), timeout=5))[0]) for i in range(6)]
+            assert got == list(range(6))
+
+    run(main(), timeout=20)
+
+
+def test_close_counts_what_it_could_not_deliver_in_one_line(run, cluster, caplog) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        w = await rvz.Node(cluster, "worker", 0, "recv",
+                           **{**FAST, "linger": 0.3, "connect_timeout": 0.2,
+                              "claim_timeout": None}).start()
+        for i in range(4):
+            await w.send(key(f"lost{i}"), np.arange(3))   # held: nobody will ever ask
+        with caplog.at_level(logging.WARNING, logger="rvz"):
+            await w.close()
+        lines = [r.getMessage() for r in caplog.records if "undelivered" in r.getMessage()]
+        assert len(lines) == 1 and "4 values undelivered" in lines[0], lines
+
+    run(main(), timeout=10)
+
+
+def test_empty_step_tables_are_dropped(run, cluster) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        async with pair(cluster, "send") as (w, p):
+            for step in range(1, 30):
+                await w.step(step).send(key("s"), np.arange(2))
+                assert (await p.step(step).recv(key("s"), timeout=5)).tolist() == [0, 1]
+            await eventually(lambda: len(p.stats()["steps"]) <= 1 and len(w.stats()["steps"]) <= 1,
+                             "finished steps' tables dropped at the next heartbeat")
+            # a dropped step can be used again
+            await w.step(7).send(key("s"), np.arange(1))
+            assert (await p.step(7).recv(key("s"), timeout=5)).tolist() == [0]
+
+    run(main(), timeout=15)
+
+
+def _abort_text(exc: BaseException) -> str:
+    return str(exc)
+
+
+def test_a_relayed_step_abort_names_its_origin_once(run) -> None:  # type: ignore[no-untyped-def]
+    cluster = rvz.ClusterSpec.loopback({"a": 1, "b": 1, "c": 1})
+    A, B, C = ("/job:%s/replica:0/task:0/device:CPU:0" % j for j in "abc")
+
+    async def main() -> None:
+        async with rvz.Node(cluster, "a", 0, "send", **FAST) as a, \
+                rvz.Node(cluster, "b", 0, "send", **FAST) as b, \
+                rvz.Node(cluster, "c", 0, "send", **FAST) as c:
+            ab = rvz.Key(src=A, dst=B, name="ab")
+            bc = rvz.Key(src=B, dst=C, name="bc")
+            await a.step(3).send(ab, np.arange(1))
+            await b.step(3).recv(ab, timeout=5)
+            await b.step(3).send(bc, np.arange(1))
+            await c.step(3).recv(bc, timeout=5)
+            waiting: Any = await pending(c.step(3).recv(bc, timeout=5))
+            await a.step(3).cleanup()
+            with pytest.raises(rvz.Aborted) as info:
+                await waiting
+            text = _abort_text(info.value)
+            assert text.count("/job:a/") == 1, text          # the origin, once
+            assert text.count(str(bc)) == 1, text             # the key, once
+            assert "step 3" in text, text
+
+    run(main(), timeout=15)
