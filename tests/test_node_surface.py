@@ -18,7 +18,7 @@ from .conftest import FAST, eventually, key, pair, pending, settle
 def test_stats_and_repr_describe_a_running_pair(run, cluster) -> None:  # type: ignore[no-untyped-def]
     async def main() -> None:
         async with pair(cluster, "send") as (w, p):
-            for i in range(5):
+            for _ in range(5):
                 await w.send(key("s"), np.arange(4))
             await eventually(lambda: p.stats()["steps"].get(0, {}).get("queued_values") == 5,
                              "five values queued at the consumer")
@@ -179,13 +179,9 @@ def test_empty_step_tables_are_dropped(run, cluster) -> None:  # type: ignore[no
     run(main(), timeout=15)
 
 
-def _abort_text(exc: BaseException) -> str:
-    return str(exc)
-
-
 def test_a_relayed_step_abort_names_its_origin_once(run) -> None:  # type: ignore[no-untyped-def]
     cluster = rvz.ClusterSpec.loopback({"a": 1, "b": 1, "c": 1})
-    A, B, C = ("/job:%s/replica:0/task:0/device:CPU:0" % j for j in "abc")
+    A, B, C = (f"/job:{j}/replica:0/task:0/device:CPU:0" for j in "abc")
 
     async def main() -> None:
         async with rvz.Node(cluster, "a", 0, "send", **FAST) as a, \
@@ -201,7 +197,7 @@ def test_a_relayed_step_abort_names_its_origin_once(run) -> None:  # type: ignor
             await a.step(3).cleanup()
             with pytest.raises(rvz.Aborted) as info:
                 await waiting
-            text = _abort_text(info.value)
+            text = str(info.value)
             assert text.count("/job:a/") == 1, text          # the origin, once
             assert text.count(str(bc)) == 1, text             # the key, once
             assert "step 3" in text, text
