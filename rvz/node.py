@@ -984,6 +984,8 @@ class Node:
 
     def _on_abort_step(self, conn: Connection, step: int, message: str) -> None:
         name = self._peer_name(conn)
+        if step == 0:  # no node sends it (cleanup_step(0) is refused): a broken peer
+            raise ProtocolError(f"{name} tried to abort step 0, the step of plain send/recv")
         # Said once: a message relayed from node to node already names who started it.
         text = message if " by /job:" in message else f"{message} (by {name})"
         self._abort_step(step, text, RemoteError(message, name), origin=conn.peer)
