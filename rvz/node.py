@@ -645,7 +645,7 @@ class Node:
                 elif not peer.live_connections():
                     self._spawn(self._link(peer, route.text))  # to notice if it is gone
         except BaseException:
-            self._undo_batch(batch, routes, step)
+            self._undo_batch(batch)
             raise
         for peer, requests in asks.items():
             conn = peer.link
@@ -653,30 +653,26 @@ class Node:
                 core.send_requests(conn, requests)
             else:
                 self._request_when_linked(requests)
-        handle = None
-        if timeout is not None:
-            handle = loop.call_later(timeout, _table.expire_batch, batch, timeout)
         try:
-            return await batch.future
-        except BaseException:
-            self._undo_batch(batch, routes, step)
-            raise
+            return await _table.wait_batch(batch, loop, timeout, self._unconsume)
         finally:
-            if handle is not None:
-                handle.cancel()
             if asks:
                 table = batch.table
                 for text in {routes[i].text for i in waiting}:
                     core.rebalance(step, text, table)
 
-    def _undo_batch(self, batch: Any, routes: list[Any], step: int) -> None:
-        """Give a failed batch's values back, oldest first, and undo their consumption."""
-        core = self._core
+    def _undo_batch(self, batch: Any) -> None:
+        """Give a batch's values back, oldest first, before it ever waited."""
         if not batch.future.done():
             batch.future.cancel()
-        for key, value in batch.restore():
+        self._unconsume(batch.restore())
+
+    def _unconsume(self, pairs: list[tuple[str, Any]]) -> None:
+        """Values from peers went back to their queues: their consumption is undone."""
+        core = self._core
+        for key, value in pairs:
             route = core.route(key)
-            if route.src != self.id:
+            if route.peer is not None:
                 core.unconsumed(route.src, value)
 
     def _request_when_linked(self, requests: list[Any]) -> None:

@@ -40,16 +40,7 @@ class Rendezvous:
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         table.take_or_wait(text, waiter)
-        stamp = table.stamp
-        handle = _table.arm_timeout(loop, timeout, table, text, waiter, None)
-        try:
-            return await waiter
-        except BaseException:
-            _table.give_back(table, text, waiter, stamp)
-            raise
-        finally:
-            if handle is not None:
-                handle.cancel()
+        return await _table.wait_waiter(table, text, waiter, table.stamp, loop, timeout, None)
 
     def send_many(self, items: Any) -> None:
         """``send`` each ``(key, value)`` pair, in order."""
@@ -76,19 +67,7 @@ class Rendezvous:
         loop = asyncio.get_running_loop()
         batch = _table.Batch(table, texts, values, stamps, missing, loop.create_future())
         batch.wait()
-        handle = None
-        if timeout is not None:
-            handle = loop.call_later(timeout, _table.expire_batch, batch, timeout)
-        try:
-            return await batch.future
-        except BaseException:
-            if not batch.future.done():
-                batch.future.cancel()
-            batch.restore()
-            raise
-        finally:
-            if handle is not None:
-                handle.cancel()
+        return await _table.wait_batch(batch, loop, timeout)
 
     def abort(self, exc: BaseException | None = None, message: str | None = None) -> None:
         cause = exc if exc is not None else None

@@ -29,7 +29,7 @@ import rvz
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors",       ("rvz.errors",)),
     ("hot paths",    ("rvz._fast", "rvz._fast.keys", "rvz._fast.table", "rvz._fast.codec",
-                      "rvz._fast.recvpool", "rvz._fast.arrays", "rvz._fast.dtypes")),
+                      "rvz._fast.recvpool", "rvz._fast.arrays", "rvz._fast.wire")),
     ("engine",       ("rvz._fast.engine",)),
     # picks the compiled or the pure-Python variant of the two layers above
     ("impl switch",  ("rvz._impl",)),

@@ -14,17 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from . import dtypes as _dtypes
-
-VERSION = 2
-DATA = 2
-
-BYTES_CODE = _dtypes.BYTES_CODE
-WIRE_DTYPES = _dtypes.WIRE_DTYPES
-DTYPES = _dtypes.DTYPES
-CODES = _dtypes.CODES
-MAX_NDIM = 32
-_describe_other = _dtypes.describe_other
+from .wire import BYTES_CODE, DATA, DTYPES, MAX_NDIM, VERSION, WIRE_DTYPES
+from .wire import describe_other as _describe_other
 
 # One struct per ndim packs the whole DATA header (frame header + metadata) in one call.
 _DATA_HEADERS = [struct.Struct("<BBHIQQQHBB" + "Q" * n) for n in range(MAX_NDIM + 1)]

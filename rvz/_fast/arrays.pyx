@@ -22,16 +22,8 @@ cnp.import_array()
 if sys.byteorder != "little":
     raise ImportError("rvz's compiled data path assumes a little-endian host")
 
-from rvz._fast import dtypes as _dtypes
-
-VERSION = 2
-DATA = 2
-BYTES_CODE = _dtypes.BYTES_CODE
-WIRE_DTYPES = _dtypes.WIRE_DTYPES
-DTYPES = _dtypes.DTYPES
-CODES = _dtypes.CODES
-MAX_NDIM = 32
-_describe_other = _dtypes.describe_other
+from rvz._fast.wire import BYTES_CODE, CODES, DATA, DTYPES, MAX_NDIM, VERSION, WIRE_DTYPES
+from rvz._fast.wire import describe_other as _describe_other
 
 # numpy type numbers of the wire codes (index = code)
 cdef int[15] _TYPENUMS

@@ -1,7 +1,8 @@
-"""The dtypes rvz carries and their wire codes, and how an unusual value is described.
+"""Constants of the wire format shared by both implementations of ``arrays``: the protocol
+version, the dtypes rvz carries and their codes, and how an unusual value is described.
 
-Plain Python shared by both implementations of ``arrays`` (this is not a hot path: the
-common case, a C-contiguous native array, never gets here).
+Plain Python (``describe_other`` is not a hot path: the common case, a C-contiguous native
+array, never gets there).
 """
 
 from __future__ import annotations
@@ -9,6 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+VERSION = 2    # 2: REQUESTS (several keys in one frame) was added
+DATA = 2       # the DATA frame's type (codec.py lists them all)
+MAX_NDIM = 32
 
 # dtype code 0 is a ``bytes`` value; the others are numpy dtypes, little-endian on the wire.
 BYTES_CODE = 0
