@@ -42,9 +42,11 @@ from typing import Any
 
 from . import _impl
 from .cluster import ClusterSpec, split_address
+from .cluster import from_env as _cluster_from_env
 from .connection import Connection
 from .errors import (
     Aborted,
+    ConfigError,
     NodeClosed,
     PeerLost,
     ProtocolError,
@@ -53,8 +55,9 @@ from .errors import (
     TransportError,
     WrongEndpoint,
 )
+from .types import KeyLike, Mode, SendValue, TransportName, Value
 
-log = logging.getLogger("rvz")
+log = logging.getLogger(__name__)
 
 _codec = _impl.codec
 _keys = _impl.keys
@@ -75,7 +78,7 @@ TaskId = tuple  # (job, task)
 
 def _log_unclaimed_failure(done: asyncio.Future[None]) -> None:
     if not done.cancelled() and done.exception() is not None:
-        log.warning("rvz: an unclaimed value could not be pushed: %s", done.exception())
+        log.warning("an unclaimed value could not be pushed: %s", done.exception())
 
 
 class Node:
@@ -91,7 +94,7 @@ class Node:
     """
 
     def __init__(self, cluster: ClusterSpec | dict[str, Any], job: str, task: int,
-                 mode: str = "recv", *, transport: str = "tcp", host: str | None = None,
+                 mode: Mode = "recv", *, transport: TransportName = "tcp", host: str | None = None,
                  connect_timeout: float = 10.0, heartbeat: float = 1.0,
                  peer_timeout: float = 10.0, linger: float = 5.0,
                  push_window: int = 64 << 20, hold_limit: int = 256 << 20,
@@ -99,11 +102,20 @@ class Node:
                  max_payload: int = _codec.DEFAULT_MAX_PAYLOAD, recv_pool: int = 256 << 20,
                  onesided: dict[str, Any] | None = None) -> None:
         if mode not in MODES:
-            raise ValueError(f"mode must be 'recv' or 'send', not {mode!r}")
+            raise ConfigError(f"mode must be 'recv' or 'send', not {mode!r}")
         if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
-        if heartbeat <= 0 or peer_timeout <= heartbeat:
-            raise ValueError("need 0 < heartbeat < peer_timeout")
+            raise ConfigError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
+        if not 0 < heartbeat < peer_timeout:
+            raise ConfigError(f"need 0 < heartbeat < peer_timeout, got heartbeat={heartbeat} "
+                              f"and peer_timeout={peer_timeout}")
+        for name, value in (("push_window", push_window), ("hold_limit", hold_limit),
+                            ("max_payload", max_payload), ("recv_pool", recv_pool)):
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be a number of bytes >= 0, not {value!r}")
+        for name, seconds in (("connect_timeout", connect_timeout), ("linger", linger),
+                              ("claim_timeout", 0.0 if claim_timeout is None else claim_timeout)):
+            if not seconds >= 0:
+                raise ConfigError(f"{name} must be >= 0 seconds, not {seconds!r}")
         self.cluster = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec(cluster)
         self.job = job
         self.task = int(task)
@@ -111,7 +123,7 @@ class Node:
         self.name = f"/job:{job}/replica:0/task:{self.task}"
         self.address = self.cluster.address(job, self.task)
         self.mode = mode
-        self.transport = transport
+        self.transport: str = transport  # onesided.Host declares it a str
         self._host = host
         self.connect_timeout = connect_timeout
         self.heartbeat = heartbeat
@@ -157,6 +169,14 @@ class Node:
     @property
     def _held_count(self) -> int:
         return int(self._core.held_count)
+
+    @classmethod
+    def from_env(cls, **options: Any) -> Node:
+        """A node for this process's task, from ``TF_CONFIG`` or from ``RVZ_CLUSTER`` (JSON),
+        ``RVZ_JOB`` and ``RVZ_TASK`` (see ``rvz.cluster.from_env``); ``options`` are the
+        other ``Node`` arguments."""
+        cluster, job, task = _cluster_from_env()
+        return cls(cluster, job, task, **options)
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -313,6 +333,7 @@ class Node:
         return Connection(self, self._core, decoder, outbound, peer)
 
     def hello_fields(self, conn: Connection) -> dict[str, Any]:
+        """What this node says in the HELLO of a new connection (for ``Connection``)."""
         fields = {"v": _codec.VERSION, "job": self.job, "task": self.task,
                   "inc": self.incarnation, "order": sys.byteorder, "mode": self.mode}
         if self._onesided is not None:
@@ -320,9 +341,12 @@ class Node:
         return fields
 
     def connection_made(self, conn: Connection) -> None:
+        """A connection opened (either side dialled); ``Connection`` calls this."""
         self._conns.add(conn)
 
     def received_large(self) -> None:
+        """A large read landed; ``Connection`` calls this so the receive pool prepares its
+        next block after this iteration."""
         if self._recv_pool is not None and not self._pool_scheduled and self._loop is not None:
             self._pool_scheduled = True
             self._loop.call_soon(self._maintain_pool)
@@ -335,6 +359,7 @@ class Node:
             self._recv_pool.maintain()
 
     def connection_lost(self, conn: Connection) -> None:
+        """A connection closed; fails what depended on it (``Connection`` calls this)."""
         self._conns.discard(conn)
         waiter = conn.hello_waiter
         if waiter is not None and not waiter.done():
@@ -422,7 +447,7 @@ class Node:
             if d.done() and not d.cancelled() and d.exception() is not None)
         self._finish(cause)
         if undelivered:
-            log.warning("rvz %s: closed after a linger of %ss with %d values undelivered",
+            log.warning("%s: closed after a linger of %ss with %d values undelivered",
                         self.name, self.linger, undelivered)
         # Give the transports one iteration to run their close callbacks.
         await asyncio.sleep(0)
@@ -467,7 +492,7 @@ class Node:
 
     # -- send ----------------------------------------------------------------------------------
 
-    async def send(self, key: Any, value: Any, *, mode: str | None = None, step: int = 0,
+    async def send(self, key: KeyLike, value: SendValue, *, mode: Mode | None = None, step: int = 0,
                    timeout: float | None = None) -> None:
         """Send ``value`` (a numpy array or bytes) on ``key``; the key's src must be this node.
 
@@ -480,8 +505,8 @@ class Node:
         if pending is not None:
             await self._send_wait(pending, step, timeout)
 
-    async def send_many(self, items: Iterable[tuple[Any, Any]], *, mode: str | None = None,
-                        step: int = 0, timeout: float | None = None) -> None:
+    async def send_many(self, items: Iterable[tuple[KeyLike, SendValue]], *,
+                        mode: Mode | None = None, step: int = 0, timeout: float | None = None) -> None:
         """Send several ``(key, value)`` pairs in order, as ``send`` would one by one.
 
         Every key is checked first (``WrongEndpoint`` before anything is sent).  Pushes to
@@ -569,8 +594,8 @@ class Node:
 
     # -- recv ----------------------------------------------------------------------------------
 
-    async def recv(self, key: Any, *, mode: str | None = None, step: int = 0,
-                   timeout: float | None = None) -> Any:
+    async def recv(self, key: KeyLike, *, mode: Mode | None = None, step: int = 0,
+                   timeout: float | None = None) -> Value:
         """Receive the next value of ``key`` (FIFO); the key's dst must be this node.
 
         A value already queued is returned without suspending.  ``timeout`` raises
@@ -607,8 +632,8 @@ class Node:
             if peer is not None:
                 core.rebalance(step, text, table)
 
-    async def recv_many(self, keys: Iterable[Any], *, mode: str | None = None, step: int = 0,
-                        timeout: float | None = None) -> list[Any]:
+    async def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None, step: int = 0,
+                        timeout: float | None = None) -> list[Value]:
         """Receive the next value of each key, in the order of ``keys`` (a key may repeat).
 
         All or nothing: on a timeout, a cancellation or an error, every value the batch had
@@ -766,7 +791,7 @@ class Node:
         """
         core = self._core
         graceful = isinstance(err.__cause__, NodeClosed)
-        log.log(logging.INFO if graceful else logging.WARNING, "rvz %s: %s", self.name, err)
+        log.log(logging.INFO if graceful else logging.WARNING, "%s: %s", self.name, err)
         for conn in peer.live_connections():
             if conn is not keep:
                 conn.fail(err)
@@ -821,7 +846,7 @@ class Node:
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
             if not isinstance(exc, RvzError):
-                log.error("rvz %s: background task failed", self.name, exc_info=exc)
+                log.error("%s: background task failed", self.name, exc_info=exc)
 
     def _tick(self) -> None:
         """Heartbeat: ping idle connections, drop silent ones, push unclaimed values,
@@ -889,7 +914,7 @@ class Node:
             route = core.route(key)
             value, code, shape, nbytes = _codec.describe(value)
             peer = core.peer(route.dst)
-            log.info("rvz %s: pushing unclaimed %s to %s after %ss", self.name, key, peer.name,
+            log.info("%s: pushing unclaimed %s to %s after %ss", self.name, key, peer.name,
                      self.claim_timeout)
             done = core.queue_push(peer, step, route, value, code, shape, nbytes)
             done.add_done_callback(_log_unclaimed_failure)
@@ -1057,22 +1082,23 @@ class Step:
         self.node = node
         self.id = step_id
 
-    async def send(self, key: Any, value: Any, *, mode: str | None = None,
+    async def send(self, key: KeyLike, value: SendValue, *, mode: Mode | None = None,
                    timeout: float | None = None) -> None:
         """``node.send`` on this step."""
         await self.node.send(key, value, mode=mode, step=self.id, timeout=timeout)
 
-    async def recv(self, key: Any, *, mode: str | None = None, timeout: float | None = None) -> Any:
+    async def recv(self, key: KeyLike, *, mode: Mode | None = None,
+                   timeout: float | None = None) -> Value:
         """``node.recv`` on this step."""
         return await self.node.recv(key, mode=mode, step=self.id, timeout=timeout)
 
-    async def send_many(self, items: Iterable[tuple[Any, Any]], *, mode: str | None = None,
-                        timeout: float | None = None) -> None:
+    async def send_many(self, items: Iterable[tuple[KeyLike, SendValue]], *,
+                        mode: Mode | None = None, timeout: float | None = None) -> None:
         """``node.send_many`` on this step."""
         await self.node.send_many(items, mode=mode, step=self.id, timeout=timeout)
 
-    async def recv_many(self, keys: Iterable[Any], *, mode: str | None = None,
-                        timeout: float | None = None) -> list[Any]:
+    async def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None,
+                        timeout: float | None = None) -> list[Value]:
         """``node.recv_many`` on this step."""
         return await self.node.recv_many(keys, mode=mode, step=self.id, timeout=timeout)
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import Any
 
 from . import _impl
+from .types import KeyLike, SendValue, Value
 
 _table = _impl.table
 _keys = _impl.keys
@@ -28,10 +30,15 @@ class Rendezvous:
     def __init__(self) -> None:
         self._table = _table.Table()
 
-    def send(self, key: Any, value: Any) -> None:
+    def send(self, key: KeyLike, value: SendValue) -> None:
+        """Queue ``value`` on ``key``; never blocks (the next ``recv`` of the key takes it)."""
         self._table.put(_text(key), value)
 
-    async def recv(self, key: Any, timeout: float | None = None) -> Any:
+    async def recv(self, key: KeyLike, timeout: float | None = None) -> Value:
+        """The next value of ``key`` (FIFO), waiting up to ``timeout`` seconds for a ``send``.
+
+        Raises ``TimeoutError`` when the time is up and ``rvz.Aborted`` after ``abort``.
+        """
         text = _text(key)
         table = self._table
         value = table.take(text)
@@ -42,13 +49,13 @@ class Rendezvous:
         table.take_or_wait(text, waiter)
         return await _table.wait_waiter(table, text, waiter, table.stamp, loop, timeout, None)
 
-    def send_many(self, items: Any) -> None:
+    def send_many(self, items: Iterable[tuple[KeyLike, SendValue]]) -> None:
         """``send`` each ``(key, value)`` pair, in order."""
         put = self._table.put
         for key, value in items:
             put(_text(key), value)
 
-    async def recv_many(self, keys: Any, timeout: float | None = None) -> list:
+    async def recv_many(self, keys: Iterable[KeyLike], timeout: float | None = None) -> list[Value]:
         """The next value of each key, in the order of ``keys`` (a key may repeat).
 
         All or nothing: on a timeout, a cancellation or an abort, the values already taken
@@ -70,14 +77,17 @@ class Rendezvous:
         return await _table.wait_batch(batch, loop, timeout)
 
     def abort(self, exc: BaseException | None = None, message: str | None = None) -> None:
+        """Fail every pending and every later operation with ``rvz.Aborted`` (``__cause__``
+        is ``exc``)."""
         cause = exc if exc is not None else None
         self._table.abort(message or f"rendezvous aborted: {exc!r}", cause)
 
     @property
     def aborted(self) -> bool:
+        """Whether ``abort`` was called."""
         return bool(self._table.aborted)
 
-    def pending(self, key: Any) -> tuple[int, int]:
+    def pending(self, key: KeyLike) -> tuple[int, int]:
         """``(queued values, waiting receivers)`` of ``key``."""
         text = _text(key)
         return self._table.queued(text), self._table.waiting(text)

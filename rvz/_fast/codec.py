@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import ProtocolError
 from . import arrays as _arrays
+from . import wire as _wire
 
 try:  # Cython's own module; a compiled build sees the constant True
     import cython
@@ -36,7 +37,7 @@ try:  # Cython's own module; a compiled build sees the constant True
 except ImportError:  # pure Python without Cython installed
     COMPILED = False
 
-VERSION = _arrays.VERSION  # 2: REQUESTS (several keys in one frame) was added
+VERSION = _wire.VERSION
 
 HELLO = 1
 DATA = 2
@@ -70,9 +71,9 @@ MAX_REQUESTS = 4096  # entries in one REQUESTS frame (its metadata is bounded by
 _SHAPES = [struct.Struct("<" + "Q" * n) for n in range(MAX_NDIM + 1)]
 
 # dtype code 0 is a ``bytes`` value; the others are numpy dtypes, little-endian on the wire.
-BYTES_CODE = _arrays.BYTES_CODE
-DTYPES = _arrays.DTYPES
-_CODES = _arrays.CODES
+BYTES_CODE = _wire.BYTES_CODE
+DTYPES = _wire.DTYPES
+_CODES = _wire.CODES
 _append_data = _arrays.append_data
 _new_array = _arrays.new_array
 _U8 = np.dtype(np.uint8)

@@ -330,11 +330,18 @@ class Core:
         text = key if type(key) is str else str(key)
         route = self.routes.get(text)
         if route is None:
-            # Keys change every step (frame:iter), devices do not: those are parsed once.
-            parsed = _keys.as_key(key)
-            canonical = str(parsed)
-            src = self._task_of(parsed.src, canonical)
-            dst = self._task_of(parsed.dst, canonical)
+            # Keys change every step (frame:iter), devices do not: those are parsed once,
+            # and a key string already in canonical form is not parsed into a Key at all.
+            devices = _keys.canonical_devices(text) if type(key) is str else None
+            if devices is not None:
+                canonical = text
+                src_device, dst_device = devices
+            else:
+                parsed = _keys.as_key(key)
+                canonical = str(parsed)
+                src_device, dst_device = parsed.src, parsed.dst
+            src = self._task_of(src_device, canonical)
+            dst = self._task_of(dst_device, canonical)
             me = self.id
             other = dst if src == me else src if dst == me else None
             peer = self.peer(other) if other is not None and other != me else None

@@ -10,4 +10,7 @@ cdef class Key:
     cdef object _dst_task
 
 cpdef tuple parse_device(str device)
+cpdef tuple route_of(str device)
 cpdef Key as_key(object key)
+cpdef object canonical_devices(str text)
+cdef bint _canonical_number(str text) except -1

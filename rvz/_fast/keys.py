@@ -46,6 +46,22 @@ def parse_device(device: str) -> tuple:
     return (job, task)
 
 
+_DEVICES: dict = {}  # device name -> (job, task): devices are few, keys many
+_DEVICES_MAX = 4096
+
+
+def route_of(device: str) -> tuple:
+    """``parse_device`` with a cache: a key is checked when it is built, and building
+    keys in a loop must not parse the same two device names every time."""
+    task = _DEVICES.get(device)
+    if task is None:
+        task = parse_device(device)
+        if len(_DEVICES) >= _DEVICES_MAX:
+            _DEVICES.clear()
+        _DEVICES[device] = task
+    return task
+
+
 def _check_part(what: str, value: str) -> None:
     if not value or ";" in value:
         raise KeyFormatError(f"key {what} {value!r} is empty or contains ';'")
@@ -72,8 +88,9 @@ class Key:
         self.iter = iter
         self.incarnation = incarnation
         self._text: Any = None
-        self._src_task: Any = None
-        self._dst_task: Any = None
+        # Checked here, so a malformed device fails when the key is built, not at send.
+        self._src_task: Any = route_of(src)
+        self._dst_task: Any = route_of(dst)
 
     @classmethod
     def parse(cls, text: str) -> Key:
@@ -121,18 +138,34 @@ class Key:
     @property
     def src_task(self) -> tuple:
         """``(job, task)`` of the producing node."""
-        t = self._src_task
-        if t is None:
-            t = self._src_task = parse_device(self.src)
-        return t
+        return self._src_task
 
     @property
     def dst_task(self) -> tuple:
         """``(job, task)`` of the consuming node."""
-        t = self._dst_task
-        if t is None:
-            t = self._dst_task = parse_device(self.dst)
-        return t
+        return self._dst_task
+
+
+_LOWER_HEX = "0123456789abcdef"
+
+
+def _canonical_number(text: str) -> bool:
+    return _is_digits(text) and (text == "0" or text[0] != "0")
+
+
+def canonical_devices(text: str) -> Any:
+    """``(src, dst)`` of a key string already in canonical form (what ``str(Key)`` gives),
+    else None: the node routes such a string without building a ``Key``."""
+    parts = text.split(";")
+    if len(parts) != 5:
+        return None
+    src, inc, dst, name, frame_iter = parts
+    if not src or not dst or not name or len(inc) != 16 or inc.strip(_LOWER_HEX):
+        return None
+    frame, sep, it = frame_iter.partition(":")
+    if not sep or not _canonical_number(frame) or not _canonical_number(it):
+        return None
+    return (src, dst)
 
 
 def as_key(key: object) -> Key:
