@@ -6,6 +6,8 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from .types import LoopName
+
 T = TypeVar("T")
 
 
@@ -15,7 +17,7 @@ def loop_name(loop: asyncio.AbstractEventLoop | None = None) -> str:
     return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
 
 
-def new_event_loop(name: str = "auto") -> asyncio.AbstractEventLoop:
+def new_event_loop(name: LoopName = "auto") -> asyncio.AbstractEventLoop:
     """A new loop: ``"uvloop"``, ``"asyncio"``, or ``"auto"`` (uvloop if installed)."""
     if name not in ("auto", "uvloop", "asyncio"):
         raise ValueError(f"loop must be 'auto', 'uvloop' or 'asyncio', not {name!r}")
@@ -31,8 +33,12 @@ def new_event_loop(name: str = "auto") -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-def run(main: Coroutine[Any, Any, T], *, loop: str = "auto", debug: bool | None = None) -> T:
-    """Run ``main`` to completion on a fresh loop (uvloop by default when available)."""
+def run(main: Coroutine[Any, Any, T], *, loop: LoopName = "auto", debug: bool | None = None) -> T:
+    """Run ``main`` to completion on a fresh loop and return its result.
+
+    ``loop="auto"`` (the default) runs it on uvloop when that is installed, else on asyncio;
+    ``"uvloop"`` or ``"asyncio"`` asks for one.  ``debug`` sets the loop's debug mode.
+    """
     if hasattr(asyncio, "Runner"):  # Python 3.11+
         with asyncio.Runner(loop_factory=lambda: new_event_loop(loop), debug=debug) as runner:
             return runner.run(main)

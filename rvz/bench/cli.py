@@ -23,7 +23,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import rvz
 
@@ -57,9 +57,18 @@ class UsageError(Exception):
     """A bad option: printed without a traceback, exit status 2."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    g = common.add_argument_group("what to run")
+# Which option groups each subcommand takes: its --help lists only those.
+GROUPS = {
+    "stream": ("run", "repeat", "lanes", "batch", "baselines", "compare", "output", "client"),
+    "pingpong": ("run", "repeat", "lanes", "baselines", "output", "client"),
+    "rendezvous": ("run", "order", "output", "client"),
+    "all": ("run", "repeat", "lanes", "order", "batch", "baselines", "output", "client",
+            "server"),
+}
+
+
+def _add_options(parser: argparse.ArgumentParser, groups: tuple[str, ...]) -> None:
+    g = parser.add_argument_group("what to run")
     g.add_argument("--transport", default="tcp", choices=("tcp", "shm", "verbs", "auto"),
                    help="rvz transport (default tcp; shm/verbs fail with the reason when this "
                    "host or build lacks them; the baselines stay on TCP)")
@@ -71,58 +80,81 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--iters", type=int, help="measured messages (stream), round trips "
                    "(pingpong) or rounds (rendezvous) per case")
     n.add_argument("--duration", type=float, help="seconds per case instead of --iters "
-                   "(default 1.0 for stream and pingpong; all: 0.2, three times)")
-    g.add_argument("--repeat", type=int, help="measure each stream/pingpong case this many "
-                   "times, interleaved with its baselines, and keep the median (default 1; all: 3)")
+                   "(default 1.0; all: 0.2, three times)")
+    if "repeat" in groups:
+        g.add_argument("--repeat", type=int, help="measure each case this many times, "
+                       "interleaved with its baselines, and keep the median (default 1; all: 3)")
     g.add_argument("--warmup", type=int, help="messages (rounds) before measuring; default "
                    "depends on size")
-    g.add_argument("--concurrency", type=int, help="operations in flight (stream lanes; "
-                   "default 64 up to 4K tensors, 4 up to 256K, 1 above; pingpong 1); the "
-                   "4K '1 in flight' row always runs one plain send loop")
+    if "lanes" in groups:
+        g.add_argument("--concurrency", type=int, help="operations in flight (stream lanes; "
+                       "default 64 up to 4K tensors, 4 up to 256K, 1 above; pingpong 1); the "
+                       "4K '1 in flight' row always runs one plain send loop")
     g.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"),
                    help="event loop of the workers (default: uvloop when installed)")
     g.add_argument("--impl", choices=("compiled", "python"),
                    help="rvz hot paths in the workers (default: what this process loads; "
                    "python sets RVZ_NO_EXTENSIONS=1)")
-    g.add_argument("--order", default="all", help="rendezvous arrival orders: "
-                   "producer-first, consumer-first, random or all (comma-separated)")
-    g.add_argument("--batch", type=int, default=64, metavar="N",
-                   help="stream: keys per send_many/recv_many call in the batch rows, one "
-                   "message per key (sizes up to 4K; default 64; 0: no batch rows)")
-    g.add_argument("--no-baselines", action="store_true",
-                   help="skip the socket, streams and pyzmq baselines (no ratios); pyzmq "
-                   "rows need pyzmq (pip install 'rvz[compare]'), else they are skipped "
-                   "with the reason")
-    g.add_argument("--compare-impl", action="store_true",
-                   help="also run 64B stream on the pure-Python hot paths (all does)")
-    o = common.add_argument_group("output")
+    if "order" in groups:
+        g.add_argument("--order", default="all", help="rendezvous arrival orders: "
+                       "producer-first, consumer-first, random or all (comma-separated)")
+    if "batch" in groups:
+        g.add_argument("--batch", type=int, default=64, metavar="N",
+                       help="stream: keys per send_many/recv_many call in the batch rows, one "
+                       "message per key (sizes up to 4K; default 64; 0: no batch rows)")
+    if "baselines" in groups:
+        g.add_argument("--no-baselines", action="store_true",
+                       help="skip the socket, streams and pyzmq baselines (no ratios); pyzmq "
+                       "rows need pyzmq (pip install 'rvz[compare]'), else they are skipped "
+                       "with the reason")
+    if "compare" in groups:
+        g.add_argument("--compare-impl", action="store_true",
+                       help="also run 64B stream on the pure-Python hot paths (all does)")
+    o = parser.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write every figure, the machine, versions "
                    "and the exact options")
-    o.add_argument("--plot", metavar="FILE.png", help="throughput and latency plots (matplotlib)")
+    o.add_argument("--plot", metavar="FILE.png", help="plots of what was measured (needs "
+                   "matplotlib: pip install 'rvz[plot]')")
     o.add_argument("--profile", metavar="DIR", help="cProfile each worker, one .prof per case and side")
     o.add_argument("--quiet", action="store_true", help="no progress lines")
-    h = common.add_argument_group("two hosts")
-    h.add_argument("--server", action="store_true", help="serve one side for a --client")
+    o.add_argument("--targets", action="store_true", help="also print the development "
+                   "targets (issues 3 and 7) met or not by this run's figures")
+    h = parser.add_argument_group("two hosts")
+    if "server" in groups:
+        h.add_argument("--server", action="store_true",
+                       help="serve one side for a --client (no measurement here)")
+        h.add_argument("--once", action="store_true", help="--server: exit after one client")
     h.add_argument("--client", action="store_true", help="run against a --server at --addr")
-    h.add_argument("--addr", metavar="HOST:PORT", help="--server: where to listen; "
-                   "--client: where the server is")
-    h.add_argument("--once", action="store_true", help="--server: exit after one client")
+    h.add_argument("--addr", metavar="HOST:PORT", help="--client: where the server is"
+                   + ("; --server: where to listen" if "server" in groups else ""))
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """``rvz-bench [COMMAND] [options]``: each subcommand takes only the options it uses;
+    the others get their defaults, so ``Options`` reads one namespace for every command."""
     parser = argparse.ArgumentParser(
-        prog="rvz-bench", parents=[common],
+        prog="rvz-bench",
         description="Benchmarks of rvz over two processes, with same-run baselines (blocking "
         "socket, asyncio/uvloop streams, pyzmq when installed). Without a subcommand: all "
-        "(a short run of the three, about a minute, with issue 7's targets).")
+        "(a short run of the three, about a minute).")
+    _add_options(parser, GROUPS["all"])
+    # Every option's default, so a subcommand without an option still has its attribute.
+    union = argparse.ArgumentParser(add_help=False)
+    _add_options(union, tuple({g for groups in GROUPS.values() for g in groups}))
+    every = {a.dest: a.default for a in union._actions}
     sub = parser.add_subparsers(dest="command", metavar="{stream,pingpong,rendezvous,all}")
     helps = {"stream": "one-way throughput of tensors (GB/s, tensors/s): lanes, batch API "
                        "(up to 4K), one in flight (4K), consumer holding its previous array "
                        "(256K and up)",
              "pingpong": "round-trip latency of a key exchanged back and forth",
              "rendezvous": "latency from the later of send/recv to recv done, by arrival order",
-             "all": "a short representative run of the three and the issue-7 targets (batch "
-                    "rows at 64B only, one in flight Send-Driven only)"}
+             "all": "a short representative run of the three (batch rows at 64B only, one in "
+                    "flight Send-Driven only); --server serves a --client on another host"}
     for name in COMMANDS:
-        sub.add_parser(name, parents=[common], help=helps[name], description=helps[name])
+        p = sub.add_parser(name, help=helps[name], description=helps[name])
+        _add_options(p, GROUPS[name])
+        own = {a.dest for a in p._actions}
+        p.set_defaults(**{dest: default for dest, default in every.items() if dest not in own})
     return parser
 
 
@@ -620,7 +652,8 @@ def _find_row(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None
 
 # -- the printed report ---------------------------------------------------------------------------
 
-def render(results: dict[str, Any]) -> str:
+def render(results: dict[str, Any], targets: bool = False) -> str:
+    """The printed report; the development targets' table only when ``targets``."""
     parts = []
     m = results["machine"]
     parts.append(f"rvz-bench {results['command']}: rvz {results['versions']['rvz']}, "
@@ -674,8 +707,9 @@ def render(results: dict[str, Any]) -> str:
                                   right=[False, False, True, True, True, True, True, True, True]))
     for note in results.get("notes") or []:
         parts.append(f"\nnote: {note}")
-    parts.append("")
-    parts.append(report.targets_table(results["targets"]))
+    if targets:
+        parts.append("")
+        parts.append(report.targets_table(results["targets"]))
     return "\n".join(parts)
 
 
@@ -706,6 +740,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         opts = Options(args)
         check_transport(opts.transport)
+        if args.plot:  # before the run, not after it
+            why = report.plot_unavailable()
+            if why:
+                raise UsageError(f"--plot: {why}")
     except UsageError as exc:
         print(f"rvz-bench: {exc}", file=err)
         return 2
@@ -722,17 +760,19 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         bench.close(interrupted=not finished)
-    print(render(results), file=sys.stdout, flush=True)
+    print(render(results, targets=args.targets), file=sys.stdout, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
             f.write("\n")
     if args.plot:
         try:
-            report.plot(results, args.plot)
+            drawn = report.plot(results, args.plot)
         except RuntimeError as exc:
             print(f"rvz-bench: {exc}", file=err)
             return 1
+        if not drawn:
+            print(f"rvz-bench: nothing to plot, {args.plot} not written", file=err)
     return 0
 
 
@@ -765,7 +805,7 @@ def threading_is_main() -> bool:
 def check_transport(transport: str) -> None:
     """Fail early, in the node's own words, if this build or host lacks ``transport``."""
     try:
-        rvz.Node({"a": ["127.0.0.1:1"]}, "a", 0, transport=transport)
+        rvz.Node({"a": ["127.0.0.1:1"]}, "a", 0, transport=cast("rvz.TransportName", transport))
     except ValueError as exc:
         raise UsageError(f"--transport {transport}: {exc}") from None
     if transport in ("shm", "verbs"):

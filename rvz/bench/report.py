@@ -238,53 +238,98 @@ def targets_table(targets: list[dict[str, Any]]) -> str:
 
 # -- the plot ----------------------------------------------------------------------------------------
 
-def plot(results: dict[str, Any], path: str) -> None:
-    """Throughput vs size and latency distributions; needs matplotlib (optional extra)."""
+def plot_unavailable() -> str | None:
+    """Why ``--plot`` cannot work here (None: it can); asked before a run starts."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'rvz[plot]'") from None
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    ax = axes[0]
-    series: dict[str, list[tuple[int, float]]] = {}
-    for row in results.get("stream", []):
-        series.setdefault(row["label"], []).append((row["size"], row["gbytes_per_s"]))
-    for label, points in sorted(series.items()):
-        points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tensor size (bytes)")
-    ax.set_ylabel("GB/s (log)")
-    ax.set_title("stream: one-way throughput")
-    if ax.get_lines():
-        ax.legend(fontsize=8)
-    ax = axes[1]
-    for row in results.get("pingpong", []):
-        samples = sorted(row.get("samples_us") or [])
-        if samples:
-            name = f"{row['label']} {size_label(row['size'])}"
-            ax.plot(samples, np.linspace(0, 1, len(samples)), label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("round trip (us)")
-    ax.set_ylabel("fraction")
-    ax.set_title("pingpong: latency CDF")
-    if ax.get_lines():
-        ax.legend(fontsize=8)
-    ax = axes[2]
-    data, labels = [], []
-    for row in results.get("rendezvous", []):
-        if row.get("samples_us"):
-            data.append(row["samples_us"])
-            labels.append(f"{row['order']}\n{row['mode']}")
-    if data:
-        ax.boxplot(data, showfliers=False)
-        ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=7)
-    ax.set_yscale("log")
-    ax.set_ylabel("us from the later call to recv done")
-    ax.set_title("rendezvous latency")
+        return "needs matplotlib: pip install 'rvz[plot]'"
+    return None
+
+
+def plot_panels(results: dict[str, Any]) -> list[str]:
+    """The panels that have data, in order: ``stream``, ``pingpong``, ``rendezvous``."""
+    panels = []
+    if results.get("stream"):
+        panels.append("stream")
+    if any(row.get("samples_us") for row in results.get("pingpong", [])):
+        panels.append("pingpong")
+    if any(row.get("samples_us") for row in results.get("rendezvous", [])):
+        panels.append("rendezvous")
+    return panels
+
+
+def plot(results: dict[str, Any], path: str) -> bool:
+    """Throughput vs size and latency distributions, one panel per kind of result this run
+    has; needs matplotlib (the ``plot`` extra).  False, and no file, when there is nothing to
+    draw."""
+    why = plot_unavailable()
+    if why:
+        raise RuntimeError(f"--plot {why}")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogFormatter, NullLocator
+
+    panels = plot_panels(results)
+    if not panels:
+        return False
+    # Plain numbers on log axes (20, 50, 0.1), not 2x10^1; minor ticks labelled only when the
+    # axis spans about a decade, so labels never crowd.
+    plain = FuncFormatter(lambda v, _pos: f"{v:g}")
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        if panel == "stream":
+            series: dict[str, list[tuple[int, float]]] = {}
+            for row in results["stream"]:
+                series.setdefault(row["label"], []).append((row["size"], row["gbytes_per_s"]))
+            for label, points in sorted(series.items()):
+                points.sort()
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+            sizes = sorted({row["size"] for row in results["stream"]})
+            ax.set_xscale("log", base=2)
+            # One tick per measured size, written as the CLI writes it (4K, not 2^12).
+            ax.xaxis.set_major_locator(FixedLocator(sizes))
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: size_label(int(round(x)))))
+            if len(sizes) == 1:
+                ax.set_xlim(sizes[0] / 2, sizes[0] * 2)
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(plain)
+            ax.set_xlabel("tensor size (bytes)")
+            ax.set_ylabel("GB/s (log scale)")
+            ax.set_title("stream: one-way throughput")
+            ax.grid(True, which="major", alpha=0.3)
+        elif panel == "pingpong":
+            for row in results["pingpong"]:
+                samples = sorted(row.get("samples_us") or [])
+                if samples:
+                    name = f"{row['label']} {size_label(row['size'])}"
+                    ax.plot(samples, np.linspace(0, 1, len(samples)), label=name)
+            ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(plain)
+            ax.xaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
+            ax.set_xlabel("round trip (us, log scale)")
+            ax.set_ylabel("fraction of round trips")
+            ax.set_title("pingpong: latency CDF")
+            ax.grid(True, alpha=0.3)
+        else:
+            data, labels = [], []
+            for row in results["rendezvous"]:
+                if row.get("samples_us"):
+                    data.append(row["samples_us"])
+                    labels.append(f"{row['order']}\n{row['mode']}-driven")
+            ax.boxplot(data, showfliers=False)
+            ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=8)
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
+            ax.set_ylabel("us from the later call to recv done (log scale)")
+            ax.set_title("rendezvous latency")
+            ax.grid(True, axis="y", alpha=0.3)
+        if ax.get_lines() and panel != "rendezvous":
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
