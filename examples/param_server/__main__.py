@@ -1,85 +1,215 @@
-"""``python -m examples.param_server``: PS shards and workers as separate processes.
+"""``python -m examples.param_server [demo|serve|train|bench]``: the PS service.
 
-Starts ``--shards`` PS shard processes and ``--workers`` worker processes on loopback, lets
-every worker train the synthetic workload for ``--steps`` synchronous steps, and prints what
-each process reports: worker throughput and loss, and each shard's table (live rows,
-capacity, rows created and evicted), its replicated hot state and its incremental exports.
+* ``demo`` (the default): ``--shards`` PS shard processes and ``--workers`` worker processes
+  on loopback train the synthetic workload; each process's report is printed. With
+  ``--checkpoint-dir`` and ``--restart``, a shard that dies is started again from its last
+  checkpoint (``--kill-shard N --kill-after S`` kills one with SIGKILL, to show it).
+* ``serve --job ps --task N``: one PS shard, on its own host. ``--restore`` restarts it from
+  ``--checkpoint-dir`` (its workers rejoin it).
+* ``train --job worker --task N``: one worker.
+* ``bench --json out.json``: table, pull, push and checkpoint figures, each next to a
+  baseline measured in the same run (see bench.py).
+
+``serve`` and ``train`` take the cluster from ``--cluster`` (JSON, or a file holding it) or
+from ``TF_CONFIG`` (``{"cluster": {...}, "task": {"type": "ps", "index": 0}}``); every
+process of a job must get the same service options (tables, consistency, mode).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
 import sys
+import threading
+from typing import Any
 
 import rvz
 
-from .launch import Processes, PSConfig, local_cluster, start_shards
+from .launch import (
+    Processes,
+    PSConfig,
+    TableSpec,
+    cluster_from_args,
+    local_cluster,
+    restarter,
+    run_shard,
+    start_shards,
+)
+from .optimizers import OPTIMIZERS
 from .protocol import PS_JOB, WORKER_JOB
-from .workload import WorkerConfig, worker_process
+from .workload import WorkerConfig, run_worker, worker_process
+
+COMMANDS = ("demo", "serve", "train", "bench")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m examples.param_server", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shards", type=int, default=2, help="PS shard processes")
-    p.add_argument("--workers", type=int, default=2, help="worker processes")
+def parse_tables(text: str | None, dim: int, optimizer: str, lr: float | None) -> tuple[TableSpec, ...]:
+    """``"user:16,item:32:adam"`` -> table specs (name:dim[:optimizer[:lr]])."""
+    if not text:
+        return ()
+    specs = []
+    for part in text.split(","):
+        fields = part.split(":")
+        specs.append(TableSpec(fields[0], int(fields[1]) if len(fields) > 1 else dim,
+                               fields[2] if len(fields) > 2 else optimizer,
+                               float(fields[3]) if len(fields) > 3 else lr))
+    return tuple(specs)
+
+
+def add_service_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dim", type=int, default=16, help="embedding width (single table)")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (optimizer default)")
+    p.add_argument("--tables", default=None, help="several tables: name:dim[:optimizer[:lr]],...")
+    p.add_argument("--consistency", choices=("asp", "ssp", "bsp"), default="asp")
+    p.add_argument("--staleness", type=int, default=2, help="SSP bound, in clocks")
+    p.add_argument("--min-count", type=int, default=0, help="admission: lookups before a row exists")
+    p.add_argument("--ttl", type=int, default=None, help="evict rows idle this many steps")
+    p.add_argument("--max-rows", type=int, default=None, help="evict LRU rows beyond this (per shard)")
+    p.add_argument("--evict-every", type=int, default=50, help="clocks between eviction rounds (0: off)")
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=0, help="clocks between checkpoints (0: off)")
+    p.add_argument("--full-every", type=int, default=4, help="every Nth checkpoint is full")
+    p.add_argument("--mode", choices=("recv", "send"), default="recv",
+                   help="rvz mode of every node: Recv-Driven or Send-Driven")
+    p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=2, help="worker processes (tasks of the worker job)")
+
+
+def add_worker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=200, help="training steps per worker")
     p.add_argument("--batch", type=int, default=256, help="samples per step")
     p.add_argument("--bag", type=int, default=4, help="ids per sample")
     p.add_argument("--vocab", type=int, default=20000, help="distinct ids of the Zipf law")
-    p.add_argument("--dim", type=int, default=16, help="embedding width")
-    p.add_argument("--optimizer", choices=("adagrad", "adam"), default="adagrad")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (optimizer default)")
-    p.add_argument("--mode", choices=("recv", "send"), default="recv",
-                   help="rvz mode of every node: Recv-Driven or Send-Driven")
-    p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto")
-    p.add_argument("--evict-every", type=int, default=50, help="pushes between eviction rounds (0: off)")
-    p.add_argument("--min-count", type=int, default=2, help="lookups a row needs to survive a round")
-    p.add_argument("--export-every", type=int, default=100, help="pushes between exports (0: off)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=120.0, help="bound on the whole run, seconds")
+    p.add_argument("--restart-timeout", type=float, default=60.0,
+                   help="how long a worker waits for a lost shard to come back")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m examples.param_server", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command")
+    demo = sub.add_parser("demo", help="shards and workers as local processes")
+    add_service_options(demo)
+    add_worker_options(demo)
+    demo.add_argument("--shards", type=int, default=2, help="PS shard processes")
+    demo.add_argument("--restart", action="store_true", help="restart a dead shard from its checkpoint")
+    demo.add_argument("--kill-shard", type=int, default=None, help="SIGKILL this shard once (with --restart)")
+    demo.add_argument("--kill-after", type=float, default=2.0, help="seconds before --kill-shard")
+    demo.add_argument("--timeout", type=float, default=120.0, help="bound on the whole run, seconds")
+    for name in ("serve", "train"):
+        one = sub.add_parser(name, help=f"{name} one task (multi-host)")
+        add_service_options(one)
+        if name == "train":
+            add_worker_options(one)
+        one.add_argument("--cluster", default=None, help="cluster JSON (or a file), else TF_CONFIG")
+        one.add_argument("--job", default=None)
+        one.add_argument("--task", type=int, default=None)
+        one.add_argument("--restore", action="store_true", help="restart from --checkpoint-dir")
+    bench = sub.add_parser("bench", help="measure the table, pull, push and checkpoints")
+    bench.add_argument("--json", default=None, help="write the figures here")
+    bench.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    bench.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto")
+    if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        argv = ["demo", *argv]  # the old single-command form still runs the demo
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    ps = PSConfig(dim=args.dim, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
-                  num_workers=args.workers, evict_every=args.evict_every, min_count=args.min_count,
-                  export_every=args.export_every, mode=args.mode, loop=args.loop)
-    work = WorkerConfig(steps=args.steps, batch=args.batch, bag=args.bag, vocab=args.vocab,
-                        seed=args.seed)
+def service_config(args: argparse.Namespace, num_workers: int) -> PSConfig:
+    return PSConfig(dim=args.dim, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
+                    tables=parse_tables(args.tables, args.dim, args.optimizer, args.lr),
+                    min_count=args.min_count, ttl=args.ttl, max_rows=args.max_rows,
+                    num_workers=num_workers, consistency=args.consistency, staleness=args.staleness,
+                    evict_every=args.evict_every, checkpoint_dir=args.checkpoint_dir,
+                    checkpoint_every=args.checkpoint_every, full_every=args.full_every,
+                    mode=args.mode, loop=args.loop)
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(steps=args.steps, batch=args.batch, bag=args.bag, vocab=args.vocab,
+                        seed=args.seed, restart_timeout=args.restart_timeout)
+
+
+def print_shard(r: dict[str, Any]) -> None:
+    for name, t in r["tables"].items():
+        print(f"ps {r['shard']} epoch {r['epoch']} table {name}: {t['live']} live rows, created "
+              f"{t['created']}, evicted {t['evicted']}, global step {t['global_step']}")
+    print(f"ps {r['shard']}: served {r['lookups']} pulls ({r['ids_looked_up']} ids), {r['pushes']} "
+          f"pushes, {r['aborted_steps']} aborted steps, {len(r['checkpoints'])} checkpoints, "
+          f"{r['consistency']} max staleness {r['max_staleness']}")
+
+
+def demo(args: argparse.Namespace) -> int:
+    ps = service_config(args, args.workers)
+    work = worker_config(args)
     cluster = local_cluster(args.shards, args.workers)
     print(f"param_server: {args.shards} PS shards, {args.workers} workers, mode={args.mode}, "
-          f"optimizer={args.optimizer}, dim={args.dim}, rvz {rvz.implementation()}", flush=True)
+          f"consistency={args.consistency}, tables={ps.dims()}, optimizer={args.optimizer}, "
+          f"rvz {rvz.implementation()}", flush=True)
     with Processes() as procs:
         start_shards(procs, cluster, ps)
         for worker in range(args.workers):
             procs.start(f"worker{worker}", worker_process, cluster, worker, ps, work)
-        results = procs.wait(args.timeout)
+        if args.kill_shard is not None:
+            victim = procs.get(f"ps{args.kill_shard}")
+            timer = threading.Timer(args.kill_after,
+                                    lambda: victim.is_alive() and os.kill(victim.pid, signal.SIGKILL))
+            timer.daemon = True
+            timer.start()
+        restart = restarter(procs, cluster, ps) if args.restart else None
+        results = procs.wait(args.timeout, restart=restart)
+        for name in procs.restarts:
+            print(f"{name} died and was restarted from its checkpoint")
     for worker in range(args.workers):
         r = results[(WORKER_JOB, worker)]
         print(f"worker {worker}: {r['steps']} steps in {r['seconds']:.2f} s "
               f"({r['steps'] / r['seconds']:.0f} steps/s, {r['ids_per_s'] / 1e3:.0f}k ids/s); "
-              f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}")
+              f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}; shard restarts seen {r['restarts']}")
     for shard in range(args.shards):
-        r = results[(PS_JOB, shard)]
-        hot = f"global step {r['step']}"
-        if "beta1_power" in r:
-            hot += f", beta1^t {r['beta1_power']:.4g}, beta2^t {r['beta2_power']:.4g}"
-        print(f"ps {shard}: {r['live']} live rows (capacity {r['capacity']}), created {r['created']}, "
-              f"evicted {r['evicted']}; {hot}; served {r['lookups']} lookups "
-              f"({r['ids_looked_up']} ids), {r['pushes']} pushes")
-        for since, version, rows, deleted in r["exports"]:
-            print(f"  export v{since}..v{version}: {rows} changed rows, {deleted} deleted ids")
-    steps = {results[(PS_JOB, s)]["step"] for s in range(args.shards)}
-    print(f"replicated global step: {sorted(steps)} "
-          f"({'equal on every shard' if len(steps) == 1 else 'MISMATCH'})")
-    return 0 if len(steps) == 1 else 1
+        print_shard(results[(PS_JOB, shard)])
+    steps = {results[(PS_JOB, s)]["global_step"] for s in range(args.shards)}
+    print(f"global step per shard: {sorted(steps)} "
+          f"({'equal on every shard' if len(steps) == 1 else 'differs: a shard was restored'})")
+    return 0
+
+
+def one_task(args: argparse.Namespace) -> int:
+    cluster, task = cluster_from_args(args.cluster)
+    job = args.job or (task or {}).get("type")
+    index = args.task if args.task is not None else (task or {}).get("index")
+    if job is None or index is None:
+        raise ValueError("say which task this is: --job and --task, or TF_CONFIG's task")
+    num_workers = len(cluster[WORKER_JOB])
+    ps = service_config(args, num_workers)
+    if args.command == "serve":
+        if job != PS_JOB:
+            raise ValueError(f"serve runs a {PS_JOB!r} task, not {job!r}")
+        summary = rvz.run(run_shard(cluster, int(index), ps, restore=args.restore), loop=args.loop)
+        print_shard(summary)
+    else:
+        r = rvz.run(run_worker(cluster, int(index), ps, worker_config(args)), loop=args.loop)
+        print(f"worker {r['worker']}: {r['steps']} steps in {r['seconds']:.2f} s; loss "
+              f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}; shard restarts seen {r['restarts']}")
+    print(json.dumps({"done": job, "task": int(index)}), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "bench":
+        from .bench import main as bench_main
+        return bench_main(args)
+    if args.command in ("serve", "train"):
+        return one_task(args)
+    return demo(args)
 
 
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (RuntimeError, TimeoutError) as exc:  # a child failed or the run overran: say so, briefly
+    except (RuntimeError, TimeoutError, ValueError, rvz.RvzError) as exc:
+        # A child failed, the run overran, or a bad option: say so, briefly.
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -1,45 +1,209 @@
-"""The worker's side of the parameter server: dedup, shard, look up, scatter back, push.
+"""The worker's side of the parameter server: dedup, shard, pull, scatter back, push.
 
-``PSClient`` turns a batch of (possibly repeated) ids into one message per shard holding
-only that shard's unique ids, and reassembles the replies in the caller's order. Pushes
-are summed per id first, so every id reaches the optimizer once per step.
+``PSClient`` turns a batch of (possibly repeated) ids per table into one message per shard
+holding only that shard's unique ids, and reassembles the replies in the caller's order.
+Pushes are summed per id first. Both channels number their clocks from 0 (see protocol.py).
+
+Failures:
+
+* a step that fails in the worker (``abort_step(clock)``) is cleaned up with rvz's step
+  clean-up: every shard drops what it had of that step and goes on;
+* a shard that restarts from its checkpoint (after ``kill -9``, say) shows up as ``PeerLost``
+  or as its next ``HELLO``; the client then waits (up to ``restart_timeout``) for the new
+  incarnation's greeting, tells it where its clocks stand (``REJOIN``), and retries what it
+  had in flight with that shard. Rows the shard had not checkpointed are lost (they come
+  back as new rows): the usual trade of PS recovery.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Any
 
 import numpy as np
 
 import rvz
 
-from .protocol import END, LOOKUP_IDS, LOOKUP_ROWS, PUSH_ACK, PUSH_GRADS, PUSH_IDS, WORKER_JOB, edge
-from .sparse import as_ids, split_by_shard, sum_by_id
+from .protocol import (
+    END,
+    HELLO,
+    PULL_IDS,
+    PULL_ROWS,
+    PUSH_ACK,
+    PUSH_GRADS,
+    PUSH_IDS,
+    REJOIN,
+    WORKER_JOB,
+    edge,
+    pack_ids,
+    pack_rows,
+    step_id,
+    unpack_rows,
+)
+from .sparse import as_ids, shard_of, sum_by_id
+
+log = logging.getLogger(__name__)
+
+CHANNELS = ("lookup", "push")
+
+
+def _quiet(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: a watcher's failure reaches the exchanges that wait on it
+
+
+class ShardRestarted(Exception):
+    """The shard greeted us from a new incarnation while we waited for it."""
 
 
 class PSClient:
     """Talks to ``num_shards`` PS shards from ``node`` (a task of the worker job).
 
-    Steps are numbered per channel from 0 (see protocol.py); pass ``step=`` to have a wrong
-    sequence caught here instead of as a hang on the shard. ``timeout`` bounds each wait for
-    a reply, so a lost shard is an error, not a hang.
+    ``tables``: the service's tables as ``{name: dim}`` in the shards' order, or one dim for a
+    single table named ``"default"``. ``timeout`` bounds each wait for a reply from a live
+    shard; ``restart_timeout`` bounds the wait for a lost shard to come back.
     """
 
-    def __init__(self, node: rvz.Node, num_shards: int, dim: int, *, timeout: float | None = 30.0,
+    def __init__(self, node: rvz.Node, num_shards: int, tables: int | dict[str, int], *,
+                 timeout: float | None = 30.0, restart_timeout: float = 60.0,
                  worker_job: str = WORKER_JOB) -> None:
         if node.job != worker_job:
             raise ValueError(f"the client runs on a {worker_job!r} task, not on {node.name}")
         self.node = node
         self.worker = node.task
         self.num_shards = num_shards
-        self.dim = dim
+        self.dims = {"default": tables} if isinstance(tables, int) else dict(tables)
+        self.names = list(self.dims)
+        self.dim = self.dims[self.names[0]]
         self.timeout = timeout
+        self.restart_timeout = restart_timeout
         self.worker_job = worker_job
         self.next_step = {"lookup": 0, "push": 0}
+        self.epoch = [0] * num_shards
+        self.restarts = 0
         self.closed = False
+        self._greeted: asyncio.Future[None] | None = None
+        self._inflight: dict[str, dict[int, int]] = {c: {} for c in CHANNELS}
+        self._next_hello: list[asyncio.Future[Any] | None] = [None] * num_shards
+        self._watchers: list[asyncio.Task[None]] = []
+        self._resync_lock = [asyncio.Lock() for _ in range(num_shards)]
 
-    def _edge(self, kind: str, shard: int, step: int) -> rvz.Key:
-        return edge(kind, self.worker, shard, step, self.worker_job)
+    # -- the handshake ---------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        """Wait for every shard's greeting (done by the first pull or push anyway)."""
+        if self._greeted is None:
+            self._greeted = asyncio.ensure_future(self._greet())
+        await asyncio.shield(self._greeted)
+
+    async def _greet(self) -> None:
+        async def one(shard: int) -> None:
+            hello = await self._recv_hello(shard, 0, self.timeout)
+            self.epoch[shard] = int(hello[0])
+        await asyncio.gather(*(one(s) for s in range(self.num_shards)))
+        for shard in range(self.num_shards):
+            self._watch(shard)
+
+    async def _recv_hello(self, shard: int, epoch: int, timeout: float | None) -> Any:
+        """The greeting of ``shard``'s incarnation ``epoch``, redialling while it is down."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        key = edge(HELLO, self.worker, shard, epoch, 0, self.worker_job)
+        while True:
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            try:
+                return await self.node.recv(key, timeout=left)
+            except rvz.PeerLost:
+                if deadline is not None and loop.time() >= deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
+    def _watch(self, shard: int) -> None:
+        """Listen for the next incarnation of ``shard`` in the background."""
+        fut = asyncio.get_running_loop().create_future()
+        self._next_hello[shard] = fut
+
+        async def watch(epoch: int) -> None:
+            try:
+                hello = await self._recv_hello(shard, epoch, None)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                if not fut.done():
+                    fut.set_exception(exc)
+                    fut.exception()  # nobody may ever look: do not log it as lost
+                raise
+            if not fut.done():
+                fut.set_result(hello)
+            # Rejoin at once, not when an exchange with the shard fails: the shard waits for
+            # every worker's clocks before it serves (its consistency bound needs them).
+            await self._resync(shard, epoch - 1)
+
+        task = asyncio.ensure_future(watch(self.epoch[shard] + 1))
+        task.add_done_callback(_quiet)
+        self._watchers.append(task)
+
+    async def _resync(self, shard: int, failed_epoch: int) -> None:
+        """After a failure with ``shard`` at ``failed_epoch``: wait for its next incarnation
+        and rejoin it (once, whichever channel noticed first)."""
+        async with self._resync_lock[shard]:
+            if self.epoch[shard] != failed_epoch:
+                return  # the other channel already did it
+            fut = self._next_hello[shard]
+            assert fut is not None
+            try:
+                hello = await asyncio.wait_for(asyncio.shield(fut), self.restart_timeout)
+            except TimeoutError:
+                raise rvz.PeerLost(f"PS shard {shard} did not come back within "
+                                   f"{self.restart_timeout} s") from None
+            epoch = int(hello[0])
+            clocks = np.array([self._inflight[c].get(shard, self.next_step[c]) for c in CHANNELS],
+                              dtype=np.int64)
+            log.warning("worker %d: PS shard %d restarted (epoch %d); rejoining at clocks %s",
+                        self.worker, shard, epoch, clocks.tolist())
+            await self.node.send(edge(REJOIN, self.worker, shard, 0, epoch, self.worker_job), clocks)
+            self.epoch[shard] = epoch
+            self.restarts += 1
+            self._watch(shard)
+
+    def _edge(self, kind: str, shard: int, clock: int) -> rvz.Key:
+        return edge(kind, self.worker, shard, clock, self.epoch[shard], self.worker_job)
+
+    async def _exchange(self, channel: str, shard: int, clock: int,
+                        messages: list[tuple[str, Any]], reply: str) -> Any:
+        """Send ``messages`` to ``shard`` and wait for its ``reply``, across restarts."""
+        self._inflight[channel][shard] = clock
+        try:
+            while True:
+                epoch = self.epoch[shard]
+                try:
+                    return await self._try_exchange(shard, clock, messages, reply)
+                except (rvz.PeerLost, ShardRestarted):
+                    await self._resync(shard, epoch)
+        finally:
+            del self._inflight[channel][shard]
+
+    async def _try_exchange(self, shard: int, clock: int, messages: list[tuple[str, Any]],
+                            reply: str) -> Any:
+        step = step_id(self.worker, clock)
+        if len(messages) == 1:
+            kind, value = messages[0]
+            await self.node.send(self._edge(kind, shard, clock), value, step=step)
+        else:  # the push's ids and gradients leave in one write
+            await self.node.send_many([(self._edge(kind, shard, clock), value) for kind, value in messages],
+                                      step=step)
+        answer = asyncio.ensure_future(
+            self.node.recv(self._edge(reply, shard, clock), step=step, timeout=self.timeout))
+        restarted = self._next_hello[shard]
+        assert restarted is not None
+        try:
+            await asyncio.wait([answer, restarted], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not answer.done():
+                answer.cancel()
+                await asyncio.gather(answer, return_exceptions=True)
+        if answer.cancelled():
+            raise ShardRestarted(f"PS shard {shard} restarted")
+        return answer.result()
 
     def _take_step(self, channel: str, step: int | None) -> int:
         # Taken before the first await: concurrent calls still get distinct, ordered steps.
@@ -51,68 +215,130 @@ class PSClient:
         self.next_step[channel] = expected + 1
         return expected
 
-    async def _recv_all(self, kind: str, step: int) -> list[object]:
-        return list(await asyncio.gather(*(
-            self.node.recv(self._edge(kind, shard, step), timeout=self.timeout)
-            for shard in range(self.num_shards))))
+    # -- pull ------------------------------------------------------------------------------
 
-    # -- lookup --------------------------------------------------------------------------------
+    async def pull(self, ids: dict[str, Any], step: int | None = None) -> dict[str, np.ndarray]:
+        """Rows of several tables at once: ``{name: ids (any shape)}`` -> ``{name: rows}``
+        (``ids.shape + (dim,)``); tables left out get nothing."""
+        clock = self._take_step("lookup", step)
+        await self.connect()
+        flat = {name: np.asarray(ids.get(name, np.zeros(0)), dtype=np.int64) for name in self.names}
+        uniq, inverse = {}, {}
+        for name, arr in flat.items():
+            uniq[name], inverse[name] = np.unique(arr.reshape(-1), return_inverse=True)
+        rows = await self._pull_unique([uniq[n] for n in self.names], clock)
+        return {name: rows[t][inverse[name].reshape(-1)].reshape(flat[name].shape + (self.dims[name],))
+                for t, name in enumerate(self.names) if name in ids}
+
+    async def _pull_unique(self, unique: list[np.ndarray], clock: int) -> list[np.ndarray]:
+        owners = [shard_of(u, self.num_shards) for u in unique]
+        positions = [[np.flatnonzero(o == s) for o in owners] for s in range(self.num_shards)]
+
+        async def one(shard: int) -> list[np.ndarray]:
+            msg = pack_ids([u[p] for u, p in zip(unique, positions[shard], strict=True)])
+            rows = await self._exchange("lookup", shard, clock, [(PULL_IDS, msg)], PULL_ROWS)
+            return unpack_rows(rows, [len(p) for p in positions[shard]], list(self.dims.values()))
+
+        replies = await asyncio.gather(*(one(s) for s in range(self.num_shards)))
+        out = [np.empty((len(u), self.dims[n]), dtype=np.float32)
+               for u, n in zip(unique, self.names, strict=True)]
+        for shard, parts in enumerate(replies):
+            for t, part in enumerate(parts):
+                out[t][positions[shard][t]] = part
+        return out
 
     async def lookup(self, ids: np.ndarray, step: int | None = None) -> np.ndarray:
-        """Embeddings of ``ids`` (any shape, repeats allowed): ``ids.shape + (dim,)``."""
-        ids = np.asarray(ids, dtype=np.int64)
-        unique, inverse = np.unique(ids.reshape(-1), return_inverse=True)
-        rows = await self.lookup_unique(unique, step)
-        return rows[inverse.reshape(-1)].reshape(ids.shape + (self.dim,))
+        """Embeddings of ``ids`` of the first table (any shape, repeats allowed)."""
+        return (await self.pull({self.names[0]: ids}, step))[self.names[0]]
 
     async def lookup_unique(self, unique: np.ndarray, step: int | None = None) -> np.ndarray:
-        """Rows (``[len(unique), dim]``) of ids the caller already made unique."""
-        step = self._take_step("lookup", step)
-        unique = as_ids(unique)
-        owned = split_by_shard(unique, self.num_shards)
-        for shard, positions in enumerate(owned):
-            await self.node.send(self._edge(LOOKUP_IDS, shard, step), unique[positions])
-        replies = await self._recv_all(LOOKUP_ROWS, step)
-        rows = np.empty((len(unique), self.dim), dtype=np.float32)
-        for shard, (positions, reply) in enumerate(zip(owned, replies, strict=True)):
-            if not isinstance(reply, np.ndarray) or reply.shape != (len(positions), self.dim):
-                raise ValueError(f"shard {shard} answered lookup step {step} with "
-                                 f"{getattr(reply, 'shape', type(reply).__name__)}, expected "
-                                 f"{(len(positions), self.dim)}")
-            rows[positions] = reply
-        return rows
+        """Rows (``[len(unique), dim]``) of ids the caller already made unique (first table)."""
+        clock = self._take_step("lookup", step)
+        await self.connect()
+        parts = [as_ids(unique)] + [np.zeros(0, dtype=np.int64)] * (len(self.names) - 1)
+        return (await self._pull_unique(parts, clock))[0]
 
-    # -- push ------------------------------------------------------------------------------------
+    # -- push ------------------------------------------------------------------------------
+
+    async def push_tables(self, ids: dict[str, Any], grads: dict[str, Any],
+                          step: int | None = None) -> np.ndarray:
+        """Gradients for several tables at once (repeats summed); returns when every shard
+        applied them: ``[num_shards, num_tables]`` global steps after the update."""
+        clock = self._take_step("push", step)
+        await self.connect()
+        unique, summed = [], []
+        for name in self.names:
+            dim = self.dims[name]
+            if name in ids:
+                g = np.asarray(grads[name], dtype=np.float32).reshape(-1, dim)
+                u, g = sum_by_id(np.asarray(ids[name]), g)
+            else:
+                u, g = np.zeros(0, dtype=np.int64), np.zeros((0, dim), dtype=np.float32)
+            unique.append(u)
+            summed.append(g)
+        return await self._push_unique(unique, summed, clock)
+
+    async def _push_unique(self, unique: list[np.ndarray], grads: list[np.ndarray],
+                           clock: int) -> np.ndarray:
+        owners = [shard_of(u, self.num_shards) for u in unique]
+
+        async def one(shard: int) -> np.ndarray:
+            where = [np.flatnonzero(o == shard) for o in owners]
+            msgs = [(PUSH_IDS, pack_ids([u[p] for u, p in zip(unique, where, strict=True)])),
+                    (PUSH_GRADS, pack_rows([g[p] for g, p in zip(grads, where, strict=True)]))]
+            ack = await self._exchange("push", shard, clock, msgs, PUSH_ACK)
+            return np.asarray(ack, dtype=np.int64)
+
+        return np.stack(await asyncio.gather(*(one(s) for s in range(self.num_shards))))
 
     async def push(self, ids: np.ndarray, grads: np.ndarray, step: int | None = None) -> np.ndarray:
-        """Push gradients of ``ids`` (repeats summed); see ``push_unique``."""
-        grads = np.asarray(grads, dtype=np.float32).reshape(-1, self.dim)
-        unique, summed = sum_by_id(ids, grads)
-        return await self.push_unique(unique, summed, step)
+        """Push gradients of ``ids`` of the first table (repeats summed)."""
+        return await self.push_tables({self.names[0]: ids}, {self.names[0]: grads}, step)
 
     async def push_unique(self, unique: np.ndarray, grads: np.ndarray,
                           step: int | None = None) -> np.ndarray:
-        """Push one gradient row per unique id; returns once every shard applied it.
-
-        The result is ``[num_shards, 2]``: each shard's ``(global_step, version)`` after the
-        update, so a caller can see that the replicated global step agrees.
-        """
-        step = self._take_step("push", step)
-        unique = as_ids(unique)
+        """Push one gradient row per unique id of the first table; returns once every shard
+        applied it (``[num_shards, num_tables]`` global steps)."""
+        clock = self._take_step("push", step)
+        await self.connect()
         grads = np.ascontiguousarray(grads, dtype=np.float32)
+        unique = as_ids(unique)
         if grads.shape != (len(unique), self.dim):
             raise ValueError(f"gradients {grads.shape} do not match {len(unique)} ids of dim {self.dim}")
-        for shard, positions in enumerate(split_by_shard(unique, self.num_shards)):
-            await self.node.send(self._edge(PUSH_IDS, shard, step), unique[positions])
-            await self.node.send(self._edge(PUSH_GRADS, shard, step), grads[positions])
-        acks = await self._recv_all(PUSH_ACK, step)
-        return np.stack([np.asarray(a, dtype=np.int64) for a in acks])
+        rest = len(self.names) - 1
+        return await self._push_unique(
+            [unique] + [np.zeros(0, dtype=np.int64)] * rest,
+            [grads] + [np.zeros((0, self.dims[n]), dtype=np.float32) for n in self.names[1:]], clock)
+
+    # -- failures and the end ------------------------------------------------------------------
+
+    async def abort_step(self, clock: int) -> None:
+        """Give up this worker's step ``clock`` (pull or push failed or never happened): every
+        shard drops it (rvz step clean-up) and counts it as an empty push."""
+        await self.node.step(step_id(self.worker, clock)).cleanup(
+            f"worker {self.worker} gave up its step {clock}")
+        for channel in CHANNELS:
+            if self.next_step[channel] == clock:
+                self.next_step[channel] = clock + 1
 
     async def close(self) -> None:
         """Tell every shard this worker is done: ``END`` on both channels."""
         if self.closed:
             return
         self.closed = True
-        for shard in range(self.num_shards):
-            await self.node.send(self._edge(LOOKUP_IDS, shard, self.next_step["lookup"]), END)
-            await self.node.send(self._edge(PUSH_IDS, shard, self.next_step["push"]), END)
+        try:
+            try:
+                await self.connect()  # a shard serves until every worker said END
+            except (rvz.RvzError, TimeoutError):
+                return  # no shard to tell
+            for shard in range(self.num_shards):
+                for kind, channel in ((PULL_IDS, "lookup"), (PUSH_IDS, "push")):
+                    clock = self.next_step[channel]
+                    await self.node.send(self._edge(kind, shard, clock), END,
+                                         step=step_id(self.worker, clock))
+        finally:
+            for task in self._watchers:
+                task.cancel()
+            await asyncio.gather(*self._watchers, return_exceptions=True)
+            if self._greeted is not None and not self._greeted.done():
+                self._greeted.cancel()

@@ -1,48 +1,98 @@
-"""Process plumbing: a loopback cluster, PS shard processes, and their clean-up.
+"""Process plumbing: the service's configuration, PS shard processes, and their clean-up.
+
+``PSConfig`` says what a shard serves (its tables and policies) and how (consistency,
+checkpoints); it is picklable, for child processes. ``run_shard`` runs one shard, fresh or
+restored from its checkpoint directory (then its epoch goes up by one, see protocol.py).
 
 Children are started with the ``spawn`` method (a fresh interpreter, no inherited event loop
 or sockets) and report a small summary dict on a queue. ``Processes`` always terminates
-(then kills) whatever is still running when its ``with`` block ends, whatever happened.
+(then kills) whatever is still running when its ``with`` block ends, whatever happened; with
+``restart=`` it starts a shard again, restored, when it dies.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import os
 import queue
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import rvz
 
 from ..common import free_ports
+from .checkpoint import has_checkpoint
 from .optimizers import make_optimizer
 from .protocol import PS_JOB, WORKER_JOB
 from .server import ShardServer
-from .store import EmbeddingStore
+from .table import EmbeddingTable, MinCount
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One table of the service."""
+
+    name: str = "default"
+    dim: int = 16
+    optimizer: str = "adagrad"
+    lr: float | None = None
 
 
 @dataclass(frozen=True)
 class PSConfig:
-    """How to build and run a PS shard (picklable: it is handed to child processes)."""
+    """How to build and run a PS shard (picklable: it is handed to child processes).
+
+    ``tables`` empty means one table named ``"default"`` of ``dim``/``optimizer``/``lr``.
+    """
 
     dim: int = 16
     optimizer: str = "adagrad"
     lr: float | None = None
     seed: int = 0
-    init_scale: float = 0.05
+    tables: tuple[TableSpec, ...] = ()
+    initializer: str = "normal"
+    init_std: float = 0.01
+    min_count: int = 0          # admission: lookups before an id gets a row (0: none)
+    ttl: int | None = None      # eviction: steps without access
+    max_rows: int | None = None  # eviction: LRU bound per table and shard
     num_workers: int = 1
+    consistency: str = "asp"
+    staleness: int = 0
     evict_every: int = 0
-    min_count: int = 2
-    export_every: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    full_every: int = 4
+    fsync: bool = True
     mode: str = "recv"
     loop: str = "auto"
     worker_job: str = WORKER_JOB
+    node_options: dict[str, Any] = field(default_factory=dict)
+
+    def table_specs(self) -> tuple[TableSpec, ...]:
+        return self.tables or (TableSpec("default", self.dim, self.optimizer, self.lr),)
+
+    def dims(self) -> dict[str, int]:
+        return {t.name: t.dim for t in self.table_specs()}
 
 
-def make_store(cfg: PSConfig) -> EmbeddingStore:
-    return EmbeddingStore(cfg.dim, make_optimizer(cfg.optimizer, cfg.lr), seed=cfg.seed,
-                          init_scale=cfg.init_scale)
+def make_table(cfg: PSConfig, spec: TableSpec) -> EmbeddingTable:
+    return EmbeddingTable(spec.dim, make_optimizer(spec.optimizer, spec.lr), cfg.initializer,
+                          cfg.seed, init_std=cfg.init_std,
+                          admission=MinCount(cfg.min_count) if cfg.min_count > 1 else None,
+                          ttl=cfg.ttl, max_rows=cfg.max_rows)
+
+
+def make_tables(cfg: PSConfig) -> dict[str, EmbeddingTable]:
+    return {spec.name: make_table(cfg, spec) for spec in cfg.table_specs()}
+
+
+def make_store(cfg: PSConfig) -> EmbeddingTable:
+    """The first (or only) table of ``cfg``."""
+    return make_table(cfg, cfg.table_specs()[0])
 
 
 def local_cluster(num_shards: int, num_workers: int, worker_job: str = WORKER_JOB) -> dict[str, list[str]]:
@@ -52,19 +102,58 @@ def local_cluster(num_shards: int, num_workers: int, worker_job: str = WORKER_JO
             worker_job: [f"127.0.0.1:{p}" for p in ports[num_shards:]]}
 
 
-async def run_shard(cluster: dict[str, list[str]], shard: int, cfg: PSConfig) -> dict[str, Any]:
-    """Run PS shard ``shard`` until every worker said END; returns its summary."""
-    async with rvz.Node(cluster, PS_JOB, shard, mode=cfg.mode) as node:
-        server = ShardServer(node, make_store(cfg), cfg.num_workers, worker_job=cfg.worker_job,
-                             evict_every=cfg.evict_every, min_count=cfg.min_count,
-                             export_every=cfg.export_every)
+def shard_dir(cfg: PSConfig, shard: int) -> Path | None:
+    return Path(cfg.checkpoint_dir) / f"ps{shard}" if cfg.checkpoint_dir else None
+
+
+def _next_epoch(root: Path, restore: bool) -> int:
+    """The epoch of this start: 0 fresh, previous + 1 when restoring (kept in ``EPOCH``)."""
+    path = root / "EPOCH"
+    epoch = int(path.read_text()) + 1 if restore and path.exists() else 0
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".EPOCH-{os.getpid()}"
+    tmp.write_text(str(epoch))
+    os.replace(tmp, path)
+    return epoch
+
+
+def open_shard(cfg: PSConfig, shard: int, restore: bool) -> tuple[dict[str, EmbeddingTable], int]:
+    """The tables of ``shard`` (restored from its last checkpoint if asked and present), and
+    the epoch to serve them at."""
+    root = shard_dir(cfg, shard)
+    if root is None:
+        if restore:
+            raise ValueError("restoring needs a checkpoint directory")
+        return make_tables(cfg), 0
+    epoch = _next_epoch(root, restore)
+    tables = make_tables(cfg)
+    if restore:
+        for name in tables:
+            if has_checkpoint(root / name):
+                tables[name] = EmbeddingTable.load(root / name)
+    return tables, epoch
+
+
+async def run_shard(cluster: dict[str, Any], shard: int, cfg: PSConfig,
+                    restore: bool = False) -> dict[str, Any]:
+    """Run PS shard ``shard`` until every worker left; returns its summary."""
+    tables, epoch = open_shard(cfg, shard, restore)
+    async with rvz.Node(cluster, PS_JOB, shard, mode=cfg.mode, **cfg.node_options) as node:
+        server = ShardServer(node, tables, cfg.num_workers, worker_job=cfg.worker_job,
+                             consistency=cfg.consistency, staleness=cfg.staleness,
+                             evict_every=cfg.evict_every, checkpoint_dir=shard_dir(cfg, shard),
+                             checkpoint_every=cfg.checkpoint_every, full_every=cfg.full_every,
+                             epoch=epoch, fsync=cfg.fsync)
+        if restore:
+            server._saves = 1  # the next save may be incremental on the restored chain
         await server.serve()
     return server.summary()
 
 
-def shard_process(cluster: dict[str, list[str]], shard: int, cfg: PSConfig, results: Any) -> None:
+def shard_process(cluster: dict[str, Any], shard: int, cfg: PSConfig, restore: bool,
+                  results: Any) -> None:
     """Entry point of a PS shard process."""
-    summary = rvz.run(run_shard(cluster, shard, cfg), loop=cfg.loop)
+    summary = rvz.run(run_shard(cluster, shard, cfg, restore), loop=cfg.loop)
     results.put((PS_JOB, shard, summary))
 
 
@@ -76,22 +165,26 @@ class Processes:
         self.results: Any = self.ctx.Queue()
         self.procs: list[Any] = []
         self.collected: dict[tuple[str, int], Any] = {}  # (job, task) -> summary
+        self.restarts: list[str] = []
 
-    def start(self, name: str, target: Any, *args: Any) -> None:
+    def start(self, name: str, target: Any, *args: Any) -> Any:
         proc = self.ctx.Process(target=target, args=(*args, self.results), name=name, daemon=True)
         proc.start()
         self.procs.append(proc)
+        return proc
 
-    def wait(self, timeout: float, names: list[str] | None = None) -> dict[tuple[str, int], Any]:
+    def wait(self, timeout: float, names: list[str] | None = None,
+             restart: Callable[[str], bool] | None = None) -> dict[tuple[str, int], Any]:
         """Wait for the named processes (all by default) to exit 0; collect the results.
+        ``restart(name)``, if given, may start a dead child again (returns True if it did).
 
         Results are drained while waiting: a child blocks at exit until its queued data
         has been read, so joining first could deadlock.
         """
-        watched = [p for p in self.procs if names is None or p.name in names]
         collected = self.collected
         deadline = time.monotonic() + timeout
         while True:
+            watched = [p for p in self.procs if names is None or p.name in names]
             try:
                 while True:
                     job, task, summary = self.results.get(timeout=0.05)
@@ -99,10 +192,16 @@ class Processes:
             except queue.Empty:
                 pass
             failed = [p for p in watched if p.exitcode not in (None, 0)]
+            for p in failed:
+                if restart is not None and restart(p.name):
+                    self.procs.remove(p)
+                    self.restarts.append(p.name)
+                    failed = []
+                    break
             if failed:
                 raise RuntimeError("child process failed: " + ", ".join(
                     f"{p.name} (exit code {p.exitcode})" for p in failed))
-            if all(p.exitcode == 0 for p in watched):
+            if watched and all(p.exitcode == 0 for p in watched):
                 # A summary may still be in flight in the queue's feeder pipe.
                 for p in watched:
                     p.join()
@@ -115,6 +214,9 @@ class Processes:
             if time.monotonic() > deadline:
                 slow = [p.name for p in watched if p.exitcode is None]
                 raise TimeoutError(f"child processes still running after {timeout}s: {slow}")
+
+    def get(self, name: str) -> Any:
+        return next(p for p in self.procs if p.name == name)
 
     def stop(self) -> None:
         """Terminate (then kill) every child still running, and reap them all."""
@@ -136,6 +238,30 @@ class Processes:
         self.stop()
 
 
-def start_shards(procs: Processes, cluster: dict[str, list[str]], cfg: PSConfig) -> None:
+def start_shards(procs: Processes, cluster: dict[str, Any], cfg: PSConfig) -> None:
     for shard in range(len(cluster[PS_JOB])):
-        procs.start(f"ps{shard}", shard_process, cluster, shard, cfg)
+        procs.start(f"ps{shard}", shard_process, cluster, shard, cfg, False)
+
+
+def restarter(procs: Processes, cluster: dict[str, Any], cfg: PSConfig) -> Callable[[str], bool]:
+    """For ``Processes.wait(restart=...)``: a dead shard is started again from its checkpoint."""
+    def restart(name: str) -> bool:
+        if not name.startswith("ps") or cfg.checkpoint_dir is None:
+            return False
+        shard = int(name[2:])
+        procs.start(name, shard_process, cluster, shard, cfg, True)
+        return True
+    return restart
+
+
+def cluster_from_args(cluster_json: str | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The cluster spec from ``--cluster`` JSON (a string, or a file path), else from
+    ``TF_CONFIG``; also TF_CONFIG's ``task`` ({"type", "index"}) when it has one."""
+    if cluster_json:
+        text = Path(cluster_json).read_text() if os.path.exists(cluster_json) else cluster_json
+        return json.loads(text), None
+    tf_config = os.environ.get("TF_CONFIG")
+    if not tf_config:
+        raise ValueError("no cluster: pass --cluster JSON or set TF_CONFIG")
+    config = json.loads(tf_config)
+    return config["cluster"], config.get("task")

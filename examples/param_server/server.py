@@ -1,16 +1,34 @@
-"""One PS shard: serves lookups and applies pushes for every worker over rvz.
+"""One PS shard: serves pulls and applies pushes for every worker, over rvz.
 
-The shard owns one ``EmbeddingStore``. For each worker it runs two loops, one per channel of
-protocol.py, each receiving step 0, 1, 2, ... until the worker sends ``END``. Housekeeping
-runs on the push path, where the store changes anyway: frequency eviction and incremental
-export every N pushes (N counted by the replicated global step, so all shards run them at
-the same steps).
+The shard holds one or more named ``EmbeddingTable`` (each its own dim and optimizer). For
+each worker it runs two loops, one per channel of protocol.py, clock 0, 1, 2, ... until the
+worker sends ``END`` or is lost.
+
+Consistency (``consistency=``):
+
+* ``"asp"``: pulls never wait; each push is one ``apply_gradients`` call.
+* ``"ssp"`` with ``staleness=s``: a worker's pull at clock c waits until every active worker
+  has pushed clocks below c - s; pushes apply as they come.
+* ``"bsp"``: s = 0, and the pushes of one clock are applied together, once every active
+  worker's push of that clock is in: their ids and gradients concatenated in worker order,
+  one ``apply_gradients`` call per clock. That is exactly a sequential run on the combined
+  batch, whatever order the pushes arrived in.
+
+A step that a worker cleans up (rvz ``Aborted`` on one of its keys) counts as an empty push
+for that clock, so nobody waits for it; a worker that leaves (``END``) or is lost
+(``PeerLost``) no longer counts for the barrier.
+
+Every ``checkpoint_every`` clocks (of the slowest worker) the shard saves its tables to
+``checkpoint_dir``, incrementally except every ``full_every``-th save; ``evict_every`` clocks
+it runs each table's eviction policy.
 """
 
 from __future__ import annotations
 
-import itertools
+import asyncio
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,8 +36,25 @@ import numpy as np
 import rvz
 
 from ..common import run_together
-from .protocol import LOOKUP_IDS, LOOKUP_ROWS, PUSH_ACK, PUSH_GRADS, PUSH_IDS, WORKER_JOB, edge, is_end
-from .store import EmbeddingStore, Export
+from .protocol import (
+    HELLO,
+    PULL_IDS,
+    PULL_ROWS,
+    PUSH_ACK,
+    PUSH_GRADS,
+    PUSH_IDS,
+    REJOIN,
+    WORKER_JOB,
+    edge,
+    is_end,
+    pack_rows,
+    step_id,
+    unpack_ids,
+    unpack_rows,
+)
+from .table import EmbeddingTable
+
+CONSISTENCY = ("asp", "ssp", "bsp")
 
 
 @dataclass
@@ -28,100 +63,268 @@ class ShardStats:
     ids_looked_up: int = 0
     pushes: int = 0
     ids_pushed: int = 0
-    evicted_by_policy: int = 0
-    exports: list[tuple[int, int, int, int]] = field(default_factory=list)  # since, version, rows, deleted
+    aborted_steps: int = 0
+    lost_workers: int = 0
+    checkpoints: list[str] = field(default_factory=list)
+    evicted: int = 0
+    max_staleness: int = 0  # the largest c - (slowest clock) a pull was served at
+    served: list[tuple[int, int, int]] = field(default_factory=list)  # (worker, clock, slowest)
 
 
 class ShardServer:
-    """Serves ``store`` on ``node`` (a task of the ``ps`` job) to ``num_workers`` workers.
+    """Serves ``tables`` (one table, or a dict name -> table) on ``node`` (a ps task) to
+    ``num_workers`` workers; see the module doc for the options."""
 
-    ``evict_every``: every that many pushes, drop rows looked up fewer than ``min_count``
-    times since the previous round (0: never). ``export_every``: every that many pushes,
-    take an incremental export and hand it to ``on_export`` (0: never).
-    """
-
-    def __init__(self, node: rvz.Node, store: EmbeddingStore, num_workers: int, *,
-                 worker_job: str = WORKER_JOB, evict_every: int = 0, min_count: int = 2,
-                 export_every: int = 0, on_export: Any = None) -> None:
+    def __init__(self, node: rvz.Node, tables: EmbeddingTable | dict[str, EmbeddingTable],
+                 num_workers: int, *, worker_job: str = WORKER_JOB, consistency: str = "asp",
+                 staleness: int = 0, evict_every: int = 0, checkpoint_dir: str | Path | None = None,
+                 checkpoint_every: int = 0, full_every: int = 4, epoch: int = 0,
+                 rejoin_timeout: float = 30.0, record: bool = False, fsync: bool = True) -> None:
+        if consistency not in CONSISTENCY:
+            raise ValueError(f"consistency must be one of {CONSISTENCY}, not {consistency!r}")
         self.node = node
         self.shard = node.task
-        self.store = store
+        self.tables = tables if isinstance(tables, dict) else {"default": tables}
+        self.names = list(self.tables)
+        self.dims = [self.tables[n].dim for n in self.names]
         self.num_workers = num_workers
         self.worker_job = worker_job
+        self.consistency = consistency
+        self.staleness = 0 if consistency == "bsp" else staleness
         self.evict_every = evict_every
-        self.min_count = min_count
-        self.export_every = export_every
-        self.on_export = on_export
-        self.exported_version = 0
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every = checkpoint_every
+        self.full_every = max(1, full_every)
+        self.epoch = epoch
+        self.rejoin_timeout = rejoin_timeout
+        self.record = record
+        self.fsync = fsync
         self.stats = ShardStats()
+        self.clock = [0] * num_workers        # pushes done (applied or aborted) per worker
+        self.active = set(range(num_workers))
+        self._changed: asyncio.Event | None = None
+        self._bsp: dict[int, dict[int, tuple[list[np.ndarray], list[np.ndarray]] | None]] = {}
+        self._bsp_done: dict[int, asyncio.Future[None]] = {}
+        self._housekept = 0
+        self._saves = 0
 
-    def _edge(self, kind: str, worker: int, step: int) -> rvz.Key:
-        return edge(kind, worker, self.shard, step, self.worker_job)
+    @property
+    def store(self) -> EmbeddingTable:
+        """The first table (the only one in single-table services)."""
+        return self.tables[self.names[0]]
+
+    def _edge(self, kind: str, worker: int, clock: int) -> rvz.Key:
+        return edge(kind, worker, self.shard, clock, self.epoch, self.worker_job)
+
+    # -- life -----------------------------------------------------------------------------------
 
     async def serve(self) -> ShardStats:
-        """Serve until every worker closed both its channels."""
-        loops = []
+        """Greet every worker, then serve until each has left."""
+        self._changed = asyncio.Event()
         for worker in range(self.num_workers):
-            loops.append(self._serve_lookups(worker))
-            loops.append(self._serve_pushes(worker))
-        await run_together(*loops)
+            hello = np.array([self.epoch, *[t.global_step for t in self.tables.values()]], dtype=np.int64)
+            await self.node.send(edge(HELLO, worker, self.shard, self.epoch, 0, self.worker_job), hello)
+        await run_together(*(self._serve_worker(w) for w in range(self.num_workers)))
         return self.stats
 
-    async def _serve_lookups(self, worker: int) -> None:
-        for step in itertools.count():
-            ids = await self.node.recv(self._edge(LOOKUP_IDS, worker, step))
-            if is_end(ids):
+    async def _serve_worker(self, worker: int) -> None:
+        pull_clock = push_clock = 0
+        if self.epoch > 0:
+            # Restarted: until the worker says where its clocks stand, it counts as clock 0
+            # (the consistency bound then holds back the others, never lets them run ahead).
+            pull_clock, push_clock = await self._rejoin(worker)
+            if push_clock < 0:
+                self._lost(worker)
                 return
-            rows = self.store.lookup(self._checked_ids(ids, worker, step))
-            await self.node.send(self._edge(LOOKUP_ROWS, worker, step), rows)
+            self.clock[worker] = push_clock
+            self._wake()
+        await run_together(self._serve_pulls(worker, pull_clock),
+                           self._serve_pushes(worker, push_clock))
+
+    async def _rejoin(self, worker: int) -> tuple[int, int]:
+        """The clocks ``worker`` continues at after this shard restarted ((-1, -1): gone)."""
+        try:
+            msg = await self.node.recv(self._edge(REJOIN, worker, 0), timeout=self.rejoin_timeout)
+        except (TimeoutError, rvz.PeerLost):
+            return -1, -1
+        return int(msg[0]), int(msg[1])
+
+    def _leave(self, worker: int) -> None:
+        self.active.discard(worker)
+        self._wake()
+        for clock in list(self._bsp):
+            self._bsp_maybe_apply(clock)
+
+    def _wake(self) -> None:
+        assert self._changed is not None
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def slowest(self) -> int:
+        return min((self.clock[w] for w in self.active), default=1 << 62)
+
+    # -- pulls ----------------------------------------------------------------------------------
+
+    async def _serve_pulls(self, worker: int, clock: int) -> None:
+        while True:
+            step = step_id(worker, clock)
+            try:
+                msg = await self.node.recv(self._edge(PULL_IDS, worker, clock), step=step)
+            except rvz.Aborted:
+                clock += 1  # the worker cleaned this step up before (or while) pulling
+                continue
+            except rvz.PeerLost:
+                self._lost(worker)
+                return
+            if is_end(msg):
+                return
+            parts = unpack_ids(msg, len(self.names))
+            if self.consistency != "asp":
+                while self.slowest() < clock - self.staleness:
+                    assert self._changed is not None
+                    await self._changed.wait()
+            slowest = self.slowest()
+            self.stats.max_staleness = max(self.stats.max_staleness, clock - min(slowest, clock))
+            if self.record:
+                self.stats.served.append((worker, clock, slowest))
+            rows = [self.tables[name].lookup(ids) for name, ids in zip(self.names, parts, strict=True)]
             self.stats.lookups += 1
-            self.stats.ids_looked_up += len(ids)
-
-    async def _serve_pushes(self, worker: int) -> None:
-        for step in itertools.count():
-            ids = await self.node.recv(self._edge(PUSH_IDS, worker, step))
-            if is_end(ids):
+            self.stats.ids_looked_up += sum(len(p) for p in parts)
+            try:
+                await self.node.send(self._edge(PULL_ROWS, worker, clock), pack_rows(rows), step=step)
+            except rvz.Aborted:
+                pass
+            except rvz.PeerLost:
+                self._lost(worker)
                 return
-            grads = await self.node.recv(self._edge(PUSH_GRADS, worker, step))
-            ids = self._checked_ids(ids, worker, step)
-            if grads.dtype != np.float32 or grads.shape != (len(ids), self.store.dim):
-                raise ValueError(f"shard {self.shard}: worker {worker} step {step} pushed "
-                                 f"{grads.dtype}{list(grads.shape)} gradients for {len(ids)} ids "
-                                 f"of dim {self.store.dim}")
-            self.store.apply_gradients(ids, grads)
-            self.stats.pushes += 1
-            self.stats.ids_pushed += len(ids)
-            self._housekeeping()
-            ack = np.array([self.store.global_step, self.store.version], dtype=np.int64)
-            await self.node.send(self._edge(PUSH_ACK, worker, step), ack)
+            clock += 1
 
-    def _checked_ids(self, ids: Any, worker: int, step: int) -> np.ndarray:
-        if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.ndim != 1:
-            raise ValueError(f"shard {self.shard}: worker {worker} step {step} sent ids that are "
-                             f"not a 1-D int64 array: {type(ids).__name__} "
-                             f"{getattr(ids, 'dtype', '')}{list(getattr(ids, 'shape', []))}")
-        return ids
+    # -- pushes ---------------------------------------------------------------------------------
+
+    async def _serve_pushes(self, worker: int, clock: int) -> None:
+        while True:
+            step = step_id(worker, clock)
+            update: tuple[list[np.ndarray], list[np.ndarray]] | None
+            # Both receives are posted at once: Recv-Driven, the gradients' request then
+            # travels with the ids' one instead of a round trip later. END comes alone.
+            grads_recv = asyncio.ensure_future(
+                self.node.recv(self._edge(PUSH_GRADS, worker, clock), step=step))
+            try:
+                msg = await self.node.recv(self._edge(PUSH_IDS, worker, clock), step=step)
+                if is_end(msg):
+                    await _drop(grads_recv)
+                    self._leave(worker)
+                    return
+                grads = await grads_recv
+                ids = unpack_ids(msg, len(self.names))
+                update = ids, unpack_rows(grads, [len(i) for i in ids], self.dims)
+            except rvz.Aborted:
+                await _drop(grads_recv)
+                update = None  # cleaned up mid-step: an empty push for this clock
+                self.stats.aborted_steps += 1
+            except rvz.PeerLost:
+                await _drop(grads_recv)
+                self._lost(worker)
+                return
+            except BaseException:
+                await _drop(grads_recv)
+                raise
+            if self.consistency == "bsp":
+                await self._bsp_push(worker, clock, update)
+            elif update is not None:
+                for name, ids, grads in zip(self.names, *update, strict=True):
+                    self.tables[name].apply_gradients(ids, grads, create=False)
+            if update is not None:
+                self.stats.pushes += 1
+                self.stats.ids_pushed += sum(len(i) for i in update[0])
+            self.clock[worker] = clock + 1
+            self._wake()
+            self._housekeeping()
+            ack = np.array([t.global_step for t in self.tables.values()], dtype=np.int64)
+            try:
+                await self.node.send(self._edge(PUSH_ACK, worker, clock), ack, step=step)
+            except rvz.Aborted:
+                pass
+            except rvz.PeerLost:
+                self._lost(worker)
+                return
+            clock += 1
+
+    async def _bsp_push(self, worker: int, clock: int,
+                        update: tuple[list[np.ndarray], list[np.ndarray]] | None) -> None:
+        self._bsp.setdefault(clock, {})[worker] = update
+        done = self._bsp_done.get(clock)
+        if done is None:
+            done = self._bsp_done[clock] = asyncio.get_running_loop().create_future()
+        self._bsp_maybe_apply(clock)
+        await done
+
+    def _bsp_maybe_apply(self, clock: int) -> None:
+        pushes = self._bsp.get(clock, {})
+        if not self.active <= set(pushes):
+            return
+        del self._bsp[clock]
+        for t, name in enumerate(self.names):
+            ids = [u[0][t] for w, u in sorted(pushes.items()) if u is not None]
+            grads = [u[1][t] for w, u in sorted(pushes.items()) if u is not None]
+            dim = self.dims[t]
+            self.tables[name].apply_gradients(
+                np.concatenate([np.zeros(0, dtype=np.int64), *ids]),
+                np.concatenate([np.zeros((0, dim), dtype=np.float32), *grads]), create=False)
+        done = self._bsp_done.pop(clock)
+        if not done.done():
+            done.set_result(None)
+
+    def _lost(self, worker: int) -> None:
+        if worker in self.active:
+            self.stats.lost_workers += 1
+        self._leave(worker)
+
+    # -- housekeeping ---------------------------------------------------------------------------
 
     def _housekeeping(self) -> None:
-        step = self.store.global_step
-        if self.evict_every and step % self.evict_every == 0:
-            self.stats.evicted_by_policy += self.store.evict(self.min_count)
-        if self.export_every and step % self.export_every == 0:
-            self.export()
+        slowest = self.slowest()
+        if slowest >= 1 << 62 or slowest <= self._housekept:
+            return
+        previous, self._housekept = self._housekept, slowest
+        if self.evict_every and slowest // self.evict_every > previous // self.evict_every:
+            for table in self.tables.values():
+                self.stats.evicted += len(table.evict())
+        if (self.checkpoint_dir is not None and self.checkpoint_every
+                and slowest // self.checkpoint_every > previous // self.checkpoint_every):
+            self.checkpoint()
 
-    def export(self) -> Export:
-        """Take the incremental export since the previous one (and forget its tombstones)."""
-        exported = self.store.export_since(self.exported_version)
-        self.exported_version = exported.version
-        self.store.forget_deletions(exported.version)
-        self.stats.exports.append((exported.since, exported.version, len(exported.ids),
-                                   len(exported.deleted)))
-        if self.on_export is not None:
-            self.on_export(exported)
-        return exported
+    def checkpoint(self) -> list[str]:
+        """Save every table now (full every ``full_every``-th time, else incremental)."""
+        assert self.checkpoint_dir is not None
+        full = self._saves % self.full_every == 0
+        names = []
+        started = time.perf_counter()
+        for name, table in self.tables.items():
+            names.append(table.save(self.checkpoint_dir / name, incremental=not full, fsync=self.fsync))
+        self._saves += 1
+        self.stats.checkpoints.append(f"{names[0]} ({time.perf_counter() - started:.3f} s)")
+        return names
 
     def summary(self) -> dict[str, Any]:
-        return {"shard": self.shard, **self.store.stats(), **self.store.optimizer.hot_state(),
+        tables = {name: t.stats() for name, t in self.tables.items()}
+        first = tables[self.names[0]]
+        return {"shard": self.shard, "epoch": self.epoch, "live": first["live"],
+                "global_step": first["global_step"], "tables": tables,
                 "lookups": self.stats.lookups, "ids_looked_up": self.stats.ids_looked_up,
                 "pushes": self.stats.pushes, "ids_pushed": self.stats.ids_pushed,
-                "exports": list(self.stats.exports)}
+                "aborted_steps": self.stats.aborted_steps, "lost_workers": self.stats.lost_workers,
+                "checkpoints": list(self.stats.checkpoints), "evicted": self.stats.evicted,
+                "max_staleness": self.stats.max_staleness, "consistency": self.consistency}
+
+
+async def _drop(receive: asyncio.Future[Any]) -> None:
+    """Cancel a pending receive (or collect its outcome) so that nothing is left dangling."""
+    if not receive.done():
+        receive.cancel()
+    await asyncio.gather(receive, return_exceptions=True)
+
+
+def load_tables(root: Path, names: list[str]) -> dict[str, EmbeddingTable]:
+    """The tables a shard saved under ``root`` (one checkpoint directory per table)."""
+    return {name: EmbeddingTable.load(root / name) for name in names}

@@ -18,7 +18,6 @@ import rvz
 
 from .client import PSClient
 from .launch import PSConfig
-from .protocol import WORKER_JOB
 from .sparse import mix64, seeded_uniform
 
 
@@ -47,6 +46,7 @@ class WorkerConfig:
     zipf: float = 1.1
     seed: int = 0
     timeout: float = 30.0
+    restart_timeout: float = 60.0
 
 
 def teacher(ids: np.ndarray, dim: int, seed: int) -> np.ndarray:
@@ -55,40 +55,47 @@ def teacher(ids: np.ndarray, dim: int, seed: int) -> np.ndarray:
 
 
 async def train_worker(client: PSClient, cfg: WorkerConfig) -> dict[str, Any]:
-    """Run ``cfg.steps`` synchronous steps (lookup, gradient, push) against the shards."""
+    """Run ``cfg.steps`` steps (pull, gradient, push) against the shards, on every table
+    of the service (each table its own ids: the same Zipf law, salted by the table)."""
     worker = client.worker
     rng = np.random.default_rng([cfg.seed, worker])
-    sampler = ZipfIds(cfg.vocab, cfg.zipf)
+    samplers = {name: ZipfIds(cfg.vocab, cfg.zipf, salt=t) for t, name in enumerate(client.names)}
     losses = []
     started = time.perf_counter()
-    acks = np.zeros((client.num_shards, 2), dtype=np.int64)
+    acks = np.zeros((client.num_shards, len(client.names)), dtype=np.int64)
     for step in range(cfg.steps):
-        ids = sampler.sample(rng, (cfg.batch, cfg.bag))
-        target = teacher(ids, client.dim, cfg.seed).sum(axis=1)
-        emb = await client.lookup(ids, step)                     # [batch, bag, dim]
-        err = emb.sum(axis=1) - target                           # [batch, dim]
-        losses.append(0.5 * float(np.mean(np.sum(err * err, axis=1))))
-        grads = np.broadcast_to((err / cfg.batch)[:, None, :], emb.shape)
-        acks = await client.push(ids, grads, step)
+        ids = {name: s.sample(rng, (cfg.batch, cfg.bag)) for name, s in samplers.items()}
+        emb = await client.pull(ids, step)                       # name -> [batch, bag, dim]
+        loss = 0.0
+        grads = {}
+        for t, name in enumerate(client.names):
+            dim = client.dims[name]
+            target = teacher(ids[name], dim, cfg.seed + t).sum(axis=1)
+            err = emb[name].sum(axis=1) - target                 # [batch, dim]
+            loss += 0.5 * float(np.mean(np.sum(err * err, axis=1)))
+            grads[name] = np.broadcast_to((err / cfg.batch)[:, None, :], emb[name].shape)
+        losses.append(loss)
+        acks = await client.push_tables(ids, grads, step)
     await client.close()
     seconds = time.perf_counter() - started
     head = max(1, cfg.steps // 10)
     return {"worker": worker, "steps": cfg.steps, "seconds": seconds,
-            "ids_per_s": cfg.steps * cfg.batch * cfg.bag / seconds,
+            "ids_per_s": cfg.steps * cfg.batch * cfg.bag * len(client.names) / seconds,
             "loss_first": float(np.mean(losses[:head])), "loss_last": float(np.mean(losses[-head:])),
-            "acks": acks.tolist()}
+            "acks": acks.tolist(), "restarts": client.restarts}
 
 
-async def run_worker(cluster: dict[str, list[str]], worker: int, ps: PSConfig,
+async def run_worker(cluster: dict[str, Any], worker: int, ps: PSConfig,
                      cfg: WorkerConfig) -> dict[str, Any]:
     num_shards = len(cluster["ps"])
-    async with rvz.Node(cluster, WORKER_JOB, worker, mode=ps.mode) as node:
-        client = PSClient(node, num_shards, ps.dim, timeout=cfg.timeout)
+    async with rvz.Node(cluster, ps.worker_job, worker, mode=ps.mode, **ps.node_options) as node:
+        client = PSClient(node, num_shards, ps.dims(), timeout=cfg.timeout,
+                          restart_timeout=cfg.restart_timeout, worker_job=ps.worker_job)
         return await train_worker(client, cfg)
 
 
-def worker_process(cluster: dict[str, list[str]], worker: int, ps: PSConfig, cfg: WorkerConfig,
+def worker_process(cluster: dict[str, Any], worker: int, ps: PSConfig, cfg: WorkerConfig,
                    results: Any) -> None:
     """Entry point of a demo worker process."""
     summary = rvz.run(run_worker(cluster, worker, ps, cfg), loop=ps.loop)
-    results.put((WORKER_JOB, worker, summary))
+    results.put((ps.worker_job, worker, summary))

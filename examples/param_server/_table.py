@@ -1,0 +1,677 @@
+# cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""The native core of an embedding table: int64 id -> float32 row, vectorised over batches.
+
+Plain typed Python that runs as is; Cython compiles the same file when the project is built,
+with ``_table.pxd`` adding C types and the hot loops as C kernels over raw pointers (the
+compiled module calls those; as Python, the same work is done by loops and numpy here).
+``native.py`` picks the variant.
+
+Layout (``RowTable``):
+
+* an open-addressing index: two parallel arrays, ``keys`` (int64 ids) and ``vals`` (row
+  number + 1; 0 marks an empty slot), linear probing from a home slot picked by SplitMix64
+  of the id scaled to the capacity (multiply-shift, so any capacity works). The index grows
+  by 1.5x when it is 80% full, so it is 53-80% full: 15-22.5 bytes per id.
+* rows live in blocks of ``block_rows`` rows (a power of two, about ``BLOCK_BYTES`` each):
+  a float32 matrix ``[block_rows, width]`` (the embedding and its optimizer slots side by
+  side) and two uint32 per row, ``stamp`` (the step of the last access, for TTL and LRU
+  eviction) and ``mver`` (the table version of the last change, for incremental
+  checkpoints). Row ``r`` is row ``r & (block_rows - 1)`` of block ``r >> block_shift``.
+  Freed rows are reused first.
+
+Growth never stops serving for long. More rows are one more block (allocated lazily by the
+OS, never copied; only a table's first block doubles, up to ``block_rows``). A grown index
+starts empty beside the old one and every call moves a bounded number of old slots over
+(lookups read the new index, then the old one, until the move is over).
+
+Batch lookups prefetch: the home slots of the id ``AHEAD`` positions on, then its row, are
+requested from memory before they are needed, so a batch's cache misses overlap.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import cython
+import numpy as np
+
+MASK64 = 0xFFFFFFFFFFFFFFFF
+GOLDEN = 0x9E3779B97F4A7C15
+MUL1 = 0xBF58476D1CE4E5B9
+MUL2 = 0x94D049BB133111EB
+MIGRATE_MIN = 16384        # old index slots moved per call while the index grows, at least
+PREPARE_MIN = 1 << 20      # bytes of the next index mapped per call ahead of a growth
+BLOCK_BYTES = 8 << 20      # bytes of one row block (rows are a power of two)
+AHEAD = 8                  # how many ids ahead the batch loops prefetch
+
+
+def mix(key):
+    """SplitMix64's finalizer: the 64-bit hash of an id (as an unsigned 64-bit integer)."""
+    x = (key + GOLDEN) & MASK64
+    x = ((x ^ (x >> 30)) * MUL1) & MASK64
+    x = ((x ^ (x >> 27)) * MUL2) & MASK64
+    return x ^ (x >> 31)
+
+
+def home(h, cap):
+    """The home slot of hash ``h`` in an index of ``cap`` slots (cap < 2**32)."""
+    return ((h >> 32) * cap) >> 32
+
+
+def normal_fill(ids, salt, table, scale, out, ncols):
+    """``out[i, :ncols]`` = ``scale`` x normal values of id ``ids[i]``: 16-bit pieces of
+    hashes of (id, salt, column // 4) pick levels of ``table`` (2**16 float32), four per
+    hash (sparse.seeded_normal's values, computed in one pass without temporaries)."""
+    n = ids.shape[0]
+    if n == 0 or ncols == 0:
+        return
+    if cython.compiled:
+        with cython.nogil:
+            _normal_fill(cython.address(ids[0]), n, salt, cython.address(table[0]),  # noqa: F821
+                         scale, cython.address(out[0, 0]), out.shape[1], ncols)
+        return
+    ids_np = np.asarray(ids)
+    words = (ncols + 3) // 4
+    with np.errstate(over="ignore"):
+        base = _mix_np(ids_np.view(np.uint64) ^ np.uint64(salt))
+        bits = _mix_np(base[:, None] + np.arange(words, dtype=np.uint64)[None, :] * np.uint64(GOLDEN))
+    levels = bits.astype("<u8", copy=False).view("<u2").reshape(n, 4 * words)[:, :ncols]
+    np.asarray(out)[:, :ncols] = np.float32(scale) * np.asarray(table).take(levels.astype(np.intp))
+
+
+def _mix_np(x):
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(GOLDEN)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(MUL1)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(MUL2)
+        return x ^ (x >> np.uint64(31))
+
+
+HUGE_PAGE = 2 << 20
+
+
+def zeroed(shape, dtype):
+    """A zero-filled array; a large one is mapped from the OS directly, so its pages cost
+    nothing until first written. Explicitly without transparent huge pages (numpy asks for
+    them on large arrays): mapping one costs milliseconds (the kernel may compact memory to
+    find 2 MiB), and that landed on single batches as stalls."""
+    dtype = np.dtype(dtype)
+    count = 1
+    for extent in (shape if isinstance(shape, tuple) else (shape,)):
+        count *= extent
+    nbytes = count * dtype.itemsize
+    if nbytes < HUGE_PAGE:
+        return np.zeros(shape, dtype=dtype)
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        try:
+            area.madvise(mmap.MADV_NOHUGEPAGE)
+        except OSError:
+            pass  # only a hint
+    return np.frombuffer(area, dtype=dtype, count=count).reshape(shape)
+
+
+def _address(array):
+    return array.__array_interface__["data"][0]
+
+
+class RowTable:
+    """Rows of ``width`` float32 keyed by int64 id; every method works on a batch."""
+
+    def __init__(self, width, capacity=1024):
+        if width <= 0:
+            raise ValueError("width must be positive")
+        self.width = width
+        cap = max(16, (capacity * 5) // 4 + 1)
+        self._keys_arr = zeroed(cap, np.int64)
+        self._vals_arr = zeroed(cap, np.int32)
+        self.keys = self._keys_arr
+        self.vals = self._vals_arr
+        self.capacity = cap
+        self.size = 0
+        self.migrating = False
+        self._okeys_arr = None
+        self._ovals_arr = None
+        self.okeys = None
+        self.ovals = None
+        self.ocap = 0
+        self.opos = 0
+        self._next_keys_arr = None
+        self._next_vals_arr = None
+        self._prepared = 0
+        self._next_block = None
+        self._block_prepared = 0
+        shift = 6
+        while (4 * width) << (shift + 1) <= BLOCK_BYTES and shift < 24:
+            shift += 1
+        self.block_shift = shift
+        self.block_rows = 1 << shift
+        self._data = []
+        self._stamp = []
+        self._mver = []
+        self._bdata_arr = np.zeros(16, dtype=np.uint64)
+        self._bstamp_arr = np.zeros(16, dtype=np.uint64)
+        self._bmver_arr = np.zeros(16, dtype=np.uint64)
+        self.bdata = self._bdata_arr
+        self.bstamp = self._bstamp_arr
+        self.bmver = self._bmver_arr
+        self.nblocks = 0
+        first = 16
+        while first < capacity and first < self.block_rows:
+            first *= 2
+        first = min(first, self.block_rows)
+        self._set_block(0, zeroed((first, width), np.float32), zeroed(first, np.uint32),
+                        zeroed(first, np.uint32))
+        self.row_cap = first
+        self._free_arr = np.zeros(64, dtype=np.int32)
+        self.free = self._free_arr
+        self.nfree = 0
+        self.next_row = 0
+
+    # -- the index ------------------------------------------------------------------------------
+
+    def _find(self, key):
+        """Row of ``key``, -1 if absent (the per-id path; batches use the kernels)."""
+        if cython.compiled:
+            h = _mix(key)  # noqa: F821 - C kernels of _table.pxd
+            r = _probe(cython.address(self.keys[0]), cython.address(self.vals[0]),  # noqa: F821
+                       self.capacity, key, h)
+            if r < 0 and self.migrating:
+                r = _probe(cython.address(self.okeys[0]), cython.address(self.ovals[0]),  # noqa: F821
+                           self.ocap, key, h)
+            return r
+        h = mix(int(key))
+        cap = self.capacity
+        j = home(h, cap)
+        while True:
+            v = self.vals[j]
+            if v == 0:
+                break
+            if self.keys[j] == key:
+                return v - 1
+            j += 1
+            if j == cap:
+                j = 0
+        if self.migrating:
+            cap = self.ocap
+            j = home(h, cap)
+            while True:
+                v = self.ovals[j]
+                if v == 0:
+                    return -1
+                if self.okeys[j] == key:
+                    return v - 1
+                j += 1
+                if j == cap:
+                    j = 0
+        return -1
+
+    def _place_py(self, key, val):
+        """Put ``key`` (known to be absent) in the current index."""
+        if cython.compiled:
+            _place(cython.address(self.keys[0]), cython.address(self.vals[0]),  # noqa: F821
+                   self.capacity, key, val)
+            return
+        cap = self.capacity
+        j = home(mix(int(key)), cap)
+        while self.vals[j] != 0:
+            j += 1
+            if j == cap:
+                j = 0
+        self.keys[j] = key
+        self.vals[j] = val
+
+    def migrate(self, budget):
+        """Move up to ``budget`` slots of the old index into the new one; True when done."""
+        if not self.migrating:
+            return True
+        start = self.opos
+        end = min(start + budget, self.ocap)
+        if cython.compiled:
+            _migrate(cython.address(self.okeys[0]), cython.address(self.ovals[0]),  # noqa: F821
+                     start, end, cython.address(self.keys[0]), cython.address(self.vals[0]),
+                     self.capacity)
+        else:
+            for j in range(start, end):
+                v = self.ovals[j]
+                if v != 0:
+                    key = self.okeys[j]
+                    self._place_py(key, v)
+        self.opos = end
+        if end == self.ocap:
+            self.migrating = False
+            self.okeys = None
+            self.ovals = None
+            self._okeys_arr = None
+            self._ovals_arr = None
+            self.ocap = 0
+            return True
+        return False
+
+    def _prepare_index(self, budget):
+        """From 70% load on, map the next index ahead of its use, ``budget`` bytes per call:
+        the OS zeroes pages when they are first written, and the first slots moved into a
+        new index land all over it, so unprepared, that one call would fault in every page."""
+        if self._next_keys_arr is None:
+            if self.migrating or self.size * 10 < self.capacity * 7:
+                return
+            cap = self.capacity + self.capacity // 2 + 1
+            self._next_keys_arr = zeroed(cap, np.int64)
+            self._next_vals_arr = zeroed(cap, np.int32)
+            self._prepared = 0
+        keys = self._next_keys_arr.view(np.uint8)
+        vals = self._next_vals_arr.view(np.uint8)
+        start = self._prepared
+        if start >= keys.shape[0] + vals.shape[0]:
+            return
+        end = start + budget
+        keys[start:min(end, keys.shape[0]):4096] = 0  # a write maps the page
+        if end > keys.shape[0]:
+            vals[max(0, start - keys.shape[0]):end - keys.shape[0]:4096] = 0
+        self._prepared = end
+
+    def _grow_index(self):
+        if self.migrating:
+            self.migrate(self.ocap)
+        cap = self.capacity + self.capacity // 2 + 1
+        self._okeys_arr = self._keys_arr
+        self._ovals_arr = self._vals_arr
+        self.okeys = self._okeys_arr
+        self.ovals = self._ovals_arr
+        self.ocap = self.capacity
+        self.opos = 0
+        self.migrating = True
+        # Mapped lazily by the OS: a big index costs nothing up front.
+        if self._next_keys_arr is not None and self._next_keys_arr.shape[0] == cap:
+            self._keys_arr, self._vals_arr = self._next_keys_arr, self._next_vals_arr
+        else:
+            self._keys_arr = zeroed(cap, np.int64)
+            self._vals_arr = zeroed(cap, np.int32)
+        self._next_keys_arr = None
+        self._next_vals_arr = None
+        self.keys = self._keys_arr
+        self.vals = self._vals_arr
+        self.capacity = cap
+
+    # -- rows -----------------------------------------------------------------------------------
+
+    def _set_block(self, b, data, stamp, mver):
+        if b == self.nblocks:
+            if b == self._bdata_arr.shape[0]:
+                self._bdata_arr = np.concatenate([self._bdata_arr, np.zeros(b, dtype=np.uint64)])
+                self._bstamp_arr = np.concatenate([self._bstamp_arr, np.zeros(b, dtype=np.uint64)])
+                self._bmver_arr = np.concatenate([self._bmver_arr, np.zeros(b, dtype=np.uint64)])
+                self.bdata = self._bdata_arr
+                self.bstamp = self._bstamp_arr
+                self.bmver = self._bmver_arr
+            self._data.append(data)
+            self._stamp.append(stamp)
+            self._mver.append(mver)
+            self.nblocks += 1
+        else:
+            self._data[b] = data
+            self._stamp[b] = stamp
+            self._mver[b] = mver
+        self.bdata[b] = _address(data)
+        self.bstamp[b] = _address(stamp)
+        self.bmver[b] = _address(mver)
+
+    def _grow_rows(self):
+        rows = self.row_cap
+        if self.nblocks == 1 and rows < self.block_rows:
+            # The first block doubles (a small copy: at most half a block) until it is full.
+            grown = min(2 * rows, self.block_rows)
+            data = zeroed((grown, self.width), np.float32)
+            data[:rows] = self._data[0]
+            stamp = zeroed(grown, np.uint32)
+            stamp[:rows] = self._stamp[0]
+            mver = zeroed(grown, np.uint32)
+            mver[:rows] = self._mver[0]
+            self._set_block(0, data, stamp, mver)
+            self.row_cap = grown
+            return
+        # Nothing is copied: one more block, normally allocated and mapped ahead
+        # (_prepare_rows).
+        if self._next_block is None:
+            self._new_block()
+        b = self.nblocks
+        data, stamp, mver = self._next_block
+        self._set_block(b, data, stamp, mver)
+        self._next_block = None
+        self.row_cap += self.block_rows
+
+    def _new_block(self):
+        self._next_block = (zeroed((self.block_rows, self.width), np.float32),
+                            zeroed(self.block_rows, np.uint32), zeroed(self.block_rows, np.uint32))
+        self._block_prepared = 0
+
+    def _prepare_rows(self, budget):
+        """Once the last block is half used, allocate the next one and have the OS map it,
+        ``budget`` bytes per call, so that no single call pays for mapping a whole block."""
+        if self.row_cap < self.block_rows:
+            return
+        if self._next_block is None:
+            if (self.row_cap - self.next_row) * 2 > self.block_rows:
+                return
+            self._new_block()
+        data = self._next_block[0].reshape(-1).view(np.uint8)
+        start = self._block_prepared
+        if start >= data.shape[0]:
+            return
+        end = min(start + budget, data.shape[0])
+        data[start:end:4096] = 0  # a write maps the page
+        if end == data.shape[0]:
+            self._next_block[1][::1024] = 0
+            self._next_block[2][::1024] = 0
+        self._block_prepared = end
+
+    def _alloc_row(self):
+        if self.nfree > 0:
+            self.nfree -= 1
+            return self.free[self.nfree]
+        if self.next_row == self.row_cap:
+            self._grow_rows()
+        r = self.next_row
+        self.next_row += 1
+        return r
+
+    def background(self, n):
+        """Bounded growth work for a call on ``n`` ids: part of the index move, or part of
+        the next index mapped ahead."""
+        if self.migrating:
+            self.migrate(max(MIGRATE_MIN, 4 * n))
+        else:
+            self._prepare_index(max(PREPARE_MIN, 64 * n))
+        self._prepare_rows(max(PREPARE_MIN, 8 * self.width * n))
+
+    def finish(self):
+        """Complete any growth in progress (before a full scan or a removal)."""
+        if self.migrating:
+            self.migrate(self.ocap)
+
+    # -- batch operations -----------------------------------------------------------------------
+
+    def lookup(self, ids, out, rows, step, stamp=True):
+        """Row numbers of ``ids`` into ``rows`` (-1: absent) and their first ``out.shape[1]``
+        columns into ``out`` (zeros when absent); with ``stamp``, found rows are stamped as
+        accessed at ``step``. Returns how many ids were absent."""
+        n = ids.shape[0]
+        if n == 0:
+            return 0
+        if cython.compiled:
+            with cython.nogil:
+                found = _lookup_batch(  # noqa: F821
+                    cython.address(ids[0]), n, cython.address(rows[0]),
+                    cython.address(self.keys[0]), cython.address(self.vals[0]), self.capacity,
+                    cython.address(self.okeys[0]) if self.migrating else cython.NULL,
+                    cython.address(self.ovals[0]) if self.migrating else cython.NULL, self.ocap,
+                    cython.address(out[0, 0]), out.shape[1], cython.address(self.bdata[0]),
+                    cython.address(self.bstamp[0]), self.block_shift, self.width, stamp, step)
+        else:
+            found = self.find(ids, rows)
+            self._gather_py(rows, out, 0, stamp, step)
+        if self.migrating:
+            self.background(n)
+        return n - found
+
+    def find(self, ids, rows):
+        """Row numbers of ``ids`` into ``rows`` (-1: absent); returns how many were found."""
+        n = ids.shape[0]
+        if n == 0:
+            return 0
+        if cython.compiled:
+            with cython.nogil:
+                found = _find_batch(  # noqa: F821
+                    cython.address(ids[0]), n, cython.address(rows[0]),
+                    cython.address(self.keys[0]), cython.address(self.vals[0]), self.capacity,
+                    cython.address(self.okeys[0]) if self.migrating else cython.NULL,
+                    cython.address(self.ovals[0]) if self.migrating else cython.NULL, self.ocap)
+            return found
+        found = 0
+        for i in range(n):
+            r = self._find(int(ids[i]))
+            rows[i] = r
+            if r >= 0:
+                found += 1
+        return found
+
+    def insert(self, ids, rows, version):
+        """Give each id of ``ids`` (absent and unique: the caller checked) a row; the row
+        numbers go to ``rows``. Row contents are left for the caller to set."""
+        n = ids.shape[0]
+        for i in range(n):
+            if (self.size + 1) * 5 > self.capacity * 4:
+                self._grow_index()
+            r = self._alloc_row()
+            key = ids[i]
+            self._place_py(key, r + 1)
+            self.size += 1
+            rows[i] = r
+        self._meta_set(rows, version, 1)
+        self._meta_set(rows, 0, 0)
+        self.background(n)
+        return n
+
+    def _gather_py(self, rows, out, col0, stamp, step):
+        n = rows.shape[0]
+        if n == 0:
+            return
+        if cython.compiled:
+            with cython.nogil:
+                _gather(cython.address(rows[0]), n, cython.address(out[0, 0]),  # noqa: F821
+                        out.shape[1], cython.address(self.bdata[0]),
+                        cython.address(self.bstamp[0]), self.block_shift, self.width, col0,
+                        stamp, step)
+            return
+        rows_np = np.asarray(rows)
+        out_np = np.asarray(out)
+        ncols = out_np.shape[1]
+        out_np[rows_np < 0] = 0.0
+        blocks = rows_np >> self.block_shift
+        offsets = rows_np & (self.block_rows - 1)
+        for b in np.unique(blocks[rows_np >= 0]).tolist():
+            sel = (blocks == b) & (rows_np >= 0)
+            out_np[sel] = self._data[b][offsets[sel], col0:col0 + ncols]
+            if stamp:
+                self._stamp[b][offsets[sel]] = step
+
+    def gather(self, rows, out, col0):
+        """``out[i] = row rows[i], columns col0 .. col0 + out.shape[1]`` (zeros for -1)."""
+        self._gather_py(rows, out, col0, False, 0)
+
+    def scatter(self, rows, values, col0, version):
+        """Row ``rows[i]``, columns from ``col0``, ``= values[i]`` (rows of -1 are skipped);
+        marks the rows changed at ``version``."""
+        n = rows.shape[0]
+        if n == 0:
+            return
+        if cython.compiled:
+            with cython.nogil:
+                _scatter(cython.address(rows[0]), n, cython.address(values[0, 0]),  # noqa: F821
+                         values.shape[1], cython.address(self.bdata[0]),
+                         cython.address(self.bmver[0]), self.block_shift, self.width, col0,
+                         version)
+            return
+        rows_np = np.asarray(rows)
+        values_np = np.asarray(values)
+        ncols = values_np.shape[1]
+        blocks = rows_np >> self.block_shift
+        offsets = rows_np & (self.block_rows - 1)
+        for b in np.unique(blocks[rows_np >= 0]).tolist():
+            sel = (blocks == b) & (rows_np >= 0)
+            self._data[b][offsets[sel], col0:col0 + ncols] = values_np[sel]
+            self._mver[b][offsets[sel]] = version
+
+    def _meta_py(self, rows, values, value, which, read):
+        rows_np = np.asarray(rows)
+        blocks = rows_np >> self.block_shift
+        offsets = rows_np & (self.block_rows - 1)
+        meta = self._stamp if which == 0 else self._mver
+        if read:
+            values[rows_np < 0] = 0
+        for b in np.unique(blocks[rows_np >= 0]).tolist():
+            sel = (blocks == b) & (rows_np >= 0)
+            if read:
+                values[sel] = meta[b][offsets[sel]]
+            elif values is None:
+                meta[b][offsets[sel]] = value
+            else:
+                meta[b][offsets[sel]] = values[sel]
+
+    def _meta_set(self, rows, value, which):
+        """Stamps (``which`` 0) or versions (1) of ``rows`` (-1 skipped) = ``value``."""
+        n = rows.shape[0]
+        if n == 0:
+            return
+        if cython.compiled:
+            with cython.nogil:
+                _meta_set(cython.address(rows[0]), n, cython.NULL, value,  # noqa: F821
+                          cython.address(self.bstamp[0]) if which == 0 else cython.address(self.bmver[0]),
+                          self.block_shift)
+            return
+        self._meta_py(rows, None, value, which, False)
+
+    def touch(self, rows, step):
+        """Stamp ``rows`` (-1 skipped) as accessed at ``step``."""
+        self._meta_set(rows, step, 0)
+
+    def restamp(self, rows, stamps):
+        """``stamp[rows[i]] = stamps[i]`` (restoring a checkpoint)."""
+        n = rows.shape[0]
+        if n == 0:
+            return
+        if cython.compiled:
+            with cython.nogil:
+                _meta_set(cython.address(rows[0]), n, cython.address(stamps[0]), 0,  # noqa: F821
+                          cython.address(self.bstamp[0]), self.block_shift)
+            return
+        self._meta_py(rows, np.asarray(stamps), 0, 0, False)
+
+    def get_stamps(self, rows, out):
+        """``out[i]`` = the access stamp of row ``rows[i]`` (0 for -1)."""
+        n = rows.shape[0]
+        if n == 0:
+            return
+        if cython.compiled:
+            with cython.nogil:
+                _meta_get(cython.address(rows[0]), n, cython.address(out[0]),  # noqa: F821
+                          cython.address(self.bstamp[0]), self.block_shift)
+            return
+        self._meta_py(rows, np.asarray(out), 0, 0, True)
+
+    def get_mvers(self, rows, out):
+        """``out[i]`` = the version row ``rows[i]`` last changed at (0 for -1)."""
+        n = rows.shape[0]
+        if n == 0:
+            return
+        if cython.compiled:
+            with cython.nogil:
+                _meta_get(cython.address(rows[0]), n, cython.address(out[0]),  # noqa: F821
+                          cython.address(self.bmver[0]), self.block_shift)
+            return
+        self._meta_py(rows, np.asarray(out), 0, 1, True)
+
+    def remove(self, ids):
+        """Delete the rows of ``ids`` (absent ids are ignored); returns how many went."""
+        self.finish()
+        n = ids.shape[0]
+        removed = 0
+        cap = self.capacity
+        for i in range(n):
+            key = ids[i]
+            if cython.compiled:
+                j = _home(_mix(key), cap)  # noqa: F821
+            else:
+                j = home(mix(int(key)), cap)
+            while True:
+                v = self.vals[j]
+                if v == 0:
+                    break
+                if self.keys[j] == key:
+                    break
+                j += 1
+                if j == cap:
+                    j = 0
+            if v == 0:
+                continue
+            self._push_free(v - 1)
+            self.size -= 1
+            removed += 1
+            # Backward-shift deletion: pull later entries of the run into the hole when their
+            # home slot allows it, so probing never needs tombstones.
+            hole = j
+            while True:
+                j += 1
+                if j == cap:
+                    j = 0
+                v = self.vals[j]
+                if v == 0:
+                    break
+                if cython.compiled:
+                    h = _home(_mix(self.keys[j]), cap)  # noqa: F821
+                else:
+                    h = home(mix(int(self.keys[j])), cap)
+                if hole <= j:
+                    movable = h <= hole or h > j
+                else:
+                    movable = h <= hole and h > j
+                if movable:
+                    self.keys[hole] = self.keys[j]
+                    self.vals[hole] = v
+                    hole = j
+            self.vals[hole] = 0
+        return removed
+
+    def _push_free(self, r):
+        if self.nfree == self.free.shape[0]:
+            grown = np.zeros(2 * self.nfree, dtype=np.int32)
+            grown[:self.nfree] = self._free_arr
+            self._free_arr = grown
+            self.free = grown
+        self.free[self.nfree] = r
+        self.nfree += 1
+
+    def items(self, ids, rows):
+        """Every live (id, row number) into ``ids`` and ``rows`` (len >= size); returns size."""
+        self.finish()
+        if not cython.compiled:
+            live = np.flatnonzero(self._vals_arr)
+            ids[:len(live)] = self._keys_arr[live]
+            rows[:len(live)] = self._vals_arr[live] - 1
+            return len(live)
+        cap = self.capacity
+        n = 0
+        for j in range(cap):
+            v = self.vals[j]
+            if v != 0:
+                ids[n] = self.keys[j]
+                rows[n] = v - 1
+                n += 1
+        return n
+
+    # -- whole-table views (numpy, for checkpoints) ---------------------------------------------
+
+    def blocks(self):
+        """The row matrices of rows ``0 .. next_row`` (in use or free), block by block."""
+        out = []
+        left = self.next_row
+        for b in range(self.nblocks):
+            if left <= 0:
+                break
+            data = self._data[b]
+            out.append(data[:min(left, data.shape[0])])
+            left -= data.shape[0]
+        return out
+
+    def index_bytes(self):
+        """Bytes of the index and per-row metadata (not the rows themselves)."""
+        total = self._keys_arr.nbytes + self._vals_arr.nbytes + self._free_arr.nbytes
+        total += 8 * self.row_cap  # stamp and mver
+        total += 3 * self._bdata_arr.nbytes
+        if self.migrating:
+            total += self._okeys_arr.nbytes + self._ovals_arr.nbytes
+        if self._next_keys_arr is not None:
+            total += min(self._prepared, self._next_keys_arr.nbytes + self._next_vals_arr.nbytes)
+        if self._next_block is not None:
+            total += 8 * self.block_rows
+        return total

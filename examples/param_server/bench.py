@@ -1,0 +1,290 @@
+"""``python -m examples.param_server bench``: the PS's figures, each next to a baseline
+measured in the same run.
+
+* ``table``: warm lookups of 1M ids (dim 64, Adam rows) in batches of 4096 (evaluation
+  reads, and training reads that stamp rows), against a dict of numpy rows on the same ids;
+  the longest single batch while the table grows from 1M to 2M rows (new ids through
+  ``lookup(create=True)``); index bytes per id.
+* ``checkpoint``: a full save of those 1M rows (embedding and Adam slots, flushed to disk),
+  against one plain write + fsync of as many bytes.
+* ``pull`` / ``push``: 4096 unique ids x 64 float32 through 2 shard processes, against a raw
+  blocking socket to another process that answers 4096 int64 with the same 1 MiB, and
+  against the same exchange in bare rvz (shards that only answer: the PS's floor).
+
+Each of issue 9's targets is printed as met or not, with the machine's load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import rvz
+
+from .client import PSClient
+from .launch import Processes, PSConfig, local_cluster, start_shards
+from .native import implementation
+from .optimizers import Adam
+from .protocol import PS_JOB, PULL_IDS, PULL_ROWS, WORKER_JOB, edge
+from .table import EmbeddingTable
+
+
+def table_figures(n: int, dim: int, batch: int, rounds: int) -> tuple[dict[str, Any], EmbeddingTable]:
+    rng = np.random.default_rng(0)
+    ids = np.unique(rng.integers(0, 1 << 62, int(n * 1.01)))[:n]
+    rng.shuffle(ids)
+    table = EmbeddingTable(dim, Adam(), "normal")
+    for start in range(0, n, batch):
+        table.lookup(ids[start:start + batch])
+    table._core.finish()  # warm: no index growth left half done by the fill
+    batches = [rng.choice(ids, batch) for _ in range(rounds)]
+    for b in batches[:5]:
+        table.lookup(b)
+    started = time.perf_counter()
+    for b in batches:
+        table.lookup(b, create=False)
+    lookups = rounds * batch / (time.perf_counter() - started)
+    started = time.perf_counter()
+    for b in batches:
+        table.lookup(b)  # the training read: every id present, rows stamped for TTL/LRU
+    train_lookups = rounds * batch / (time.perf_counter() - started)
+    rows = dict(zip(ids.tolist(), table.lookup(ids, create=False), strict=True))  # dict of rows
+    started = time.perf_counter()
+    for b in batches:
+        np.stack([rows[i] for i in b.tolist()])
+    dict_lookups = rounds * batch / (time.perf_counter() - started)
+    del rows
+    return {"ids": n, "dim": dim, "batch": batch, "implementation": implementation(),
+            "lookups_per_s": lookups, "train_lookups_per_s": train_lookups,
+            "dict_lookups_per_s": dict_lookups,
+            "speedup_vs_dict": lookups / dict_lookups,
+            "overhead_bytes_per_id": table.memory_overhead_per_id()}, table
+
+
+def growth_figures(table: EmbeddingTable, n: int, batch: int) -> dict[str, Any]:
+    rng = np.random.default_rng(1)
+    fresh = (np.unique(rng.integers(0, 1 << 62, int(n * 1.01)))[:n]) | np.int64(1 << 62)
+    stalls = []
+    for start in range(0, n, batch):
+        t0 = time.perf_counter()
+        table.lookup(fresh[start:start + batch])
+        stalls.append(time.perf_counter() - t0)
+    return {"rows_after": len(table), "max_stall_ms": 1e3 * max(stalls),
+            "p50_batch_ms": 1e3 * float(np.median(stalls)),
+            "overhead_bytes_per_id_after": table.memory_overhead_per_id()}
+
+
+def _disk_write(path: Path, nbytes: int) -> float:
+    """Seconds for one plain write of ``nbytes`` and one fsync: what the disk can do."""
+    data = np.ones(nbytes, dtype=np.uint8)
+    started = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        view = memoryview(data)
+        done = 0
+        while done < nbytes:
+            done += f.write(view[done:])
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - started
+    path.unlink()
+    return seconds
+
+
+def checkpoint_figures(table: EmbeddingTable) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix="ps-bench-"))
+    try:
+        started = time.perf_counter()
+        table.save(root / "t")
+        seconds = time.perf_counter() - started
+        nbytes = sum(f.stat().st_size for f in (root / "t").rglob("*") if f.is_file())
+        disk = _disk_write(root / "plain", nbytes)
+        return {"rows": len(table), "bytes": nbytes, "seconds": seconds,
+                "write_gb_per_s": nbytes / seconds / 1e9,
+                "disk_gb_per_s": nbytes / disk / 1e9, "ratio_to_disk": disk / seconds}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _echo_server(port_q: Any, nbytes: int, request: int) -> None:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    reply = bytes(nbytes)
+    buf = bytearray(request)
+    while True:
+        view, got = memoryview(buf), 0
+        while got < request:
+            k = conn.recv_into(view[got:])
+            if k == 0:
+                return
+            got += k
+        conn.sendall(reply)
+
+
+def socket_figures(nbytes: int, request: int, rounds: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_echo_server, args=(q, nbytes, request), daemon=True)
+    proc.start()
+    try:
+        sock = socket.create_connection(("127.0.0.1", q.get(timeout=30)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        out, buf = bytes(request), bytearray(nbytes)
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            sock.sendall(out)
+            view, got = memoryview(buf), 0
+            while got < nbytes:
+                got += sock.recv_into(view[got:])
+            times.append(time.perf_counter() - t0)
+        sock.close()
+        return {"socket_ms_p50": 1e3 * float(np.median(times[5:]))}
+    finally:
+        proc.kill()
+        proc.join(5)
+
+
+def _floor_shard(cluster: dict[str, Any], shard: int, rows: int, dim: int, rounds: int,
+                 loop: str) -> None:
+    async def serve() -> None:
+        async with rvz.Node(cluster, PS_JOB, shard, mode="recv") as node:
+            reply = np.zeros((rows, dim), dtype=np.float32)
+            for clock in range(rounds):
+                await node.recv(edge(PULL_IDS, 0, shard, clock))
+                await node.send(edge(PULL_ROWS, 0, shard, clock), reply)
+            await node.recv(edge(PULL_IDS, 0, shard, rounds))  # the worker is done
+
+    rvz.run(serve(), loop=loop)
+
+
+async def _floor_worker(cluster: dict[str, Any], shards: int, rows: int, rounds: int) -> float:
+    async with rvz.Node(cluster, WORKER_JOB, 0, mode="recv") as node:
+        ids = np.arange(rows, dtype=np.int64)
+        times = []
+        for clock in range(rounds):
+            t0 = time.perf_counter()
+            await node.send_many([(edge(PULL_IDS, 0, s, clock), ids) for s in range(shards)])
+            await node.recv_many([edge(PULL_ROWS, 0, s, clock) for s in range(shards)])
+            times.append(time.perf_counter() - t0)
+        await node.send_many([(edge(PULL_IDS, 0, s, rounds), ids[:1]) for s in range(shards)])
+        await asyncio.sleep(0.2)
+    return 1e3 * float(np.median(times[5:]))
+
+
+def rvz_floor(shards: int, n: int, dim: int, rounds: int, loop: str) -> float:
+    """The same exchange with bare rvz (ids out, ``n / shards`` rows back from each of
+    ``shards`` processes that only answer): the floor under the PS's pull, in ms p50."""
+    cluster = local_cluster(shards, 1)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_floor_shard, args=(cluster, s, n // shards, dim, rounds, loop),
+                         daemon=True) for s in range(shards)]
+    for proc in procs:
+        proc.start()
+    try:
+        return rvz.run(_floor_worker(cluster, shards, n // shards, rounds), loop=loop)
+    finally:
+        for proc in procs:
+            proc.join(5)
+            proc.kill()
+
+
+async def _pull_push(cluster: dict[str, Any], dim: int, n: int, rounds: int) -> dict[str, Any]:
+    async with rvz.Node(cluster, WORKER_JOB, 0, mode="recv") as node:
+        client = PSClient(node, len(cluster["ps"]), dim)
+        rng = np.random.default_rng(2)
+        ids = np.unique(rng.integers(0, 1 << 62, n + 64))[:n]
+        grads = rng.standard_normal((n, dim)).astype(np.float32)
+        pulls, pushes = [], []
+        for step in range(rounds):
+            t0 = time.perf_counter()
+            await client.lookup_unique(ids, step)
+            t1 = time.perf_counter()
+            await client.push_unique(ids, grads, step)
+            pulls.append(t1 - t0)
+            pushes.append(time.perf_counter() - t1)
+        await client.close()
+    return {"ids": n, "dim": dim, "shards": len(cluster["ps"]), "batch_api": hasattr(rvz.Node, "send_many"),
+            "ms_p50": 1e3 * float(np.median(pulls[5:])), "push_ms_p50": 1e3 * float(np.median(pushes[5:]))}
+
+
+def targets(figures: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Issue 9's targets against this run's figures."""
+    table, pull, ckpt = figures["table"], figures["pull"], figures["checkpoint"]
+    rows = [("table.lookups_per_s", table["lookups_per_s"], ">=", 20e6),
+            ("table.speedup_vs_dict", table["speedup_vs_dict"], ">=", 10.0),
+            ("table.max_stall_ms", table["max_stall_ms"], "<=", 10.0),
+            ("pull.ratio_to_socket", pull["ratio_to_socket"], "<=", 2.0),
+            ("checkpoint.write_gb_per_s", ckpt["write_gb_per_s"], ">=", 0.5)]
+    return {name: {"value": value, "op": op, "bound": bound,
+                   "met": bool(value >= bound if op == ">=" else value <= bound)}
+            for name, value, op, bound in rows}
+
+
+def main(args: argparse.Namespace) -> int:
+    quick = args.quick
+    n = 20_000 if quick else 1_000_000
+    dim, batch = 64, 4096
+    print(f"param_server bench: table core {implementation()}, rvz {rvz.implementation()}", flush=True)
+    figures: dict[str, Any] = {}
+    table, table_obj = table_figures(n, dim, batch, 20 if quick else 200)
+    figures["table"] = table
+    print(f"table: {table['lookups_per_s'] / 1e6:.1f}M lookups/s (training reads "
+          f"{table['train_lookups_per_s'] / 1e6:.1f}M/s) vs dict "
+          f"{table['dict_lookups_per_s'] / 1e6:.2f}M/s ({table['speedup_vs_dict']:.1f}x); "
+          f"{table['overhead_bytes_per_id']:.1f} B/id beyond the row", flush=True)
+    figures["checkpoint"] = checkpoint_figures(table_obj)
+    c = figures["checkpoint"]
+    print(f"checkpoint: {c['bytes'] / 1e6:.0f} MB in {c['seconds']:.2f} s = "
+          f"{c['write_gb_per_s']:.2f} GB/s (a plain write + fsync of as many bytes: "
+          f"{c['disk_gb_per_s']:.2f} GB/s; ratio {c['ratio_to_disk']:.2f})", flush=True)
+    growth = growth_figures(table_obj, n, batch)
+    table["max_stall_ms"] = growth["max_stall_ms"]
+    table["growth"] = growth
+    print(f"growth {n}->{growth['rows_after']} rows: longest batch {growth['max_stall_ms']:.1f} ms "
+          f"(median {growth['p50_batch_ms']:.1f} ms)", flush=True)
+    del table_obj
+    cfg = PSConfig(dim=dim, optimizer="adagrad", num_workers=1, mode="recv", loop=args.loop)
+    cluster = local_cluster(2, 1)
+    rounds = 20 if quick else 200
+    with Processes() as procs:
+        start_shards(procs, cluster, cfg)
+        pp = rvz.run(_pull_push(cluster, dim, batch, rounds), loop=args.loop)
+        procs.wait(60)
+    sock = socket_figures(batch * dim * 4, batch * 8, rounds)
+    floor = rvz_floor(2, batch, dim, rounds, args.loop)
+    figures["pull"] = {"ms_p50": pp["ms_p50"], "socket_ms_p50": sock["socket_ms_p50"],
+                       "ratio_to_socket": pp["ms_p50"] / sock["socket_ms_p50"],
+                       "rvz_floor_ms_p50": floor, "rvz_floor_ratio_to_socket": floor / sock["socket_ms_p50"],
+                       "ids": batch, "dim": dim, "shards": 2, "batch_api": pp["batch_api"]}
+    figures["push"] = {"ms_p50": pp["push_ms_p50"],
+                       "ratio_to_socket": pp["push_ms_p50"] / sock["socket_ms_p50"]}
+    print(f"pull 4096x{dim} via 2 shards: {pp['ms_p50']:.2f} ms p50 vs raw socket "
+          f"{sock['socket_ms_p50']:.2f} ms "
+          f"({figures['pull']['ratio_to_socket']:.1f}x; bare rvz, same exchange: {floor:.2f} ms = "
+          f"{figures['pull']['rvz_floor_ratio_to_socket']:.1f}x); push {pp['push_ms_p50']:.2f} ms p50",
+          flush=True)
+    figures["targets"] = targets(figures)
+    for name, t in figures["targets"].items():
+        print(f"target {name}: {t['value']:.3g} {t['op']} {t['bound']:.3g}: "
+              f"{'met' if t['met'] else 'NOT met'}", flush=True)
+    figures["load_average"] = os.getloadavg()
+    print(f"load average (1, 5, 15 min): {figures['load_average']} on {os.cpu_count()} CPUs", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0
+
+

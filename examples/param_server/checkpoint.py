@@ -1,0 +1,170 @@
+"""Checkpoint directories: atomic entries, a manifest, and checksums.
+
+A checkpoint directory holds a chain of entries: one full entry, then incremental ones,
+each a subdirectory ``NNNNNN-full`` or ``NNNNNN-incr``. An entry is written under a
+temporary name, its files flushed to disk, then renamed into place; ``MANIFEST.json`` (the
+chain, and every file's size and CRC-32) is replaced the same way, last. A crash at any
+moment leaves the previous manifest and the entries it names intact; a reader verifies
+every checksum before using a byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MANIFEST = "MANIFEST.json"
+FORMAT = "rvz-param-server-checkpoint/1"
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing, incomplete or corrupt."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_CRC = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-crc")
+_CRC_THREAD_MIN = 1 << 20  # smaller files: checksum inline
+
+
+def _crc32(views: list[memoryview]) -> int:
+    crc = 0
+    for view in views:
+        crc = zlib.crc32(view, crc)
+    return crc
+
+
+def _write_all(f: Any, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        done += f.write(view[done:])
+
+
+class EntryWriter:
+    """Writes the files of one entry into a temporary directory; ``commit`` publishes it."""
+
+    def __init__(self, root: Path, kind: str, *, fsync: bool = True) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        manifest = read_manifest(self.root, missing_ok=True)
+        self.seq = (manifest["seq"] + 1) if manifest else 1
+        self.kind = kind
+        self.name = f"{self.seq:06d}-{kind}"
+        self.tmp = self.root / f".tmp-{self.name}-{os.getpid()}"
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir()
+        self.fsync = fsync
+        self.files: dict[str, dict[str, Any]] = {}
+        self.manifest = manifest
+
+    def array(self, name: str, array: np.ndarray) -> None:
+        """Write ``array`` raw (C order) as ``name``; dtype and shape go to the manifest."""
+        array = np.ascontiguousarray(array)
+        self.arrays(name, [array], array.shape, array.dtype)
+
+    def arrays(self, name: str, parts: list[np.ndarray], shape: tuple[int, ...],
+               dtype: Any = None) -> None:
+        """Write ``parts`` (C-order arrays of one dtype) back to back as one array ``name``
+        of ``shape``: one large write per part, no per-row work. The CRC-32 is computed by a
+        helper thread while the parts are written (both release the GIL), and the file is
+        flushed to disk once, at the end."""
+        dtype = np.dtype(dtype if dtype is not None else (parts[0].dtype if parts else np.float32))
+        views = [memoryview(np.ascontiguousarray(p, dtype=dtype)).cast("B") for p in parts if p.size]
+        nbytes = sum(len(v) for v in views)
+        if nbytes != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            raise ValueError(f"{name}: {nbytes} bytes do not make an array of {tuple(shape)} {dtype}")
+        with open(self.tmp / name, "wb", buffering=0) as f:
+            crc = _CRC.submit(_crc32, views) if nbytes >= _CRC_THREAD_MIN else None
+            for view in views:
+                _write_all(f, view)
+            if self.fsync:
+                os.fsync(f.fileno())
+            checksum = crc.result() if crc is not None else _crc32(views)
+        self.files[name] = {"bytes": nbytes, "crc32": checksum, "dtype": dtype.str,
+                            "shape": list(shape)}
+
+    def json(self, name: str, value: Any) -> None:
+        data = json.dumps(value, sort_keys=True).encode()
+        with open(self.tmp / name, "wb") as f:
+            f.write(data)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        self.files[name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+
+    def commit(self, meta: dict[str, Any], *, keep_previous: bool = False) -> str:
+        """Publish the entry and the new manifest; drop entries no chain needs any more."""
+        final = self.root / self.name
+        os.rename(self.tmp, final)
+        if self.fsync:
+            _fsync_dir(self.root)
+        chain = [self.name] if self.kind == "full" else [*(self.manifest or {}).get("chain", []), self.name]
+        if self.kind != "full" and not self.manifest:
+            raise CheckpointError("an incremental checkpoint needs a full one before it")
+        entries = dict((self.manifest or {}).get("entries", {}))
+        entries[self.name] = {"kind": self.kind, "files": self.files, "meta": meta}
+        entries = {name: entries[name] for name in chain}
+        manifest = {"format": FORMAT, "seq": self.seq, "chain": chain, "entries": entries}
+        tmp = self.root / f".tmp-{MANIFEST}-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(manifest, f, sort_keys=True)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, self.root / MANIFEST)
+        if self.fsync:
+            _fsync_dir(self.root)
+        if not keep_previous:
+            for path in self.root.iterdir():
+                if path.is_dir() and path.name not in chain:
+                    shutil.rmtree(path, ignore_errors=True)
+        return self.name
+
+
+def read_manifest(root: Path, *, missing_ok: bool = False) -> dict[str, Any] | None:
+    path = Path(root) / MANIFEST
+    if not path.exists():
+        if missing_ok:
+            return None
+        raise CheckpointError(f"no checkpoint in {root} (no {MANIFEST})")
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: unknown format {manifest.get('format')!r}")
+    return manifest  # type: ignore[no-any-return]
+
+
+def read_file(root: Path, entry: str, name: str, info: dict[str, Any]) -> bytes:
+    data = (Path(root) / entry / name).read_bytes()
+    if len(data) != info["bytes"] or zlib.crc32(data) != info["crc32"]:
+        raise CheckpointError(f"{root}/{entry}/{name}: size or checksum mismatch (corrupt)")
+    return data
+
+
+def read_array(root: Path, entry: str, name: str, info: dict[str, Any]) -> np.ndarray:
+    data = read_file(root, entry, name, info)
+    return np.frombuffer(data, dtype=np.dtype(info["dtype"])).reshape(info["shape"]).copy()
+
+
+def read_json(root: Path, entry: str, name: str, info: dict[str, Any]) -> Any:
+    return json.loads(read_file(root, entry, name, info))
+
+
+def has_checkpoint(root: Path) -> bool:
+    return (Path(root) / MANIFEST).exists()

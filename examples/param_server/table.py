@@ -1,0 +1,455 @@
+"""``EmbeddingTable``: sparse rows keyed by int64 id, with their optimizer, admission,
+eviction and checkpoints.
+
+The rows live in the native core (``_table.RowTable``, see native.py): one float32 row per
+id holds the embedding and the optimizer's slots. This module adds what is policy:
+
+* creation: ``lookup(ids, create=True)`` creates the rows of new ids from the initializer
+  (``"zeros"``, ``"normal"``: N(0, ``init_std``) seeded per (seed, id), or a callable
+  ``f(ids, dim) -> [len(ids), dim]``), subject to admission; ``create=False`` (evaluation)
+  never creates a row, returns zeros for absent ids and does not count as an access.
+* admission: ``MinCount(n)`` admits an id once it was looked up ``n`` times (the counts of
+  ids not admitted yet are kept, and saved); ``Probability(p)`` admits each lookup of a new
+  id with probability ``p``, drawn from a hash of (seed, id, global step), so replaying from
+  a checkpoint draws the same. Ids not admitted read as zeros and get no updates.
+* updates: ``apply_gradients`` sums duplicate ids, then runs one optimizer step on the rows
+  present; the global step counts these calls.
+* eviction: ``evict(ttl=..., max_rows=...)`` drops rows not accessed for more than ``ttl``
+  steps, then the least recently used beyond ``max_rows`` (ties broken by id, so the choice
+  is deterministic).
+* checkpoints: ``save(path)`` (full) and ``save(path, incremental=True)`` (rows changed or
+  accessed, and ids deleted, since the previous save), see checkpoint.py; ``load(path)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import checkpoint as ckpt
+from .native import RowTable, normal_fill
+from .optimizers import SGD, SparseOptimizer, from_config
+from .sparse import mix64, normal_levels, normal_salt
+
+Initializer = Callable[[np.ndarray, int], np.ndarray]
+
+
+@dataclass(frozen=True)
+class MinCount:
+    """Admit an id once it has been looked up ``count`` times."""
+
+    count: int
+
+    def config(self) -> dict[str, Any]:
+        return {"kind": "min_count", "count": self.count}
+
+
+@dataclass(frozen=True)
+class Probability:
+    """Admit each lookup of a new id with probability ``p``."""
+
+    p: float
+
+    def config(self) -> dict[str, Any]:
+        return {"kind": "probability", "p": self.p}
+
+
+def admission_from_config(config: dict[str, Any] | None) -> MinCount | Probability | None:
+    if config is None:
+        return None
+    if config["kind"] == "min_count":
+        return MinCount(int(config["count"]))
+    return Probability(float(config["p"]))
+
+
+def as_ids(ids: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
+
+
+_PROB_SALT = np.uint64(0xA0761D6478BD642F)
+
+
+class EmbeddingTable:
+    """Rows of ``dim`` float32 (plus the optimizer's slots) for int64 ids; see the module doc."""
+
+    def __init__(self, dim: int, optimizer: SparseOptimizer | None = None,
+                 initializer: str | Initializer = "normal", seed: int = 0, *,
+                 init_std: float = 0.01, admission: MinCount | Probability | None = None,
+                 ttl: int | None = None, max_rows: int | None = None,
+                 capacity: int = 1024) -> None:
+        if dim <= 0:
+            raise ValueError("dim must be positive")
+        if isinstance(initializer, str) and initializer not in ("zeros", "normal"):
+            raise ValueError(f"initializer must be 'zeros', 'normal' or a callable, not {initializer!r}")
+        self.dim = int(dim)
+        self.optimizer = optimizer if optimizer is not None else SGD()
+        self.initializer = initializer
+        self.seed = int(seed)
+        self.init_std = float(init_std)
+        self.admission = admission
+        self.ttl = ttl
+        self.max_rows = max_rows
+        self.width = self.dim * (1 + self.optimizer.num_slots)
+        self._core = RowTable(self.width, capacity)
+        self._candidates = RowTable(1, 64)  # MinCount: lookups so far of ids not admitted yet
+        self.global_step = 0   # apply_gradients calls
+        self.version = 0       # bumped by every call that changes rows
+        self.saved_version = 0  # version and step of the last save (incremental base)
+        self.saved_step = 0
+        self._deleted: list[np.ndarray] = []  # ids deleted since the last save
+        self.created = 0
+        self.evicted = 0
+        self.dropped = 0       # gradient rows for absent ids, ignored
+
+    # -- size ------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return int(self._core.size)
+
+    def __contains__(self, id_: object) -> bool:
+        rows = np.empty(1, dtype=np.int32)
+        return bool(self._core.find(as_ids([id_]), rows))
+
+    def ids(self) -> np.ndarray:
+        """Every live id, sorted."""
+        ids, _ = self._items()
+        return np.sort(ids)
+
+    def _items(self) -> tuple[np.ndarray, np.ndarray]:
+        n = len(self)
+        ids = np.empty(n, dtype=np.int64)
+        rows = np.empty(n, dtype=np.int32)
+        self._core.items(ids, rows)
+        return ids, rows
+
+    def _meta(self, rows: np.ndarray, which: str) -> np.ndarray:
+        """The access stamps (``"stamp"``) or change versions (``"mver"``) of ``rows``."""
+        rows = np.ascontiguousarray(rows, dtype=np.int32)
+        out = np.empty(len(rows), dtype=np.uint32)
+        if which == "stamp":
+            self._core.get_stamps(rows, out)
+        else:
+            self._core.get_mvers(rows, out)
+        return out
+
+    def memory_overhead_per_id(self) -> float:
+        """Bytes of index and per-row metadata per live id (the rows themselves excluded)."""
+        return self._core.index_bytes() / max(1, len(self))
+
+    # -- rows ------------------------------------------------------------------------------
+
+    def _step_stamp(self) -> int:
+        return self.global_step & 0xFFFFFFFF
+
+    def _initial_rows(self, ids: np.ndarray) -> np.ndarray:
+        rows = np.empty((len(ids), self.width), dtype=np.float32)
+        init = self.initializer
+        if init == "zeros":
+            rows[:, :self.dim] = 0.0
+        elif init == "normal":
+            # std x seeded_normal(ids, dim, seed), written into the rows in one compiled pass.
+            normal_fill(ids, normal_salt(self.seed), normal_levels(), self.init_std, rows, self.dim)
+        else:
+            assert callable(init)
+            values = np.asarray(init(ids.copy(), self.dim), dtype=np.float32)
+            if values.shape != (len(ids), self.dim):
+                raise ValueError(f"the initializer returned {values.shape}, expected {(len(ids), self.dim)}")
+            rows[:, :self.dim] = values
+        rows[:, self.dim:] = self.optimizer.initial_slots(len(ids), self.dim)
+        return rows
+
+    def _admit(self, unique: np.ndarray, occurrences: np.ndarray, count: bool) -> np.ndarray:
+        """Which of ``unique`` (absent ids) get a row now."""
+        policy = self.admission
+        if policy is None:
+            return np.ones(len(unique), dtype=bool)
+        if isinstance(policy, Probability):
+            salt = mix64(np.array([self.seed, self.global_step], dtype=np.uint64)).sum(dtype=np.uint64)
+            with np.errstate(over="ignore"):
+                h = mix64(unique.view(np.uint64) ^ salt ^ _PROB_SALT)
+            u = (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+            if count:
+                # Each lookup of the id is one draw: admitted if any draw succeeds.
+                return bool(policy.p > 0) & (1.0 - (1.0 - policy.p) ** occurrences > u)
+            return np.zeros(len(unique), dtype=bool)
+        # MinCount: counts of ids not admitted yet live in a small native table of width 1.
+        cand = self._candidates
+        rows = np.empty(len(unique), dtype=np.int32)
+        counts = np.empty((len(unique), 1), dtype=np.float32)
+        cand.lookup(unique, counts, rows, 0)
+        if not count:
+            return counts[:, 0] >= policy.count
+        counts[:, 0] += occurrences
+        admitted = counts[:, 0] >= policy.count
+        new = rows < 0
+        if new.any():
+            fresh = np.empty(int(new.sum()), dtype=np.int32)
+            cand.insert(unique[new], fresh, 0)
+            rows[new] = fresh
+        cand.scatter(rows, counts, 0, 0)
+        if admitted.any():
+            cand.remove(unique[admitted])
+        return admitted
+
+    def _create(self, ids: np.ndarray, rows: np.ndarray, count: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Create rows for the absent ids (``rows < 0``) that are admitted; returns the
+        positions that got a row and their initial values."""
+        pos = np.flatnonzero(rows < 0)
+        unique, inverse = np.unique(ids[pos], return_inverse=True)
+        inverse = inverse.reshape(-1)
+        admitted = self._admit(unique, np.bincount(inverse, minlength=len(unique)), count)
+        new_ids = unique[admitted]
+        if len(new_ids) == 0:
+            return pos[:0], np.zeros((0, self.width), dtype=np.float32)
+        new_rows = np.empty(len(new_ids), dtype=np.int32)
+        self._core.insert(new_ids, new_rows, self.version)
+        init = self._initial_rows(new_ids)
+        self._core.scatter(new_rows, init, 0, self.version)
+        self._core.touch(new_rows, self._step_stamp())
+        self.created += len(new_ids)
+        slot = np.full(len(unique), -1, dtype=np.int64)
+        slot[admitted] = np.arange(len(new_ids))
+        which = slot[inverse]
+        got = which >= 0
+        rows[pos[got]] = new_rows[which[got]]
+        return pos[got], init[which[got]]
+
+    def lookup(self, ids: Any, create: bool = True) -> np.ndarray:
+        """Embeddings of ``ids`` (duplicates allowed): float32 ``[len(ids), dim]``, a new
+        array. Absent ids are created if ``create`` (and admitted), else read as zeros."""
+        ids = as_ids(ids)
+        out = np.empty((len(ids), self.dim), dtype=np.float32)
+        rows = np.empty(len(ids), dtype=np.int32)
+        # Evaluation reads (create=False) leave the access stamps alone: they neither
+        # create rows nor keep rows alive for TTL/LRU eviction.
+        missing = self._core.lookup(ids, out, rows, self._step_stamp(), create)
+        if missing and create:
+            self.version += 1
+            pos, init = self._create(ids, rows, count=True)
+            out[pos] = init[:, :self.dim]
+        return out
+
+    def rows(self, ids: Any) -> np.ndarray:
+        """Whole rows (embedding then slots) of ``ids``, zeros for absent ones; no side effects."""
+        ids = as_ids(ids)
+        rows = np.empty(len(ids), dtype=np.int32)
+        self._core.find(ids, rows)
+        out = np.empty((len(ids), self.width), dtype=np.float32)
+        self._core.gather(rows, out, 0)
+        return out
+
+    def assign(self, ids: Any, values: Any) -> None:
+        """Set the embeddings of ``ids`` (created if absent, no admission) and reset their
+        optimizer slots. For a repeated id the last value wins."""
+        ids = as_ids(ids)
+        values = np.asarray(values, dtype=np.float32).reshape(len(ids), self.dim)
+        unique, last = np.unique(ids[::-1], return_index=True)
+        last = len(ids) - 1 - last
+        self.version += 1
+        rows = np.empty(len(unique), dtype=np.int32)
+        self._core.find(unique, rows)
+        absent = rows < 0
+        if absent.any():
+            fresh = np.empty(int(absent.sum()), dtype=np.int32)
+            self._core.insert(unique[absent], fresh, self.version)
+            rows[absent] = fresh
+            self.created += len(fresh)
+        full = np.empty((len(unique), self.width), dtype=np.float32)
+        full[:, :self.dim] = values[last]
+        full[:, self.dim:] = self.optimizer.initial_slots(len(unique), self.dim)
+        self._core.scatter(rows, full, 0, self.version)
+        self._core.touch(rows, self._step_stamp())
+
+    def apply_gradients(self, ids: Any, grads: Any, create: bool = True) -> int:
+        """One optimizer step: duplicate ids are summed first, then each row is updated
+        once. Absent ids get a row first if ``create`` (admission permitting, without
+        counting as a lookup); otherwise their gradients are dropped. Returns the number of
+        rows updated. The global step advances even when nothing is updated."""
+        ids = as_ids(ids)
+        grads = np.asarray(grads, dtype=np.float32).reshape(len(ids), self.dim)
+        self.global_step += 1
+        if len(ids) == 0:
+            return 0
+        self.version += 1
+        unique, inverse = np.unique(ids, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        if len(unique) == len(ids):
+            summed = np.empty_like(grads)
+            summed[inverse] = grads
+        else:
+            summed = np.zeros((len(unique), self.dim), dtype=np.float32)
+            np.add.at(summed, inverse, grads)  # in input order: deterministic sums
+        rows = np.empty(len(unique), dtype=np.int32)
+        self._core.find(unique, rows)
+        if create and (rows < 0).any():
+            self._create(unique, rows, count=False)
+        present = rows >= 0
+        self.dropped += int(len(rows) - present.sum())
+        if not present.all():
+            rows, summed = rows[present], summed[present]
+        full = np.empty((len(rows), self.width), dtype=np.float32)
+        self._core.gather(rows, full, 0)
+        self.optimizer.apply(full, summed, self.global_step)
+        self._core.scatter(rows, full, 0, self.version)
+        self._core.touch(rows, self._step_stamp())
+        return len(rows)
+
+    def delete(self, ids: Any) -> int:
+        """Remove the rows of ``ids`` (absent ids are ignored); returns how many went."""
+        ids = np.unique(as_ids(ids))
+        rows = np.empty(len(ids), dtype=np.int32)
+        self._core.find(ids, rows)
+        gone = ids[rows >= 0]
+        if len(gone):
+            self.version += 1
+            self._core.remove(gone)
+            self._deleted.append(gone)
+        return len(gone)
+
+    def evict(self, ttl: int | None = None, max_rows: int | None = None) -> np.ndarray:
+        """Drop rows idle for more than ``ttl`` steps, then the least recently used beyond
+        ``max_rows`` (defaults: the table's settings). Returns the evicted ids."""
+        ttl = self.ttl if ttl is None else ttl
+        max_rows = self.max_rows if max_rows is None else max_rows
+        if ttl is None and max_rows is None:
+            return np.zeros(0, dtype=np.int64)
+        ids, rows = self._items()
+        stamps = self._meta(rows, "stamp").astype(np.int64)
+        drop = np.zeros(len(ids), dtype=bool)
+        if ttl is not None:
+            drop |= self.global_step - stamps > ttl
+        if max_rows is not None and len(ids) - drop.sum() > max_rows:
+            keep = np.flatnonzero(~drop)
+            order = np.lexsort((ids[keep], stamps[keep]))  # oldest first, ties by id
+            drop[keep[order[:len(keep) - max_rows]]] = True
+        gone = np.sort(ids[drop])
+        if len(gone):
+            self.version += 1
+            self._core.remove(gone)
+            self._deleted.append(gone)
+            self.evicted += len(gone)
+        return gone
+
+    def changed_since(self, version: int, step: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Ids (sorted) and whole rows changed after ``version`` (or accessed at or after
+        ``step``): an incremental export."""
+        ids, rows = self._items()
+        changed = self._meta(rows, "mver") > version
+        if step is not None:
+            changed |= self._meta(rows, "stamp") >= step
+        order = np.argsort(ids[changed], kind="stable")
+        ids, rows = ids[changed][order], rows[changed][order]
+        out = np.empty((len(ids), self.width), dtype=np.float32)
+        self._core.gather(rows, out, 0)
+        return ids, out
+
+    def stats(self) -> dict[str, int]:
+        return {"live": len(self), "created": self.created, "evicted": self.evicted,
+                "dropped": self.dropped, "global_step": self.global_step, "version": self.version}
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def config(self) -> dict[str, Any]:
+        init = self.initializer if isinstance(self.initializer, str) else "callable"
+        return {"dim": self.dim, "optimizer": self.optimizer.config(), "initializer": init,
+                "seed": self.seed, "init_std": self.init_std,
+                "admission": self.admission.config() if self.admission else None,
+                "ttl": self.ttl, "max_rows": self.max_rows}
+
+    def _state(self) -> dict[str, Any]:
+        return {"global_step": self.global_step, "version": self.version, "created": self.created,
+                "evicted": self.evicted, "dropped": self.dropped}
+
+    def save(self, path: str | Path, incremental: bool = False, *, fsync: bool = True) -> str:
+        """Write a checkpoint entry into directory ``path``: everything (full) or what
+        changed since the previous save (incremental). Returns the entry's name."""
+        writer = ckpt.EntryWriter(Path(path), "incr" if incremental else "full", fsync=fsync)
+        if incremental and writer.manifest is None:
+            raise ckpt.CheckpointError(f"no full checkpoint in {path} to add an increment to")
+        ids, rows = self._items()
+        if incremental:
+            ids, values = self.changed_since(self.saved_version, self.saved_step)
+            found = np.empty(len(ids), dtype=np.int32)
+            self._core.find(ids, found)
+            writer.array("ids", ids)
+            writer.array("rows", values)
+            writer.array("stamps", self._meta(found, "stamp"))
+            deleted = np.unique(np.concatenate([np.zeros(0, dtype=np.int64), *self._deleted]))
+            writer.array("deleted", deleted)
+        else:
+            # The row matrix is written as it is, block after block (no gather, no per-row
+            # work): ids and row numbers say which rows are live.
+            writer.array("ids", ids)
+            writer.array("rownum", rows)
+            writer.array("stamps", self._meta(rows, "stamp"))
+            writer.arrays("matrix", self._core.blocks(), (self._core.next_row, self.width))
+        cand_ids = np.empty(self._candidates.size, dtype=np.int64)
+        cand_rows = np.empty(self._candidates.size, dtype=np.int32)
+        self._candidates.items(cand_ids, cand_rows)
+        counts = np.empty((len(cand_ids), 1), dtype=np.float32)
+        self._candidates.gather(cand_rows, counts, 0)
+        writer.array("cand_ids", cand_ids)
+        writer.array("cand_counts", counts[:, 0].astype(np.int64))
+        name = writer.commit({"config": self.config(), "state": self._state()})
+        self.saved_version = self.version
+        self.saved_step = self.global_step
+        self._deleted = []
+        return name
+
+    @classmethod
+    def load(cls, path: str | Path, *, initializer: Initializer | None = None) -> EmbeddingTable:
+        """The table saved in ``path`` (its full entry, then every increment). A table made
+        with a callable initializer needs it passed again."""
+        root = Path(path)
+        manifest = ckpt.read_manifest(root)
+        assert manifest is not None
+        chain = manifest["chain"]
+        entries = manifest["entries"]
+        config = entries[chain[0]]["meta"]["config"]
+        init: Any = config["initializer"]
+        if init == "callable":
+            if initializer is None:
+                raise ValueError("this table was made with a callable initializer: pass it to load()")
+            init = initializer
+        table = cls(config["dim"], from_config(config["optimizer"]), init, config["seed"],
+                    init_std=config["init_std"], admission=admission_from_config(config["admission"]),
+                    ttl=config["ttl"], max_rows=config["max_rows"])
+        for name in chain:
+            files = entries[name]["files"]
+
+            def arr(key: str, name: str = name, files: dict[str, Any] = files) -> np.ndarray:
+                return ckpt.read_array(root, name, key, files[key])
+
+            ids, stamps = arr("ids"), arr("stamps")
+            if entries[name]["kind"] == "full":
+                values = arr("matrix")[arr("rownum")]
+            else:
+                values = arr("rows")
+                table._core.remove(arr("deleted"))
+            rows = np.empty(len(ids), dtype=np.int32)
+            table._core.find(ids, rows)
+            absent = rows < 0
+            if absent.any():
+                fresh = np.empty(int(absent.sum()), dtype=np.int32)
+                table._core.insert(ids[absent], fresh, 0)
+                rows[absent] = fresh
+            table._core.scatter(rows, np.ascontiguousarray(values, dtype=np.float32), 0, 0)
+            table._core.restamp(rows, stamps)  # exactly as saved: TTL and LRU use them
+            state = entries[name]["meta"]["state"]
+            cand_ids, cand_counts = arr("cand_ids"), arr("cand_counts")
+        table._core.finish()
+        table._candidates = RowTable(1, max(64, len(cand_ids)))
+        if len(cand_ids):
+            crow = np.empty(len(cand_ids), dtype=np.int32)
+            table._candidates.insert(cand_ids, crow, 0)
+            table._candidates.scatter(crow, cand_counts.astype(np.float32).reshape(-1, 1), 0, 0)
+        table.global_step = state["global_step"]
+        table.version = state["version"]
+        table.created, table.evicted, table.dropped = state["created"], state["evicted"], state["dropped"]
+        table.saved_version, table.saved_step = table.version, table.global_step
+        return table
+

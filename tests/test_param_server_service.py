@@ -1,0 +1,265 @@
+"""The parameter-server service over rvz: several tables, consistency models, step-scoped
+failures, restart of a killed shard from its checkpoint, the command line."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import rvz
+from examples.param_server.client import PSClient
+from examples.param_server.launch import PSConfig, TableSpec, make_tables
+from examples.param_server.server import ShardServer
+from examples.param_server.sparse import sum_by_id
+
+from .conftest import free_ports
+
+MODES = ["recv", "send"]
+REPO = Path(__file__).resolve().parent.parent
+TABLES = (TableSpec("user", 3, "adam", 0.05), TableSpec("item", 5, "adagrad", 0.2))
+
+
+@dataclass
+class Service:
+    servers: list[ShardServer]
+    clients: list[PSClient]
+    serving: list[asyncio.Task[Any]]
+
+    async def finish(self) -> None:
+        for client in self.clients:
+            await client.close()
+        await asyncio.wait_for(asyncio.gather(*self.serving), 10)
+
+
+@contextlib.asynccontextmanager
+async def service(mode: str, cfg: PSConfig, shards: int = 2, workers: int = 2,
+                  **options: Any) -> AsyncIterator[Service]:
+    """Shards and workers as Nodes of one process; shards serve in background tasks."""
+    ports = free_ports(shards + workers)
+    cluster = {"ps": [f"127.0.0.1:{p}" for p in ports[:shards]],
+               "worker": [f"127.0.0.1:{p}" for p in ports[shards:]]}
+    async with contextlib.AsyncExitStack() as stack:
+        nodes = [await stack.enter_async_context(rvz.Node(cluster, "ps", s, mode=mode, linger=1.0))
+                 for s in range(shards)]
+        servers = [ShardServer(n, make_tables(cfg), workers, consistency=cfg.consistency,
+                               staleness=cfg.staleness, record=True, **options) for n in nodes]
+        serving = [asyncio.ensure_future(s.serve()) for s in servers]
+        try:
+            worker_nodes = [await stack.enter_async_context(
+                rvz.Node(cluster, "worker", w, mode=mode, linger=1.0)) for w in range(workers)]
+            clients = [PSClient(n, shards, cfg.dims(), timeout=10) for n in worker_nodes]
+            yield Service(servers, clients, serving)
+        finally:
+            for task in serving:
+                task.cancel()
+            await asyncio.gather(*serving, return_exceptions=True)
+
+
+def batch(worker: int, clock: int) -> dict[str, np.ndarray]:
+    """Each worker's ids at each clock: few distinct ids, many repeats, overlapping workers."""
+    rng = np.random.default_rng([worker, clock])
+    return {"user": rng.integers(0, 12, (6, 3)), "item": rng.integers(100, 110, 8)}
+
+
+def gradients(ids: dict[str, np.ndarray], rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A gradient that depends on the pulled rows, so stale reads would show."""
+    return {name: (0.5 * rows[name] + 0.01 * (ids[name][..., None] % 7)).astype(np.float32)
+            for name in ids}
+
+
+async def train(client: PSClient, steps: int, delay: float = 0.0, fail_at: int | None = None) -> None:
+    for clock in range(steps):
+        ids = batch(client.worker, clock)
+        rows = await client.pull(ids, clock)
+        if clock == fail_at:
+            await client.abort_step(clock)  # the step failed between pull and push
+            continue
+        if delay:
+            await asyncio.sleep(delay)
+        await client.push_tables(ids, gradients(ids, rows), clock)
+
+
+def sequential(cfg: PSConfig, workers: int, steps: int,
+               skip: tuple[int, int] | None = None) -> dict[str, Any]:
+    """One process, one table per name: every clock, each worker's gradient from the same
+    rows, then the clock's gradients applied together in worker order."""
+    tables = make_tables(cfg)
+    for clock in range(steps):
+        pushes = []
+        for worker in range(workers):
+            ids = batch(worker, clock)
+            rows = {name: tables[name].lookup(ids[name]).reshape(ids[name].shape + (tables[name].dim,))
+                    for name in ids}
+            if (worker, clock) != skip:
+                pushes.append((ids, gradients(ids, rows)))
+        for name, table in tables.items():
+            parts = [sum_by_id(ids[name], grads[name].reshape(-1, table.dim)) for ids, grads in pushes]
+            ids = np.concatenate([np.zeros(0, np.int64), *[p[0] for p in parts]])
+            grads = np.concatenate([np.zeros((0, table.dim), np.float32), *[p[1] for p in parts]])
+            table.apply_gradients(ids, grads, create=False)
+    return tables
+
+
+def assert_same_tables(ps: Service, reference: dict[str, Any]) -> None:
+    for name, table in reference.items():
+        ids = table.ids()
+        got = {}
+        for server in ps.servers:
+            shard_table = server.tables[name]
+            assert shard_table.global_step == table.global_step
+            for id_, row in zip(shard_table.ids().tolist(), shard_table.rows(shard_table.ids()), strict=True):
+                got[id_] = row
+        assert sorted(got) == ids.tolist()
+        np.testing.assert_array_equal(np.stack([got[i] for i in ids.tolist()]), table.rows(ids))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bsp_with_a_slow_worker_equals_a_sequential_run(run, mode) -> None:  # type: ignore[no-untyped-def]
+    cfg = PSConfig(tables=TABLES, consistency="bsp", seed=3, init_std=0.1)
+
+    async def main() -> None:
+        async with service(mode, cfg) as ps:
+            await asyncio.gather(train(ps.clients[0], 6), train(ps.clients[1], 6, delay=0.02))
+            await ps.finish()
+            for server in ps.servers:
+                assert all(clock == slowest for _, clock, slowest in server.stats.served)
+            assert_same_tables(ps, sequential(cfg, 2, 6))  # bit for bit, slots included
+
+    run(main(), timeout=20)
+
+
+@pytest.mark.parametrize("consistency,bound", [("ssp", 2), ("asp", None)])
+def test_ssp_bounds_staleness_with_a_slow_worker(run, consistency, bound) -> None:  # type: ignore[no-untyped-def]
+    cfg = PSConfig(tables=TABLES, consistency=consistency, staleness=2)
+
+    async def main() -> None:
+        async with service("send", cfg) as ps:
+            await asyncio.gather(train(ps.clients[0], 8), train(ps.clients[1], 8, delay=0.03))
+            await ps.finish()
+            for server in ps.servers:
+                gaps = [clock - slowest for worker, clock, slowest in server.stats.served]
+                if bound is not None:
+                    assert max(gaps) <= bound  # the bound holds on every pull
+                # The fast worker did run ahead of the slow one (up to the bound, if any).
+                assert max(c - s for w, c, s in server.stats.served if w == 0) >= 1
+
+    run(main(), timeout=20)
+
+
+def test_a_failed_step_is_dropped_on_every_shard_and_the_rest_goes_on(run) -> None:  # type: ignore[no-untyped-def]
+    cfg = PSConfig(tables=TABLES, consistency="bsp", seed=1)
+
+    async def main() -> None:
+        async with service("recv", cfg) as ps:
+            await asyncio.gather(train(ps.clients[0], 4, fail_at=1), train(ps.clients[1], 4))
+            await ps.finish()
+            assert [s.stats.aborted_steps for s in ps.servers] == [1, 1]
+            assert_same_tables(ps, sequential(cfg, 2, 4, skip=(0, 1)))
+
+    run(main(), timeout=20)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_several_tables_through_two_shards_match_local_tables(run, mode) -> None:  # type: ignore[no-untyped-def]
+    cfg = PSConfig(tables=TABLES, seed=4)
+
+    async def main() -> None:
+        async with service(mode, cfg, workers=1) as ps:
+            client = ps.clients[0]
+            local = make_tables(cfg)
+            for clock in range(3):
+                ids = batch(0, clock)
+                rows = await client.pull(ids, clock)
+                for name in ids:
+                    expected = local[name].lookup(ids[name]).reshape(rows[name].shape)
+                    np.testing.assert_array_equal(rows[name], expected)
+                grads = gradients(ids, rows)
+                acks = await client.push_tables(ids, grads, clock)
+                assert acks.tolist() == [[clock + 1, clock + 1]] * 2  # global step per table, per shard
+                for name in ids:
+                    u, g = sum_by_id(ids[name], grads[name].reshape(-1, local[name].dim))
+                    local[name].apply_gradients(u, g)
+            for server in ps.servers:
+                assert all(len(table) > 0 for table in server.tables.values())
+            with pytest.raises(ValueError, match="out of order"):
+                await client.pull(batch(0, 9), 9)
+            await ps.finish()
+
+    run(main(), timeout=20)
+
+
+# -- processes: the command line, kill -9 and restart ----------------------------------------------
+
+def start(*args: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-m", "examples.param_server", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_killed_shard_restarts_from_its_checkpoint_and_training_goes_on(tmp_path: Path) -> None:
+    ports = free_ports(4)
+    cluster = json.dumps({"ps": [f"127.0.0.1:{p}" for p in ports[:2]],
+                          "worker": [f"127.0.0.1:{p}" for p in ports[2:]]})
+    common = ["--cluster", cluster, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "3",
+              "--consistency", "ssp", "--staleness", "1", "--tables", "user:4,item:8:adam"]
+    worker_args = ["--steps", "300", "--batch", "16", "--vocab", "500", "--restart-timeout", "30"]
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        shards = [start("serve", "--job", "ps", "--task", str(s), *common) for s in range(2)]
+        procs += shards
+        workers = [start("train", "--job", "worker", "--task", str(w), *common, *worker_args)
+                   for w in range(2)]
+        procs += workers
+        manifest = tmp_path / "ps1" / "item" / "MANIFEST.json"
+        deadline = time.monotonic() + 30
+        while not manifest.exists():
+            assert time.monotonic() < deadline, "shard 1 never wrote a checkpoint"
+            assert all(p.poll() is None for p in procs), "a process ended early"
+            time.sleep(0.05)
+        os.kill(shards[1].pid, signal.SIGKILL)
+        shards[1].wait(timeout=10)
+        restarted = start("serve", "--job", "ps", "--task", "1", "--restore", *common)
+        procs.append(restarted)
+        outputs = []
+        for proc in [*workers, shards[0], restarted]:
+            out, _ = proc.communicate(timeout=60)
+            assert proc.returncode == 0, out
+            outputs.append(out)
+        for out in outputs[:2]:
+            assert "shard restarts seen 1" in out
+        assert "ps 1 epoch 1 table item" in outputs[3]
+        assert "ps 0 epoch 0 table user" in outputs[2]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
+
+def test_demo_runs_shards_and_workers_as_processes(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.param_server", "demo", "--shards", "2", "--workers", "2",
+         "--steps", "20", "--batch", "64", "--optimizer", "ftrl", "--min-count", "2",
+         "--evict-every", "10", "--ttl", "5", "--checkpoint-dir", str(tmp_path),
+         "--checkpoint-every", "10"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert sum(line.startswith("worker ") for line in lines) == 2
+    assert "2 checkpoints" in proc.stdout and "evicted" in proc.stdout
+    assert lines[-1] == "global step per shard: [40] (equal on every shard)"
+    assert (tmp_path / "ps0" / "default" / "MANIFEST.json").exists()
