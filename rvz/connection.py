@@ -51,6 +51,9 @@ class Connection(Wire, asyncio.BufferedProtocol):
         self.seen_out = 0
         self.idle_ticks = 0
         self.on_resume: Any = None        # the engine's push queue, waiting for the socket
+        self.nonce = b""                  # ours, in our HELLO (the handshake's challenge)
+        self.hello: Any = None            # the peer's (incarnation, window, nonce, fields)
+        self.opened = 0.0                 # loop time of connection_made (HELLO deadline)
         self._transport: Any = None
         self._gather = False
         self._drain_waiters: list[asyncio.Future[None]] = []

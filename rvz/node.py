@@ -32,8 +32,12 @@ connection, ``Peer.link``: one ordered stream per direction, coalesced per loop 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import ipaddress
 import logging
 import os
+import ssl as _ssl
 import sys
 from asyncio.events import _get_running_loop
 from collections import deque
@@ -46,6 +50,7 @@ from .cluster import from_env as _cluster_from_env
 from .connection import Connection
 from .errors import (
     Aborted,
+    AuthError,
     ConfigError,
     NodeClosed,
     PeerLost,
@@ -76,6 +81,13 @@ _DEAD_STEPS_MAX = 1 << 16
 TaskId = tuple  # (job, task)
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _log_unclaimed_failure(done: asyncio.Future[None]) -> None:
     if not done.cancelled() and done.exception() is not None:
         log.warning("an unclaimed value could not be pushed: %s", done.exception())
@@ -100,7 +112,11 @@ class Node:
                  push_window: int = 64 << 20, hold_limit: int = 256 << 20,
                  claim_timeout: float | None = 2.0, incarnation: int | None = None,
                  max_payload: int = _codec.DEFAULT_MAX_PAYLOAD, recv_pool: int = 256 << 20,
-                 onesided: dict[str, Any] | None = None) -> None:
+                 onesided: dict[str, Any] | None = None, secret: str | bytes | None = None,
+                 ssl: _ssl.SSLContext | tuple[_ssl.SSLContext, _ssl.SSLContext] | None = None,
+                 max_parked: int = 65536, max_steps: int = 65536, step_idle: float | None = 600.0,
+                 hello_timeout: float = 10.0, max_unidentified: int = 64,
+                 answer_backlog: int = 32 << 20) -> None:
         if mode not in MODES:
             raise ConfigError(f"mode must be 'recv' or 'send', not {mode!r}")
         if transport not in TRANSPORTS:
@@ -109,10 +125,15 @@ class Node:
             raise ConfigError(f"need 0 < heartbeat < peer_timeout, got heartbeat={heartbeat} "
                               f"and peer_timeout={peer_timeout}")
         for name, value in (("push_window", push_window), ("hold_limit", hold_limit),
-                            ("max_payload", max_payload), ("recv_pool", recv_pool)):
+                            ("max_payload", max_payload), ("recv_pool", recv_pool),
+                            ("max_parked", max_parked), ("max_steps", max_steps),
+                            ("max_unidentified", max_unidentified),
+                            ("answer_backlog", answer_backlog)):
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a number of bytes >= 0, not {value!r}")
         for name, seconds in (("connect_timeout", connect_timeout), ("linger", linger),
+                              ("hello_timeout", hello_timeout),
+                              ("step_idle", 0.0 if step_idle is None else step_idle),
                               ("claim_timeout", 0.0 if claim_timeout is None else claim_timeout)):
             if not seconds >= 0:
                 raise ConfigError(f"{name} must be >= 0 seconds, not {seconds!r}")
@@ -125,6 +146,27 @@ class Node:
         self.mode = mode
         self.transport: str = transport  # onesided.Host declares it a str
         self._host = host
+        if secret is None:
+            secret = os.environ.get("RVZ_SECRET") or None
+        if secret is not None and not isinstance(secret, (str, bytes)):
+            raise ConfigError(f"secret must be str or bytes, not {type(secret).__name__}")
+        # Kept only as the HMAC key; never logged, never part of an error message.
+        self._secret = secret.encode("utf-8") if isinstance(secret, str) else secret
+        self._ssl_server: _ssl.SSLContext | None
+        self._ssl_client: _ssl.SSLContext | None
+        if isinstance(ssl, tuple):
+            self._ssl_server, self._ssl_client = ssl
+        else:
+            self._ssl_server = self._ssl_client = ssl
+        for ctx in (self._ssl_server, self._ssl_client):
+            if ctx is not None and not isinstance(ctx, _ssl.SSLContext):
+                raise ConfigError("ssl must be an ssl.SSLContext or a (server, client) pair of them")
+        self.max_parked = max_parked
+        self.max_steps = max_steps
+        self.step_idle = step_idle
+        self.hello_timeout = hello_timeout
+        self.max_unidentified = max_unidentified
+        self.answer_backlog = answer_backlog
         self.connect_timeout = connect_timeout
         self.heartbeat = heartbeat
         self.peer_timeout = peer_timeout
@@ -200,7 +242,8 @@ class Node:
             self._onesided = Hub(self, self._onesided_options)
         try:
             self._server = await self._loop.create_server(
-                lambda: self._connection(outbound=False), host, port, reuse_address=True)
+                lambda: self._connection(outbound=False), host, port, reuse_address=True,
+                ssl=self._ssl_server)
         except BaseException as exc:
             if self._onesided is not None:  # its completion queues are on this loop
                 self._onesided.close()
@@ -211,6 +254,10 @@ class Node:
             raise
         self._set_state("running")
         self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
+        if self._secret is None and not _is_loopback(host):
+            log.warning("%s listens on %s without a secret: any process that reaches the port "
+                        "can send, receive and abort steps (see docs/security.md)",
+                        self.name, host)
         return self
 
     async def __aenter__(self) -> Node:
@@ -334,8 +381,10 @@ class Node:
 
     def hello_fields(self, conn: Connection) -> dict[str, Any]:
         """What this node says in the HELLO of a new connection (for ``Connection``)."""
+        conn.nonce = os.urandom(16)
         fields = {"v": _codec.VERSION, "job": self.job, "task": self.task,
-                  "inc": self.incarnation, "order": sys.byteorder, "mode": self.mode}
+                  "inc": self.incarnation, "order": sys.byteorder, "mode": self.mode,
+                  "n": conn.nonce, "win": self.push_window, "auth": self._secret is not None}
         if self._onesided is not None:
             fields.update(self._onesided.offer(conn))  # one-sided endpoints it may use
         return fields
@@ -361,6 +410,8 @@ class Node:
     def connection_lost(self, conn: Connection) -> None:
         """A connection closed; fails what depended on it (``Connection`` calls this)."""
         self._conns.discard(conn)
+        if isinstance(conn.close_reason, AuthError) and not conn.outbound:
+            log.warning("%s refused a connection: %s", self.name, conn.close_reason)
         waiter = conn.hello_waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(conn.lost_error())
@@ -745,8 +796,10 @@ class Node:
         while True:
             try:
                 _, conn = await asyncio.wait_for(self._loop.create_connection(
-                    lambda: self._connection(outbound=True, peer=peer),
-                    host, port), max(0.01, deadline - self._loop.time()))
+                    lambda: self._connection(outbound=True, peer=peer), host, port,
+                    ssl=self._ssl_client,
+                    server_hostname=host if self._ssl_client is not None else None),
+                    max(0.01, deadline - self._loop.time()))
                 if not conn.ready:  # HELLO may already have arrived
                     if conn.closed:  # ... and failed it (e.g. no common transport)
                         raise conn.lost_error()
@@ -764,17 +817,28 @@ class Node:
             remaining = deadline - self._loop.time()
             if self._state == "closed" or remaining <= 0:
                 break
-            if isinstance(last, TransportError) or isinstance(last.__cause__, TransportError):
-                break  # the pair cannot agree on a transport: retrying will not change that
+            if isinstance(last, (TransportError, AuthError, _ssl.SSLError)) or isinstance(
+                    last.__cause__, (TransportError, AuthError)):
+                # The pair cannot agree on a transport, a secret or a certificate:
+                # retrying will not change that.
+                break
             await asyncio.sleep(min(delay, remaining))  # the last try is at the deadline
             delay = min(delay * 2, 0.5)
-        err = PeerLost(f"could not connect to {peer.name} at {peer.address} within "
-                       f"{self.connect_timeout}s: {last!r}")
+        err: RvzError
+        cause = last.__cause__ if last is not None and isinstance(last.__cause__, AuthError) else last
+        if isinstance(cause, AuthError):
+            err = AuthError(f"{cause} (at {peer.address})")
+        elif isinstance(last, _ssl.SSLError):
+            err = TransportError(f"TLS with {peer.name} at {peer.address} failed: {last}")
+        else:
+            err = PeerLost(f"could not connect to {peer.name} at {peer.address} within "
+                           f"{self.connect_timeout}s: {last!r}")
         err.__cause__ = last
         if not result.done():
             result.set_exception(err)
             result.exception()  # retrieved: waiters get it through the shield
-        self._peer_lost(peer, err)
+        # The error reaches whoever waited for this dial: logged here only for debugging.
+        self._peer_lost(peer, err, level=logging.DEBUG)
 
     def _link_ready(self, peer: Any, conn: Connection) -> None:
         peer.link = conn
@@ -782,7 +846,8 @@ class Node:
             assert self._loop is not None
             self._loop.call_soon(self._core.pump, peer)
 
-    def _peer_lost(self, peer: Any, err: PeerLost, keep: Connection | None = None) -> None:
+    def _peer_lost(self, peer: Any, err: RvzError, keep: Connection | None = None,
+                   level: int | None = None) -> None:
         """Fail everything that waits on ``peer``; the next operation dials it again.
 
         ``keep`` is a fresh connection from the peer's new incarnation, which survives; then
@@ -790,8 +855,9 @@ class Node:
         them).  Recvs and pushes issued since may be served by the new process.
         """
         core = self._core
-        graceful = isinstance(err.__cause__, NodeClosed)
-        log.log(logging.INFO if graceful else logging.WARNING, "%s: %s", self.name, err)
+        if level is None:
+            level = logging.INFO if isinstance(err.__cause__, NodeClosed) else logging.WARNING
+        log.log(level, "%s: %s", self.name, err)
         for conn in peer.live_connections():
             if conn is not keep:
                 conn.fail(err)
@@ -805,8 +871,8 @@ class Node:
         peer.owed = 0
         peer.owe_now = False
 
-        def lost(key: str) -> PeerLost:
-            exc = PeerLost(f"{err} (key {key})")
+        def lost(key: str) -> RvzError:
+            exc = type(err)(f"{err} (key {key})")
             exc.__cause__ = err.__cause__
             return exc
 
@@ -925,30 +991,77 @@ class Node:
         return conn.peer.name if conn.peer is not None else "an unidentified peer"
 
     def _on_hello(self, conn: Connection, fields: dict[str, Any]) -> None:
+        """The peer's HELLO: check who it says it is; with a secret, answer with our AUTH
+        and wait for its own, else accept it now."""
         try:
             version = fields["v"]
             task_id = (str(fields["job"]), int(fields["task"]))
             incarnation = int(fields["inc"])
             order = fields.get("order", "little")
-        except (KeyError, TypeError, ValueError):
-            raise ProtocolError(f"HELLO is missing fields: {fields!r}") from None
+            window = int(fields.get("win", self.push_window))
+            nonce = fields.get("n", b"")
+        except (KeyError, TypeError, ValueError, OverflowError):
+            raise ProtocolError(f"HELLO is missing fields or has malformed ones: {fields!r}") from None
         if version != _codec.VERSION:
             raise ProtocolError(f"peer speaks protocol version {version}, we speak {_codec.VERSION}")
         if order != sys.byteorder:
             raise ProtocolError(f"peer is {order}-endian, this node is {sys.byteorder}-endian")
+        if not 0 <= incarnation < 1 << 64 or window < 0 or not isinstance(nonce, bytes):
+            raise ProtocolError(f"HELLO has out-of-range fields: {fields!r}")
         core = self._core
         if conn.outbound:
             assert conn.peer is not None
             if conn.peer.id != task_id:
                 raise ProtocolError(f"dialled {conn.peer.name} at {conn.peer.address} but "
                                     f"/job:{task_id[0]}/task:{task_id[1]} answered")
-            peer = conn.peer
         else:
             try:
-                peer = core.peer(task_id)
+                conn.peer = core.peer(task_id)
             except KeyError:
                 raise ProtocolError(f"/job:{task_id[0]}/task:{task_id[1]} is not in our cluster") from None
-            conn.peer = peer
+        conn.hello = (incarnation, window, nonce, fields)
+        wants_auth = bool(fields.get("auth", False))
+        if self._secret is None and not wants_auth:
+            self._accept_peer(conn)
+            return
+        if self._secret is None:
+            raise AuthError(f"{conn.peer.name} requires a secret and this node has none "
+                            "(give both Node(secret=...) or RVZ_SECRET)")
+        if not wants_auth:
+            raise AuthError(f"{conn.peer.name} has no secret and this node requires one")
+        if len(nonce) != 16:
+            raise ProtocolError("HELLO carries a malformed nonce")
+        conn.write_frame(_codec.encode_auth(self._mac(conn.nonce, nonce, self.id, self.incarnation,
+                                                      task_id, incarnation)))
+
+    def _mac(self, sender_nonce: bytes, receiver_nonce: bytes, sender: tuple[str, int],
+             sender_inc: int, receiver: tuple[str, int], receiver_inc: int) -> bytes:
+        """HMAC-SHA256 of the secret over both fresh nonces and both identities."""
+        assert self._secret is not None
+        message = b"".join((b"rvz-auth-1", sender_nonce, receiver_nonce,
+                            f"{sender[0]}:{sender[1]}:{sender_inc}".encode(),
+                            f"{receiver[0]}:{receiver[1]}:{receiver_inc}".encode()))
+        return hmac.new(self._secret, message, hashlib.sha256).digest()
+
+    def _on_auth(self, conn: Connection, fields: dict[str, Any]) -> None:
+        """The peer's proof that it holds the secret, bound to this connection's nonces."""
+        hello = conn.hello
+        if self._secret is None or hello is None or conn.ready:
+            raise ProtocolError("unexpected AUTH frame")
+        incarnation, _, nonce, _ = hello
+        mac = fields.get("mac")
+        expected = self._mac(nonce, conn.nonce, conn.peer.id, incarnation, self.id,
+                             self.incarnation)
+        if not isinstance(mac, bytes) or not hmac.compare_digest(mac, expected):
+            raise AuthError(f"authentication of {conn.peer.name} failed: its proof does not "
+                            "match this node's secret")
+        self._accept_peer(conn)
+
+    def _accept_peer(self, conn: Connection) -> None:
+        """The handshake is complete: bind the connection to its peer and open it."""
+        incarnation, window, _, fields = conn.hello
+        peer = conn.peer
+        if not conn.outbound:
             peer.inbound.add(conn)
         if self._onesided is not None:  # agree on the transport; TransportError fails conn
             self._onesided.on_hello(conn, fields)

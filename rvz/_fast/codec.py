@@ -50,10 +50,11 @@ CREDIT = 8
 BYE = 9
 ONESIDED = 10  # control of a one-sided transport (rvz.onesided): a msgpack map
 REQUESTS = 11  # several requests of one step in one frame (recv_many): decoded as REQUESTs
+AUTH = 12      # the handshake's proof of the shared secret (a msgpack map), right after HELLO
 
 FRAME_NAMES = {HELLO: "HELLO", DATA: "DATA", REQUEST: "REQUEST", CANCEL: "CANCEL",
                ERROR: "ERROR", ABORT_STEP: "ABORT_STEP", PING: "PING", CREDIT: "CREDIT",
-               BYE: "BYE", ONESIDED: "ONESIDED", REQUESTS: "REQUESTS"}
+               BYE: "BYE", ONESIDED: "ONESIDED", REQUESTS: "REQUESTS", AUTH: "AUTH"}
 
 HEADER_SIZE = 16
 MAX_NDIM = 32
@@ -198,6 +199,11 @@ def encode_error(request_id: int, step: int, key: str, code: str, message: str) 
                                "msg": message[:4096]})
 
 
+def encode_auth(mac: bytes) -> bytes:
+    """The handshake's AUTH frame: this side's HMAC over both nonces and identities."""
+    return _encode_map(AUTH, {"mac": mac})
+
+
 def encode_onesided(fields: dict) -> bytes:
     """A one-sided transport's control message (slot grants, destinations; see docs/rdma.md)."""
     return _encode_map(ONESIDED, fields)
@@ -210,7 +216,7 @@ class Decoder:
     ``(HELLO, fields)``, ``(DATA, step, request_id, key, value)``,
     ``(REQUEST, step, request_id, key)``, ``(CANCEL, request_id)``,
     ``(ERROR, fields)``, ``(ABORT_STEP, step, message)``, ``(PING,)``,
-    ``(CREDIT, nbytes)``, ``(BYE,)``, ``(ONESIDED, fields)``.  Any malformed input raises
+    ``(CREDIT, nbytes)``, ``(BYE,)``, ``(ONESIDED, fields)``, ``(AUTH, fields)``.  Any malformed input raises
     ``ProtocolError`` and the
     decoder stays failed.  The first frame must be HELLO and nothing may follow BYE.
     """
@@ -436,6 +442,8 @@ class Decoder:
                         self._fail("second HELLO on one connection")
                     self._state = 1
                 events.append((ftype, fields))
+            elif ftype == AUTH:
+                events.append((AUTH, self._map(view, mstart, meta_len, ftype)))
             elif ftype == ONESIDED:
                 events.append((ONESIDED, self._map(view, mstart, meta_len, ftype)))
             elif ftype == BYE:

@@ -24,7 +24,15 @@ import itertools
 from collections import deque
 from typing import Any
 
-from ..errors import Aborted, KeyFormatError, PeerLost, ProtocolError, TransportError, WrongEndpoint
+from ..errors import (
+    Aborted,
+    AuthError,
+    KeyFormatError,
+    PeerLost,
+    ProtocolError,
+    TransportError,
+    WrongEndpoint,
+)
 from . import arrays as _arrays
 from . import codec as _codec
 from . import keys as _keys
@@ -46,6 +54,7 @@ ERROR = _codec.ERROR
 ABORT_STEP = _codec.ABORT_STEP
 BYE = _codec.BYE
 PING = _codec.PING
+AUTH = _codec.AUTH
 
 MODES = ("recv", "send")
 # What one message costs in the push window beyond its payload: it bounds the count of tiny
@@ -211,13 +220,18 @@ class Wire:
             self.fail(exc)
             return
         if events:
-            if not self.ready and len(events) > 1:
-                # HELLO (always the first frame) may attach a dataplane; the frames that came
-                # in the same read after it must already go through that dataplane.
-                self.core.dispatch(self, events[:1])
-                events = events[1:]
-                if self.closed:
+            if not self.ready:
+                # The handshake (HELLO, then AUTH with a secret) goes frame by frame: it may
+                # attach a dataplane, and the frames after it in the same read must already
+                # go through that dataplane.
+                i = 0
+                n = len(events)
+                while i < n and not self.ready and not self.closed:
+                    self.core.dispatch(self, events[i:i + 1])
+                    i += 1
+                if self.closed or i == n:
                     return
+                events = events[i:]
             if self.dataplane is not None:
                 events = self.dataplane.on_frames(events)
             self.core.dispatch(self, events)
@@ -738,6 +752,9 @@ class Core:
         for event in events:
             kind = event[0]
             try:
+                if not conn.ready and kind != HELLO and kind != AUTH:
+                    raise ProtocolError(f"{_peer_name(conn)} sent a frame of type {kind} before "
+                                        "completing its handshake")
                 if kind == DATA:
                     self.on_data(conn, event[1], event[2], event[3], event[4])
                 elif kind == REQUEST:
@@ -750,14 +767,23 @@ class Core:
                     pass
                 elif kind == HELLO:
                     self.shell._on_hello(conn, event[1])
+                elif kind == AUTH:
+                    self.shell._on_auth(conn, event[1])
                 elif kind == ERROR:
                     self.shell._on_error(conn, event[1])
                 elif kind == ABORT_STEP:
                     self.shell._on_abort_step(conn, event[1], event[2])
                 elif kind == BYE:
                     conn.bye_received = True
-            except (ProtocolError, TransportError) as exc:
+            except (ProtocolError, TransportError, AuthError) as exc:
                 conn.fail(exc)
+                return
+            except (OverflowError, MemoryError, ValueError, TypeError) as exc:
+                # A peer-supplied value that breaks a conversion (task=inf, a huge shape):
+                # that peer's protocol violation, never an exception in the event loop.
+                err = ProtocolError(f"{_peer_name(conn)} sent a frame we cannot use: {exc!r}")
+                err.__cause__ = exc
+                conn.fail(err)
                 return
             except (KeyFormatError, WrongEndpoint) as exc:
                 # A key from the wire that does not parse or route is the peer's protocol
