@@ -69,7 +69,9 @@ class Connection(Wire, asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
+        # Writing pauses (and held-back answers resume) below answer_backlog at the latest.
+        high = min(WRITE_HIGH_WATER, self.core.answer_backlog)
+        transport.set_write_buffer_limits(high=high, low=min(WRITE_LOW_WATER, high // 4))
         self.write_frame(_impl.codec.encode_hello(self.owner.hello_fields(self)))
         self.owner.connection_made(self)
 
@@ -103,6 +105,8 @@ class Connection(Wire, asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         self.paused = False
         self._wake_drain()
+        if self.deferred:
+            self.core.answer_deferred(self)
         callback = self.on_resume
         if callback is not None:
             self.on_resume = None
@@ -126,6 +130,11 @@ class Connection(Wire, asyncio.BufferedProtocol):
         else:
             transport.write(data)
             transport.write(payload)
+
+    def backlog(self) -> int:
+        """Bytes written to the transport and not sent yet."""
+        transport = self._transport
+        return int(transport.get_write_buffer_size()) if transport is not None else 0
 
     async def drain(self) -> None:
         """Wait until the transport's write buffer is below its low-water mark."""

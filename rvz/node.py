@@ -77,6 +77,9 @@ nbytes_of = _engine.nbytes_of
 MODES = ("recv", "send")
 TRANSPORTS = ("tcp", "shm", "verbs", "auto")  # all but tcp: rvz.onesided
 _DEAD_STEPS_MAX = 1 << 16
+# A peer needs one or two connections (each side may dial); a few more cover reconnects
+# whose old connection is not known dead yet.  More is a peer holding sockets open.
+_MAX_INBOUND_PER_PEER = 8
 
 TaskId = tuple  # (job, task)
 
@@ -186,7 +189,9 @@ class Node:
         self._tick_handle: asyncio.TimerHandle | None = None
         # The protocol engine: tables, routes, requests, credit (see rvz/_fast/engine.py).
         self._core = _engine.Core(self, self.cluster, self.id, self.name, mode, None,
-                                  push_window, hold_limit, claim_timeout)
+                                  push_window, hold_limit, claim_timeout, max_parked,
+                                  max_steps, answer_backlog)
+        self._idle_since: dict[int, tuple[Any, float]] = {}  # step -> (activity mark, since)
         self._conns: set[Connection] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._deliveries: set[asyncio.Task[Any]] = set()  # the tasks close() must wait for
@@ -353,8 +358,11 @@ class Node:
                 "messages_out": sum(int(c.frames_out) for c in conns),
                 "credit": int(peer.credit),
                 "owed": int(peer.owed),
+                "unreturned": int(peer.unreturned),
+                "window": int(peer.window),
                 "queued_pushes": len(peer.queue),
                 "parked_requests": sum(len(c.parked) for c in conns),
+                "deferred_answers": sum(len(c.deferred) for c in conns),
                 "outstanding_requests": outstanding.get(peer, 0),
             }
         steps = {}
@@ -370,6 +378,8 @@ class Node:
             "held": {"values": int(core.held_count), "bytes": int(core.held_bytes)},
             "waits": {"producer": int(core.waits_producer), "consumer": int(core.waits_consumer)},
             "dead_steps": len(core.dead_steps),
+            "unidentified": sum(1 for c in self._conns
+                                if not c.ready and not c.closed and c.close_reason is None),
             "recv_pool": self._recv_pool.stats() if self._recv_pool is not None else None,
         }
 
@@ -392,6 +402,14 @@ class Node:
     def connection_made(self, conn: Connection) -> None:
         """A connection opened (either side dialled); ``Connection`` calls this."""
         self._conns.add(conn)
+        assert self._loop is not None
+        conn.opened = self._loop.time()
+        if not conn.outbound:
+            unidentified = sum(1 for c in self._conns
+                               if not c.ready and not c.outbound and c.close_reason is None)
+            if unidentified > self.max_unidentified:
+                conn.fail(ProtocolError(f"more than {self.max_unidentified} connections have "
+                                        "not completed their handshake (max_unidentified)"))
 
     def received_large(self) -> None:
         """A large read landed; ``Connection`` calls this so the receive pool prepares its
@@ -423,9 +441,15 @@ class Node:
         if peer.link is conn:
             peer.link = None
         peer.inbound.discard(conn)
+        core = self._core
         for parked in conn.parked.values():
             parked.cancel()
+            table = core.tables.get(parked.step)
+            if table is not None:  # a waiter that will never answer: out of its key's queue
+                table.remove_waiter(parked.route.text, parked)
         conn.parked.clear()
+        if conn.deferred:
+            core.undefer(conn)
         if self._state == "closed" or conn.closed_here or isinstance(conn.close_reason, PeerLost):
             return  # our own close, or the loss was already handled by _peer_lost
         if conn.bye_received:
@@ -866,9 +890,11 @@ class Node:
         peer.inbound = {c for c in peer.inbound if c is keep}
         if peer.link is not keep:
             peer.link = None
-        peer.credit = self.push_window
+        # Pushes on the lost connection may be lost too: the credit they took comes back.
+        # What we owe the peer (consumed, not yet credited) is kept and goes on the next
+        # connection, so our count of what it sent us (peer.unreturned) stays right.
+        peer.credit = peer.window
         peer.asked = False
-        peer.owed = 0
         peer.owe_now = False
 
         def lost(key: str) -> RvzError:
@@ -920,8 +946,13 @@ class Node:
         assert self._loop is not None
         core = self._core
         limit = max(1, round(self.peer_timeout / self.heartbeat))
+        now = self._loop.time()
         for conn in list(self._conns):
             if conn.closed:
+                continue
+            if not conn.ready and now - conn.opened > self.hello_timeout:
+                conn.fail(ProtocolError(f"no handshake within {self.hello_timeout}s "
+                                        "(hello_timeout)"))
                 continue
             received = conn.decoder.bytes_in
             if received == conn.seen_in:
@@ -939,15 +970,39 @@ class Node:
             conn.seen_out = conn.bytes_out
         if core.claims:
             self._push_unclaimed(self._loop.time())
+        if core.asked and self.claim_timeout is not None:
+            horizon = now - self.claim_timeout
+            core.asked = {k: t for k, t in core.asked.items() if t >= horizon}
         # A step's table is made on first use; dropping the empty ones keeps finished steps
         # from piling up (a later use of the step makes a new one).
         empty = [step for step, table in core.tables.items() if table.empty()]
         for step in empty:
             del core.tables[step]
+            self._idle_since.pop(step, None)
+        if self.step_idle is not None:
+            self._expire_idle_steps(now)
         for peer in core.peers.values():
             if peer.owed > 0:  # a batch below a quarter window still goes back when idle
                 core.flush_credit_now(peer)
         self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
+
+    def _expire_idle_steps(self, now: float) -> None:
+        """Drop the tables of steps nothing touched for ``step_idle`` seconds (a peer that
+        opened steps and never cleaned them up cannot keep them forever)."""
+        assert self.step_idle is not None
+        seen = self._idle_since
+        for step, table in list(self._core.tables.items()):
+            if step == 0:
+                continue
+            mark = (table.stamp, table.puts)
+            last = seen.get(step)
+            if last is None or last[0] != mark:
+                seen[step] = (mark, now)
+            elif now - last[1] >= self.step_idle:
+                del seen[step]
+                message = f"step {step} expired after {self.step_idle}s without activity"
+                log.info("%s: %s", self.name, message)
+                self._drop_table(step, message, None)
 
     def _push_held(self) -> list[Any]:
         """At close: push every Recv-Driven value still held to its consumer."""
@@ -971,13 +1026,18 @@ class Node:
         core = self._core
         claims = core.claims
         while claims and claims[0][0] <= now:
-            _, step, key = claims.popleft()
+            deadline, step, key = claims.popleft()
             table = core.tables.get(step)
             if table is None or table.aborted or not table.queued(key):
                 continue
+            asked = core.asked.get((step, key))
+            if asked is not None and asked >= deadline - self.claim_timeout:
+                continue  # its consumer is pulling this key: it will ask for this one too
+            route = core.route(key)
+            if route.peer is None or not route.peer.live_connections():
+                continue  # not connected (lost?): it stays held for the consumer to ask
             value = table.take(key)
             core.released_held(nbytes_of(value))
-            route = core.route(key)
             value, code, shape, nbytes = _codec.describe(value)
             peer = core.peer(route.dst)
             log.info("%s: pushing unclaimed %s to %s after %ss", self.name, key, peer.name,
@@ -998,7 +1058,7 @@ class Node:
             task_id = (str(fields["job"]), int(fields["task"]))
             incarnation = int(fields["inc"])
             order = fields.get("order", "little")
-            window = int(fields.get("win", self.push_window))
+            window = int(fields.get("win", self.push_window))  # its push_window option
             nonce = fields.get("n", b"")
         except (KeyError, TypeError, ValueError, OverflowError):
             raise ProtocolError(f"HELLO is missing fields or has malformed ones: {fields!r}") from None
@@ -1060,8 +1120,12 @@ class Node:
     def _accept_peer(self, conn: Connection) -> None:
         """The handshake is complete: bind the connection to its peer and open it."""
         incarnation, window, _, fields = conn.hello
+        window = min(window, self.push_window)
         peer = conn.peer
         if not conn.outbound:
+            if len([c for c in peer.inbound if not c.closed]) >= _MAX_INBOUND_PER_PEER:
+                raise ProtocolError(f"{peer.name} opened more than {_MAX_INBOUND_PER_PEER} "
+                                    "connections")
             peer.inbound.add(conn)
         if self._onesided is not None:  # agree on the transport; TransportError fails conn
             self._onesided.on_hello(conn, fields)
@@ -1069,6 +1133,14 @@ class Node:
             err = PeerLost(f"peer {peer.name} restarted (new incarnation)")
             err.__cause__ = ConnectionResetError(f"{peer.name} restarted")
             self._peer_lost(peer, err, keep=conn)
+        if peer.incarnation != incarnation:  # a new process: nothing of the old one counts
+            peer.unreturned = 0
+            peer.owed = 0
+            peer.window = window
+            peer.credit = window
+        elif window != peer.window:
+            peer.credit += window - peer.window
+            peer.window = window
         peer.incarnation = incarnation
         peer.mode = str(fields.get("mode", ""))
         conn.ready = True

@@ -3,6 +3,14 @@
 ``scripts/test`` runs the suite twice: once on the compiled hot paths and once with
 ``RVZ_NO_EXTENSIONS=1``.  ``RVZ_EXPECT_IMPL`` says which one must have loaded (see
 test_implementation.py), so a build that silently fell back to Python fails.
+
+``async def test_...`` functions are run by pytest-asyncio (``asyncio_mode = "auto"``), once
+on each loop of ``LOOPS``: the ``pytest_asyncio_loop_factories`` hook below gives the loops
+(``@pytest.mark.asyncio(loop_factories=["uvloop"])`` picks one).  Each such test first checks
+that it runs on the loop it was given, and its coroutine is bounded by
+``@pytest.mark.loop_timeout(seconds)`` (default ``LOOP_TIMEOUT``), as ``run`` bounds its
+coroutine; pytest-timeout still bounds the whole test.  Synchronous tests that need a loop
+use the ``run`` fixture, which is parametrized over ``LOOPS`` by ``loop_name``.
 """
 
 from __future__ import annotations
@@ -12,10 +20,12 @@ import contextlib
 import functools
 import inspect
 import os
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
 import rvz
 
@@ -31,6 +41,58 @@ def expected_implementation() -> str:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"rvz implementation: {rvz.implementation()} (expected {expected_implementation()})"
+
+
+# -- async tests (pytest-asyncio) ---------------------------------------------------------
+
+# How long an async test's coroutine may run on its loop unless marked: what ``run`` gives.
+LOOP_TIMEOUT = 30.0
+
+# The name each loop was made under, so a test can check it runs on the loop it was given.
+_given_loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, str] = weakref.WeakKeyDictionary()
+
+
+def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    def new_loop() -> asyncio.AbstractEventLoop:
+        loop = rvz.new_event_loop(name)  # type: ignore[arg-type]
+        _given_loops[loop] = name
+        return loop
+
+    return new_loop
+
+
+LOOP_FACTORIES = {name: _loop_factory(name) for name in LOOPS}
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config,
+                                  item: pytest.Item) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Every async test runs once per loop; its id names the loop, like ``loop_name``'s."""
+    return LOOP_FACTORIES
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "loop_timeout(seconds): bound on an async test's coroutine, "
+                                       f"TimeoutError after it (default {LOOP_TIMEOUT:g} s)")
+
+
+def _on_given_loop(test: Callable[..., Coroutine[Any, Any, None]],
+                   seconds: float) -> Callable[..., Coroutine[Any, Any, None]]:
+    @functools.wraps(test)
+    async def bounded(**kwargs: Any) -> None:
+        given = _given_loops.get(asyncio.get_running_loop())
+        assert given is not None, "the test's loop was not made by pytest_asyncio_loop_factories"
+        assert rvz.loop_name() == given, f"runs on {rvz.loop_name()}, was given {given}"
+        await asyncio.wait_for(test(**kwargs), seconds)
+
+    return bounded
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if pytest_asyncio.is_async_test(item):
+            marker = item.get_closest_marker("loop_timeout")
+            seconds = float(marker.args[0]) if marker else LOOP_TIMEOUT
+            item.obj = _on_given_loop(item.obj, seconds)
 
 
 @pytest.fixture(params=LOOPS)

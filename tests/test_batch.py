@@ -72,41 +72,37 @@ async def nothing_more(node: rvz.Node, k: Any, **kw: Any) -> None:
 
 @pytest.mark.parametrize("consumer_first", [False, True])
 @pytest.mark.parametrize("mode", MODES)
-def test_fifo_with_repeated_keys(run, cluster, mode, consumer_first) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        a, b = key("a"), key("b")
-        items = [(a, v(0)), (b, v(10)), (a, v(1)), (b, v(11)), (a, v(2)), (a, v(3)), (b, v(12))]
-        keys = [a, b, a, a, b, a, b]
-        async with pair(cluster, mode) as (w, p):
-            if consumer_first:
-                batch = await pending(p.recv_many(keys, timeout=10))
-                assert await w.send_many(items) is None
-                got = await batch
-            else:
-                assert await w.send_many(items) is None
-                got = await p.recv_many(keys, timeout=10)
-            assert isinstance(got, list)
-            assert ints(got) == [0, 10, 1, 2, 11, 3, 12]
-            await nothing_more(p, a)
-            await nothing_more(p, b)
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_fifo_with_repeated_keys(cluster, mode, consumer_first) -> None:  # type: ignore[no-untyped-def]
+    a, b = key("a"), key("b")
+    items = [(a, v(0)), (b, v(10)), (a, v(1)), (b, v(11)), (a, v(2)), (a, v(3)), (b, v(12))]
+    keys = [a, b, a, a, b, a, b]
+    async with pair(cluster, mode) as (w, p):
+        if consumer_first:
+            batch = await pending(p.recv_many(keys, timeout=10))
+            assert await w.send_many(items) is None
+            got = await batch
+        else:
+            assert await w.send_many(items) is None
+            got = await p.recv_many(keys, timeout=10)
+        assert isinstance(got, list)
+        assert ints(got) == [0, 10, 1, 2, 11, 3, 12]
+        await nothing_more(p, a)
+        await nothing_more(p, b)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_batch_is_served_before_later_recvs_of_its_keys(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.loop_timeout(15)
+async def test_a_batch_is_served_before_later_recvs_of_its_keys(cluster, mode) -> None:  # type: ignore[no-untyped-def]
     # FIFO among receivers: a batch waits on all of its keys from the start, so a recv issued
     # after it gets the next value of a key, not the batch's.
-    async def main() -> None:
-        a, b = key("a"), key("b")
-        async with pair(cluster, mode) as (w, p):
-            batch = await pending(p.recv_many([a, b], timeout=10))
-            later = await pending(p.recv(b, timeout=10))
-            await w.send_many([(b, v(10)), (b, v(11)), (a, v(0))])
-            assert ints(await batch) == [0, 10]
-            assert int((await later)[0]) == 11
-
-    run(main(), timeout=15)
+    a, b = key("a"), key("b")
+    async with pair(cluster, mode) as (w, p):
+        batch = await pending(p.recv_many([a, b], timeout=10))
+        later = await pending(p.recv(b, timeout=10))
+        await w.send_many([(b, v(10)), (b, v(11)), (a, v(0))])
+        assert ints(await batch) == [0, 10]
+        assert int((await later)[0]) == 11
 
 
 VALUE_DTYPES = [np.bool_, np.int8, np.uint16, np.int32, np.int64, np.float32, np.float64,
@@ -129,72 +125,66 @@ def small_values(n: int) -> list[Any]:
 
 @pytest.mark.parametrize("consumer_first", [False, True])
 @pytest.mark.parametrize("mode", MODES)
-def test_a_thousand_small_arrays_round_trip_exactly(run, cluster, mode, consumer_first) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        values = small_values(1000)
-        keys = [key(f"k{i % 10}") for i in range(1000)]   # 10 keys, 100 values each
-        async with pair(cluster, mode) as (w, p):
-            if consumer_first:
-                batch = await pending(p.recv_many(keys, timeout=20))
-                await w.send_many(zip(keys, values, strict=True))   # any iterable of pairs
-                got = await batch
+@pytest.mark.loop_timeout(30)
+async def test_a_thousand_small_arrays_round_trip_exactly(cluster, mode, consumer_first) -> None:  # type: ignore[no-untyped-def]
+    values = small_values(1000)
+    keys = [key(f"k{i % 10}") for i in range(1000)]   # 10 keys, 100 values each
+    async with pair(cluster, mode) as (w, p):
+        if consumer_first:
+            batch = await pending(p.recv_many(keys, timeout=20))
+            await w.send_many(zip(keys, values, strict=True))   # any iterable of pairs
+            got = await batch
+        else:
+            await w.send_many(list(zip(keys, values, strict=True)))
+            got = await p.recv_many(keys, timeout=20)
+        assert len(got) == len(values)
+        for i, (sent, came) in enumerate(zip(values, got, strict=True)):
+            if isinstance(sent, bytes):
+                assert type(came) is bytes and came == sent, i
             else:
-                await w.send_many(list(zip(keys, values, strict=True)))
-                got = await p.recv_many(keys, timeout=20)
-            assert len(got) == len(values)
-            for i, (sent, came) in enumerate(zip(values, got, strict=True)):
-                if isinstance(sent, bytes):
-                    assert type(came) is bytes and came == sent, i
-                else:
-                    assert came.dtype == sent.dtype and came.shape == sent.shape, i
-                    np.testing.assert_array_equal(came, sent, err_msg=f"value {i}")
-
-    run(main(), timeout=30)
+                assert came.dtype == sent.dtype and came.shape == sent.shape, i
+                np.testing.assert_array_equal(came, sent, err_msg=f"value {i}")
 
 
-def test_empty_batches(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, "recv") as (w, p):
-            assert await w.send_many([]) is None
-            assert await w.send_many(iter(())) is None
-            assert await p.recv_many([]) == []
-            assert await p.recv_many([], timeout=0.1) == []   # nothing to wait for
-            assert await w.step(2).send_many([]) is None
-            assert await p.step(2).recv_many([]) == []
-            # and the nodes work as before
-            await w.send_many([(key(), v(1))])
-            assert ints(await p.recv_many([key()], timeout=5)) == [1]
-        rv = rvz.Rendezvous()
-        assert rv.send_many([]) is None
-        assert await rv.recv_many([]) == []
-        assert rv.pending(key()) == (0, 0)
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_empty_batches(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, "recv") as (w, p):
+        assert await w.send_many([]) is None
+        assert await w.send_many(iter(())) is None
+        assert await p.recv_many([]) == []
+        assert await p.recv_many([], timeout=0.1) == []   # nothing to wait for
+        assert await w.step(2).send_many([]) is None
+        assert await p.step(2).recv_many([]) == []
+        # and the nodes work as before
+        await w.send_many([(key(), v(1))])
+        assert ints(await p.recv_many([key()], timeout=5)) == [1]
+    rv = rvz.Rendezvous()
+    assert rv.send_many([]) is None
+    assert await rv.recv_many([]) == []
+    assert rv.pending(key()) == (0, 0)
 
 
-def test_per_call_mode_overrides(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        keys = [key("x"), key("y"), key("x")]
-        items = [(k, v(i)) for i, k in enumerate(keys)]
-        # Recv-Driven nodes, pushed batch: the consumer waits locally (nothing is requested),
-        # so it gets the values only if send_many really pushed them.
-        async with pair(cluster, "recv", claim_timeout=None) as (w, p):
-            await w.send_many(items, mode="send")
-            assert ints(await p.recv_many(keys, mode="send", timeout=5)) == [0, 1, 2]
-            await w.step(4).send_many(items, mode="send")
-            assert ints(await p.step(4).recv_many(keys, mode="send", timeout=5)) == [0, 1, 2]
-        # Send-Driven nodes, held batch, fetched by a Recv-Driven batch.
-        async with pair(cluster, "send", claim_timeout=None) as (w, p):
-            await w.send_many(items, mode="recv")
-            assert ints(await p.recv_many(keys, mode="recv", timeout=5)) == [0, 1, 2]
-            await w.step(4).send_many(items, mode="recv")
-            assert ints(await p.step(4).recv_many(keys, mode="recv", timeout=5)) == [0, 1, 2]
-            with pytest.raises(ValueError):
-                await w.send_many(items, mode="push")
-            with pytest.raises(ValueError):
-                await p.recv_many(keys, mode="push", timeout=1)
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_per_call_mode_overrides(cluster) -> None:  # type: ignore[no-untyped-def]
+    keys = [key("x"), key("y"), key("x")]
+    items = [(k, v(i)) for i, k in enumerate(keys)]
+    # Recv-Driven nodes, pushed batch: the consumer waits locally (nothing is requested),
+    # so it gets the values only if send_many really pushed them.
+    async with pair(cluster, "recv", claim_timeout=None) as (w, p):
+        await w.send_many(items, mode="send")
+        assert ints(await p.recv_many(keys, mode="send", timeout=5)) == [0, 1, 2]
+        await w.step(4).send_many(items, mode="send")
+        assert ints(await p.step(4).recv_many(keys, mode="send", timeout=5)) == [0, 1, 2]
+    # Send-Driven nodes, held batch, fetched by a Recv-Driven batch.
+    async with pair(cluster, "send", claim_timeout=None) as (w, p):
+        await w.send_many(items, mode="recv")
+        assert ints(await p.recv_many(keys, mode="recv", timeout=5)) == [0, 1, 2]
+        await w.step(4).send_many(items, mode="recv")
+        assert ints(await p.step(4).recv_many(keys, mode="recv", timeout=5)) == [0, 1, 2]
+        with pytest.raises(ValueError):
+            await w.send_many(items, mode="push")
+        with pytest.raises(ValueError):
+            await p.recv_many(keys, mode="push", timeout=1)
 
 
 # -- several peers and local keys in one call --------------------------------------------------
@@ -216,38 +206,36 @@ TRIO_MODES = [("recv", "recv", "recv"), ("send", "send", "send"), ("recv", "send
 
 
 @pytest.mark.parametrize("modes", TRIO_MODES, ids=["-".join(m) for m in TRIO_MODES])
-def test_keys_of_two_peers_and_local_keys_in_one_call(run, modes) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        x = key("x")                              # worker/0 -> ps/0
-        y = key("y", src=WORKER1)                 # worker/1 -> ps/0
-        lo = local("lo")                          # ps/0 -> ps/0
-        across = key("across", dst=WORKER1)       # worker/0 -> worker/1
-        mine = key("mine", dst=WORKER)            # worker/0 -> worker/0
-        async with trio(modes) as (w0, w1, p):
-            # one send_many to three destinations: ps/0, worker/1 and worker/0 itself
-            await w0.send_many([(x, v(0)), (across, v(7)), (mine, v(8))])
-            batch = await pending(p.recv_many([x, lo, y, str(x), lo, y], timeout=10))
-            await w0.send_many([(x, v(1))])
-            await w1.send_many([(y, v(100)), (y, v(101))])
-            await p.send_many([(lo, v(50)), (lo, v(51))])
-            assert ints(await batch) == [0, 50, 100, 1, 51, 101]
-            assert ints(await w1.recv_many([across], timeout=5)) == [7]
-            assert ints(await w0.recv_many([mine], timeout=5)) == [8]
+@pytest.mark.loop_timeout(20)
+async def test_keys_of_two_peers_and_local_keys_in_one_call(modes) -> None:  # type: ignore[no-untyped-def]
+    x = key("x")                              # worker/0 -> ps/0
+    y = key("y", src=WORKER1)                 # worker/1 -> ps/0
+    lo = local("lo")                          # ps/0 -> ps/0
+    across = key("across", dst=WORKER1)       # worker/0 -> worker/1
+    mine = key("mine", dst=WORKER)            # worker/0 -> worker/0
+    async with trio(modes) as (w0, w1, p):
+        # one send_many to three destinations: ps/0, worker/1 and worker/0 itself
+        await w0.send_many([(x, v(0)), (across, v(7)), (mine, v(8))])
+        batch = await pending(p.recv_many([x, lo, y, str(x), lo, y], timeout=10))
+        await w0.send_many([(x, v(1))])
+        await w1.send_many([(y, v(100)), (y, v(101))])
+        await p.send_many([(lo, v(50)), (lo, v(51))])
+        assert ints(await batch) == [0, 50, 100, 1, 51, 101]
+        assert ints(await w1.recv_many([across], timeout=5)) == [7]
+        assert ints(await w0.recv_many([mine], timeout=5)) == [8]
 
-            # a partial timeout across both peers: everything delivered is still there
-            never = key("never", src=WORKER1)
-            await w0.send(x, v(2))
-            await w1.send(y, v(102))
-            await p.send(lo, v(52))
-            with pytest.raises(TimeoutError):
-                await p.recv_many([y, x, lo, never, x], timeout=0.3)
-            await w0.send(x, v(3))
-            assert await drain(p, x, 2) == [2, 3]
-            assert await drain(p, y, 1) == [102]
-            assert await drain(p, lo, 1) == [52]
-            await nothing_more(p, x)
-
-    run(main(), timeout=20)
+        # a partial timeout across both peers: everything delivered is still there
+        never = key("never", src=WORKER1)
+        await w0.send(x, v(2))
+        await w1.send(y, v(102))
+        await p.send(lo, v(52))
+        with pytest.raises(TimeoutError):
+            await p.recv_many([y, x, lo, never, x], timeout=0.3)
+        await w0.send(x, v(3))
+        assert await drain(p, x, 2) == [2, 3]
+        assert await drain(p, y, 1) == [102]
+        assert await drain(p, lo, 1) == [52]
+        await nothing_more(p, x)
 
 
 # -- a batch that times out or is cancelled ----------------------------------------------------
@@ -255,140 +243,130 @@ def test_keys_of_two_peers_and_local_keys_in_one_call(run, modes) -> None:  # ty
 
 @pytest.mark.parametrize("how", ["timeout", "cancel"])
 @pytest.mark.parametrize("mode", MODES)
-def test_interrupted_recv_many_loses_nothing(run, cluster, mode, how) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        a, b, never, marker = key("a"), key("b"), key("never"), key("marker")
-        async with pair(cluster, mode) as (w, p):
-            await w.send_many([(a, v(0)), (a, v(1)), (b, v(10))])
-            batch = await pending(p.recv_many([a, b, a, a, never], timeout=0.5 if how == "timeout"
-                                              else 10))
-            await w.send(a, v(2))   # the batch's third value of a, delivered while it waits
-            await w.send(a, v(3))   # one more than the batch asked for
-            # Everything sent so far has reached ps/0 once the marker has (one ordered stream).
-            await w.send(marker, v(0))
-            await p.recv(marker, timeout=5)
-            await settle()
-            if how == "timeout":
-                with pytest.raises(TimeoutError) as info:
-                    await batch
-                assert type(info.value) is TimeoutError
-                assert str(never) in str(info.value)
+@pytest.mark.loop_timeout(20)
+async def test_interrupted_recv_many_loses_nothing(cluster, mode, how) -> None:  # type: ignore[no-untyped-def]
+    a, b, never, marker = key("a"), key("b"), key("never"), key("marker")
+    async with pair(cluster, mode) as (w, p):
+        await w.send_many([(a, v(0)), (a, v(1)), (b, v(10))])
+        batch = await pending(p.recv_many([a, b, a, a, never], timeout=0.5 if how == "timeout"
+                                          else 10))
+        await w.send(a, v(2))   # the batch's third value of a, delivered while it waits
+        await w.send(a, v(3))   # one more than the batch asked for
+        # Everything sent so far has reached ps/0 once the marker has (one ordered stream).
+        await w.send(marker, v(0))
+        await p.recv(marker, timeout=5)
+        await settle()
+        if how == "timeout":
+            with pytest.raises(TimeoutError) as info:
+                await batch
+            assert type(info.value) is TimeoutError
+            assert str(never) in str(info.value)
+        else:
+            batch.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await batch
+        # every value is there once, in the order it was sent
+        assert await drain(p, a, 4) == [0, 1, 2, 3]
+        assert await drain(p, b, 1) == [10]
+        await nothing_more(p, a)
+        # and no waiter of the batch is left to swallow a later value
+        await w.send_many([(never, v(99)), (a, v(4))])
+        assert ints(await p.recv_many([never, a], timeout=5)) == [99, 4]
+
+
+@pytest.mark.loop_timeout(15)
+async def test_failed_batches_do_not_leak_push_credit(cluster) -> None:  # type: ignore[no-untyped-def]
+    # Send-Driven: a value a failed batch gives back is consumed later, by a plain recv, and
+    # its credit must then return to the producer: 12 rounds push 3x the window.
+    a, never = key("a"), key("never")
+    async with pair(cluster, "send", worker={"push_window": 64 << 10}) as (w, p):
+        for i in range(12):
+            await w.send(a, np.full(16 << 10, i, np.uint8), timeout=5)
+            if i % 2:
+                with pytest.raises(TimeoutError):
+                    await p.recv_many([a, never], timeout=0.05)
             else:
+                batch = await pending(p.recv_many([never, a], timeout=5), 0.05)
                 batch.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await batch
-            # every value is there once, in the order it was sent
-            assert await drain(p, a, 4) == [0, 1, 2, 3]
-            assert await drain(p, b, 1) == [10]
-            await nothing_more(p, a)
-            # and no waiter of the batch is left to swallow a later value
-            await w.send_many([(never, v(99)), (a, v(4))])
-            assert ints(await p.recv_many([never, a], timeout=5)) == [99, 4]
-
-    run(main(), timeout=20)
-
-
-def test_failed_batches_do_not_leak_push_credit(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    # Send-Driven: a value a failed batch gives back is consumed later, by a plain recv, and
-    # its credit must then return to the producer: 12 rounds push 3x the window.
-    async def main() -> None:
-        a, never = key("a"), key("never")
-        async with pair(cluster, "send", worker={"push_window": 64 << 10}) as (w, p):
-            for i in range(12):
-                await w.send(a, np.full(16 << 10, i, np.uint8), timeout=5)
-                if i % 2:
-                    with pytest.raises(TimeoutError):
-                        await p.recv_many([a, never], timeout=0.05)
-                else:
-                    batch = await pending(p.recv_many([never, a], timeout=5), 0.05)
-                    batch.cancel()
-                    with pytest.raises(asyncio.CancelledError):
-                        await batch
-                assert int((await p.recv(a, timeout=5))[0]) == i
-
-    run(main(), timeout=15)
+            assert int((await p.recv(a, timeout=5))[0]) == i
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_cancel_after_the_batch_was_complete_gives_every_value_back(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        l1, l2 = local("l1"), local("l2")
-        async with pair(cluster, mode) as (_, p):
-            batch = await pending(p.recv_many([l1, l2, l1], timeout=10))
-            await p.send(l1, v(1))
-            await p.send(l2, v(2))
-            await p.send(l1, v(3))
-            await p.send(l1, v(4))
-            # The batch has all its values but has not run yet: cancelling it now must not
-            # drop them (a local send does not suspend, so the batch did not run meanwhile).
-            if batch.cancel():
-                with pytest.raises(asyncio.CancelledError):
-                    await batch
-                assert await drain(p, l1, 3) == [1, 3, 4]
-                assert await drain(p, l2, 1) == [2]
-            else:  # a send suspended and the batch finished first: it got the first values
-                assert ints(batch.result()) == [1, 2, 3]
-                assert await drain(p, l1, 1) == [4]
-            await nothing_more(p, l1)
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_cancel_after_the_batch_was_complete_gives_every_value_back(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    l1, l2 = local("l1"), local("l2")
+    async with pair(cluster, mode) as (_, p):
+        batch = await pending(p.recv_many([l1, l2, l1], timeout=10))
+        await p.send(l1, v(1))
+        await p.send(l2, v(2))
+        await p.send(l1, v(3))
+        await p.send(l1, v(4))
+        # The batch has all its values but has not run yet: cancelling it now must not
+        # drop them (a local send does not suspend, so the batch did not run meanwhile).
+        if batch.cancel():
+            with pytest.raises(asyncio.CancelledError):
+                await batch
+            assert await drain(p, l1, 3) == [1, 3, 4]
+            assert await drain(p, l2, 1) == [2]
+        else:  # a send suspended and the batch finished first: it got the first values
+            assert ints(batch.result()) == [1, 2, 3]
+            assert await drain(p, l1, 1) == [4]
+        await nothing_more(p, l1)
 
 
 # -- abort, step clean-up, a lost peer ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_node_abort_mid_batch(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, mode) as (w, p):
-            await w.send(key("a"), v(0))
-            await p.send(local(), v(5))
-            batch = await pending(p.recv_many([key("a"), local(), key("never")], timeout=10))
-            cause = RuntimeError("the real reason")
-            p.abort(cause)
-            with pytest.raises(rvz.Aborted) as info:
-                await batch
-            assert info.value.__cause__ is cause
-            with pytest.raises(rvz.Aborted) as info:
-                await p.recv_many([key("a")], timeout=1)
-            assert info.value.__cause__ is cause
-            with pytest.raises(rvz.Aborted):
-                await p.send_many([(back(), v(1))])
-            with pytest.raises(rvz.Aborted):
-                await p.step(3).recv_many([local()], timeout=1)
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_node_abort_mid_batch(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, mode) as (w, p):
+        await w.send(key("a"), v(0))
+        await p.send(local(), v(5))
+        batch = await pending(p.recv_many([key("a"), local(), key("never")], timeout=10))
+        cause = RuntimeError("the real reason")
+        p.abort(cause)
+        with pytest.raises(rvz.Aborted) as info:
+            await batch
+        assert info.value.__cause__ is cause
+        with pytest.raises(rvz.Aborted) as info:
+            await p.recv_many([key("a")], timeout=1)
+        assert info.value.__cause__ is cause
+        with pytest.raises(rvz.Aborted):
+            await p.send_many([(back(), v(1))])
+        with pytest.raises(rvz.Aborted):
+            await p.step(3).recv_many([local()], timeout=1)
 
 
 @pytest.mark.parametrize("by", ["consumer", "producer"])
 @pytest.mark.parametrize("mode", MODES)
-def test_step_cleanup_mid_batch(run, cluster, mode, by) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        a, never = key("a"), key("never")
-        async with pair(cluster, mode) as (w, p):
-            ws, ps = w.step(7), p.step(7)
-            await ws.send_many([(a, v(0))])
-            assert ints(await ps.recv_many([a], timeout=5)) == [0]   # both nodes are in step 7
-            await ws.send_many([(a, v(1))])
-            batch = await pending(ps.recv_many([a, never, a], timeout=10))
-            on_w = await pending(ws.recv_many([back("z"), back("z")], timeout=10))
-            other = await pending(p.step(8).recv_many([a, a], timeout=10))
-            await w.send(a, v(80))                   # step 0 is not affected either
-            await (ps if by == "consumer" else ws).cleanup("step 7 failed on purpose")
-            for task in (batch, on_w):   # on both nodes
-                with pytest.raises(rvz.Aborted) as info:
-                    await task
-                assert "step 7 failed on purpose" in str(info.value)
-            with pytest.raises(rvz.Aborted):
-                await ps.recv_many([a], timeout=1)
-            with pytest.raises(rvz.Aborted):
-                await ws.send_many([(a, v(2))])
-            assert not other.done()
-            await w.step(8).send_many([(a, v(8)), (a, v(9))])
-            assert ints(await other) == [8, 9]
-            assert ints(await p.recv_many([a], timeout=5)) == [80]
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_step_cleanup_mid_batch(cluster, mode, by) -> None:  # type: ignore[no-untyped-def]
+    a, never = key("a"), key("never")
+    async with pair(cluster, mode) as (w, p):
+        ws, ps = w.step(7), p.step(7)
+        await ws.send_many([(a, v(0))])
+        assert ints(await ps.recv_many([a], timeout=5)) == [0]   # both nodes are in step 7
+        await ws.send_many([(a, v(1))])
+        batch = await pending(ps.recv_many([a, never, a], timeout=10))
+        on_w = await pending(ws.recv_many([back("z"), back("z")], timeout=10))
+        other = await pending(p.step(8).recv_many([a, a], timeout=10))
+        await w.send(a, v(80))                   # step 0 is not affected either
+        await (ps if by == "consumer" else ws).cleanup("step 7 failed on purpose")
+        for task in (batch, on_w):   # on both nodes
+            with pytest.raises(rvz.Aborted) as info:
+                await task
+            assert "step 7 failed on purpose" in str(info.value)
+        with pytest.raises(rvz.Aborted):
+            await ps.recv_many([a], timeout=1)
+        with pytest.raises(rvz.Aborted):
+            await ws.send_many([(a, v(2))])
+        assert not other.done()
+        await w.step(8).send_many([(a, v(8)), (a, v(9))])
+        assert ints(await other) == [8, 9]
+        assert ints(await p.recv_many([a], timeout=5)) == [80]
 
 
 @contextlib.contextmanager
@@ -413,9 +391,10 @@ def peer_process(cluster: rvz.ClusterSpec, job: str, task: int, mode: str) -> It
                 pipe.close()
 
 
-def test_peer_lost_mid_batch_keeps_the_local_values(run, cluster) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.loop_timeout(20)
+async def test_peer_lost_mid_batch_keeps_the_local_values(cluster) -> None:  # type: ignore[no-untyped-def]
     # One peer process per loop: a Recv-Driven and a Send-Driven batch wait on it together.
-    async def main(proc: subprocess.Popen) -> None:
+    with peer_process(cluster, "worker", 0, "recv") as proc:
         settings = {**FAST, "peer_timeout": 1.0, "connect_timeout": 2.0}
         async with rvz.Node(cluster, "ps", 0, "recv", **settings) as p:
             l1, l2 = local("l1"), local("l2")
@@ -437,46 +416,41 @@ def test_peer_lost_mid_batch_keeps_the_local_values(run, cluster) -> None:  # ty
             assert await drain(p, l2, 3) == [10, 11, 12]
             await nothing_more(p, l1)
 
-    with peer_process(cluster, "worker", 0, "recv") as proc:
-        run(main(proc), timeout=20)
-
 
 # -- wrong endpoints ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_wrong_endpoint_before_anything_is_taken_or_sent(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        a, lo = key("a"), local()
-        stranger = key("stranger", src="/job:nope/replica:0/task:0/device:CPU:0")
-        lost = key("lost", dst="/job:ps/replica:0/task:9/device:CPU:0")
-        async with pair(cluster, mode) as (w, p):
-            await w.send(a, v(0))
-            await p.send(lo, v(5))
-            await settle()
-            # recv: the bad key comes last, after keys that have values
-            with pytest.raises(rvz.WrongEndpoint) as info:
-                await p.recv_many([lo, a, a, back("misrouted")], timeout=1)
-            assert str(back("misrouted")) in str(info.value)
-            with pytest.raises(rvz.WrongEndpoint):
-                await p.recv_many([lo, a, str(stranger)], timeout=1)
-            with pytest.raises(rvz.WrongEndpoint):
-                await p.step(3).recv_many([lo, back()], timeout=1)
-            assert ints(await p.recv_many([lo, a], timeout=5)) == [5, 0]
-            # send: nothing of the batch leaves, even from a generator
-            with pytest.raises(rvz.WrongEndpoint) as info:
-                await w.send_many([(a, v(1)), (a, v(2)), (back("misrouted"), v(3))])
-            assert str(back("misrouted")) in str(info.value)
-            with pytest.raises(rvz.WrongEndpoint):
-                await w.send_many((k, v(4)) for k in (a, lost))
-            with pytest.raises(rvz.WrongEndpoint):
-                await w.step(3).send_many([(a, v(6)), (back(), v(7))])
-            await nothing_more(p, a)
-            await nothing_more(p, a, step=3)
-            await w.send(a, v(9))
-            assert ints(await p.recv_many([a], timeout=5)) == [9]
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_wrong_endpoint_before_anything_is_taken_or_sent(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    a, lo = key("a"), local()
+    stranger = key("stranger", src="/job:nope/replica:0/task:0/device:CPU:0")
+    lost = key("lost", dst="/job:ps/replica:0/task:9/device:CPU:0")
+    async with pair(cluster, mode) as (w, p):
+        await w.send(a, v(0))
+        await p.send(lo, v(5))
+        await settle()
+        # recv: the bad key comes last, after keys that have values
+        with pytest.raises(rvz.WrongEndpoint) as info:
+            await p.recv_many([lo, a, a, back("misrouted")], timeout=1)
+        assert str(back("misrouted")) in str(info.value)
+        with pytest.raises(rvz.WrongEndpoint):
+            await p.recv_many([lo, a, str(stranger)], timeout=1)
+        with pytest.raises(rvz.WrongEndpoint):
+            await p.step(3).recv_many([lo, back()], timeout=1)
+        assert ints(await p.recv_many([lo, a], timeout=5)) == [5, 0]
+        # send: nothing of the batch leaves, even from a generator
+        with pytest.raises(rvz.WrongEndpoint) as info:
+            await w.send_many([(a, v(1)), (a, v(2)), (back("misrouted"), v(3))])
+        assert str(back("misrouted")) in str(info.value)
+        with pytest.raises(rvz.WrongEndpoint):
+            await w.send_many((k, v(4)) for k in (a, lost))
+        with pytest.raises(rvz.WrongEndpoint):
+            await w.step(3).send_many([(a, v(6)), (back(), v(7))])
+        await nothing_more(p, a)
+        await nothing_more(p, a, step=3)
+        await w.send(a, v(9))
+        assert ints(await p.recv_many([a], timeout=5)) == [9]
 
 
 # -- an interrupted send_many -----------------------------------------------------------------------
@@ -484,67 +458,63 @@ def test_wrong_endpoint_before_anything_is_taken_or_sent(run, cluster, mode) -> 
 
 @pytest.mark.parametrize("how", ["timeout", "cancel"])
 @pytest.mark.parametrize("mode", MODES)
-def test_interrupted_send_many_sent_a_prefix(run, cluster, mode, how) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.loop_timeout(20)
+async def test_interrupted_send_many_sent_a_prefix(cluster, mode, how) -> None:  # type: ignore[no-untyped-def]
     # Backpressure blocks the batch part way: Send-Driven on the push window (the consumer
     # does not recv), Recv-Driven on the hold limit (nobody fetches, nothing is pushed).
     limits = ({"push_window": 1 << 20} if mode == "send" else {"hold_limit": 1 << 20})
 
-    async def main() -> None:
-        k = key("chunks")
-        items = [(k, np.full(256 << 10, i, np.uint8)) for i in range(12)]   # 3 MiB in all
-        async with pair(cluster, mode, claim_timeout=None, worker=limits) as (w, p):
-            await w.send(key("warm-up"), v(0))     # connected: the batch can only block on limits
-            await p.recv(key("warm-up"), timeout=5)
-            if how == "timeout":
-                with pytest.raises(TimeoutError) as info:
-                    await w.send_many(items, timeout=0.2)
-                assert type(info.value) is TimeoutError
-            else:
-                batch = await pending(w.send_many(items), 0.2)
-                batch.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await batch
-            got = []
-            while True:
-                try:
-                    value = await p.recv(k, timeout=0.2)
-                except TimeoutError:
-                    break
-                assert int(value[0]) == int(value[-1])
-                got.append(int(value[0]))
-            assert 0 < len(got) < len(items), got
-            assert got == list(range(len(got)))
-            # the next send of the key comes right after that prefix
-            await w.send_many([(k, np.full(4, 200, np.uint8))])
-            assert (await p.recv(k, timeout=5)).tolist() == [200] * 4
-
-    run(main(), timeout=20)
+    k = key("chunks")
+    items = [(k, np.full(256 << 10, i, np.uint8)) for i in range(12)]   # 3 MiB in all
+    async with pair(cluster, mode, claim_timeout=None, worker=limits) as (w, p):
+        await w.send(key("warm-up"), v(0))     # connected: the batch can only block on limits
+        await p.recv(key("warm-up"), timeout=5)
+        if how == "timeout":
+            with pytest.raises(TimeoutError) as info:
+                await w.send_many(items, timeout=0.2)
+            assert type(info.value) is TimeoutError
+        else:
+            batch = await pending(w.send_many(items), 0.2)
+            batch.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await batch
+        got = []
+        while True:
+            try:
+                value = await p.recv(k, timeout=0.2)
+            except TimeoutError:
+                break
+            assert int(value[0]) == int(value[-1])
+            got.append(int(value[0]))
+        assert 0 < len(got) < len(items), got
+        assert got == list(range(len(got)))
+        # the next send of the key comes right after that prefix
+        await w.send_many([(k, np.full(4, 200, np.uint8))])
+        assert (await p.recv(k, timeout=5)).tolist() == [200] * 4
 
 
 # -- steps -------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_step_variants_are_separate_scopes(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        a, b = key("a"), key("b")
-        async with pair(cluster, mode) as (w, p):
-            s3 = w.step(3)
-            await s3.send_many([(a, v(30)), (b, v(31)), (a, v(32))])
-            await w.send_many([(a, v(0)), (b, v(1))])
-            await w.send_many([(a, v(40))], step=4)
-            assert ints(await p.step(4).recv_many([a], timeout=5)) == [40]
-            assert ints(await p.recv_many([b, a], timeout=5)) == [1, 0]
-            assert ints(await p.step(3).recv_many([a, a], timeout=5)) == [30, 32]
-            assert ints(await p.recv_many([b], step=3, timeout=5)) == [31]
-            # a Step's recv_many times out like the node's, and gives its values back
-            await s3.send_many([(a, v(33))])
-            with pytest.raises(TimeoutError):
-                await p.step(3).recv_many([a, b], timeout=0.3)
-            assert await drain(p, a, 1, step=3) == [33]
-            await nothing_more(p, a)
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_step_variants_are_separate_scopes(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    a, b = key("a"), key("b")
+    async with pair(cluster, mode) as (w, p):
+        s3 = w.step(3)
+        await s3.send_many([(a, v(30)), (b, v(31)), (a, v(32))])
+        await w.send_many([(a, v(0)), (b, v(1))])
+        await w.send_many([(a, v(40))], step=4)
+        assert ints(await p.step(4).recv_many([a], timeout=5)) == [40]
+        assert ints(await p.recv_many([b, a], timeout=5)) == [1, 0]
+        assert ints(await p.step(3).recv_many([a, a], timeout=5)) == [30, 32]
+        assert ints(await p.recv_many([b], step=3, timeout=5)) == [31]
+        # a Step's recv_many times out like the node's, and gives its values back
+        await s3.send_many([(a, v(33))])
+        with pytest.raises(TimeoutError):
+            await p.step(3).recv_many([a, b], timeout=0.3)
+        assert await drain(p, a, 1, step=3) == [33]
+        await nothing_more(p, a)
 
 
 # -- rvz.Rendezvous ------------------------------------------------------------------------------------
@@ -552,161 +522,145 @@ def test_step_variants_are_separate_scopes(run, cluster, mode) -> None:  # type:
 A, B = key("ra"), key("rb")
 
 
-def test_rendezvous_fifo_with_repeated_keys(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        assert rv.send_many([(A, "a0"), (B, "b0"), (A, "a1")]) is None   # never blocks
-        assert rv.pending(A) == (2, 0) and rv.pending(B) == (1, 0)
-        batch = asyncio.ensure_future(rv.recv_many([A, B, A, str(A), B]))
-        await settle()
-        assert not batch.done()
-        rv.send_many(((k, s) for k, s in [(B, "b1"), (A, "a2")]))
-        assert await asyncio.wait_for(batch, 5) == ["a0", "b0", "a1", "a2", "b1"]
-        assert rv.pending(A) == (0, 0) and rv.pending(B) == (0, 0)
-        assert await rv.recv_many([], timeout=0.1) == []
-
-    run(main(), timeout=5)
+@pytest.mark.loop_timeout(5)
+async def test_rendezvous_fifo_with_repeated_keys() -> None:
+    rv = rvz.Rendezvous()
+    assert rv.send_many([(A, "a0"), (B, "b0"), (A, "a1")]) is None   # never blocks
+    assert rv.pending(A) == (2, 0) and rv.pending(B) == (1, 0)
+    batch = asyncio.ensure_future(rv.recv_many([A, B, A, str(A), B]))
+    await settle()
+    assert not batch.done()
+    rv.send_many(((k, s) for k, s in [(B, "b1"), (A, "a2")]))
+    assert await asyncio.wait_for(batch, 5) == ["a0", "b0", "a1", "a2", "b1"]
+    assert rv.pending(A) == (0, 0) and rv.pending(B) == (0, 0)
+    assert await rv.recv_many([], timeout=0.1) == []
 
 
-def test_rendezvous_partial_timeout_gives_values_back_in_order(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        never = key("never")
-        rv.send(A, "a0")
-        batch = asyncio.ensure_future(rv.recv_many([A, B, A, never], timeout=0.2))
-        await settle()
-        rv.send(A, "a1")   # delivered to the waiting batch
-        rv.send(B, "b0")   # delivered to the waiting batch
-        rv.send(A, "a2")   # queued
-        with pytest.raises(TimeoutError) as info:
-            await batch
-        assert type(info.value) is TimeoutError
-        assert str(never) in str(info.value)
-        assert rv.pending(A) == (3, 0) and rv.pending(B) == (1, 0) and rv.pending(never) == (0, 0)
-        assert [await rv.recv(A) for _ in range(3)] == ["a0", "a1", "a2"]
-        assert await rv.recv(B) == "b0"
-
-    run(main(), timeout=5)
+@pytest.mark.loop_timeout(5)
+async def test_rendezvous_partial_timeout_gives_values_back_in_order() -> None:
+    rv = rvz.Rendezvous()
+    never = key("never")
+    rv.send(A, "a0")
+    batch = asyncio.ensure_future(rv.recv_many([A, B, A, never], timeout=0.2))
+    await settle()
+    rv.send(A, "a1")   # delivered to the waiting batch
+    rv.send(B, "b0")   # delivered to the waiting batch
+    rv.send(A, "a2")   # queued
+    with pytest.raises(TimeoutError) as info:
+        await batch
+    assert type(info.value) is TimeoutError
+    assert str(never) in str(info.value)
+    assert rv.pending(A) == (3, 0) and rv.pending(B) == (1, 0) and rv.pending(never) == (0, 0)
+    assert [await rv.recv(A) for _ in range(3)] == ["a0", "a1", "a2"]
+    assert await rv.recv(B) == "b0"
 
 
-def test_rendezvous_cancel_mid_batch_and_after_delivery(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        # cancelled while it waits for B, holding a0
-        rv.send(A, "a0")
-        batch = asyncio.ensure_future(rv.recv_many([A, B]))
-        await settle()
-        rv.send(A, "a1")
-        batch.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await batch
-        assert rv.pending(A) == (2, 0) and rv.pending(B) == (0, 0)
-        # cancelled after every value was delivered, before it ran
-        batch = asyncio.ensure_future(rv.recv_many([A, B, A, A]))
-        await settle()
-        rv.send_many([(B, "b0"), (A, "a2"), (A, "a3")])
-        assert batch.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await batch
-        assert rv.pending(A) == (4, 0) and rv.pending(B) == (1, 0)
-        assert await rv.recv_many([A, A, B, A, A]) == ["a0", "a1", "b0", "a2", "a3"]
-
-    run(main(), timeout=5)
+@pytest.mark.loop_timeout(5)
+async def test_rendezvous_cancel_mid_batch_and_after_delivery() -> None:
+    rv = rvz.Rendezvous()
+    # cancelled while it waits for B, holding a0
+    rv.send(A, "a0")
+    batch = asyncio.ensure_future(rv.recv_many([A, B]))
+    await settle()
+    rv.send(A, "a1")
+    batch.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await batch
+    assert rv.pending(A) == (2, 0) and rv.pending(B) == (0, 0)
+    # cancelled after every value was delivered, before it ran
+    batch = asyncio.ensure_future(rv.recv_many([A, B, A, A]))
+    await settle()
+    rv.send_many([(B, "b0"), (A, "a2"), (A, "a3")])
+    assert batch.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await batch
+    assert rv.pending(A) == (4, 0) and rv.pending(B) == (1, 0)
+    assert await rv.recv_many([A, A, B, A, A]) == ["a0", "a1", "b0", "a2", "a3"]
 
 
-def test_rendezvous_cancelled_batch_hands_values_to_the_next_waiter(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        batch = asyncio.ensure_future(rv.recv_many([A, B]))
-        await settle()
-        single = asyncio.ensure_future(rv.recv(A))
-        await settle()
-        rv.send(A, "a0")      # goes to the batch, which waits first
-        batch.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await batch
-        assert await asyncio.wait_for(single, 2) == "a0"
-        assert rv.pending(A) == (0, 0) and rv.pending(B) == (0, 0)
-
-    run(main(), timeout=5)
+@pytest.mark.loop_timeout(5)
+async def test_rendezvous_cancelled_batch_hands_values_to_the_next_waiter() -> None:
+    rv = rvz.Rendezvous()
+    batch = asyncio.ensure_future(rv.recv_many([A, B]))
+    await settle()
+    single = asyncio.ensure_future(rv.recv(A))
+    await settle()
+    rv.send(A, "a0")      # goes to the batch, which waits first
+    batch.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await batch
+    assert await asyncio.wait_for(single, 2) == "a0"
+    assert rv.pending(A) == (0, 0) and rv.pending(B) == (0, 0)
 
 
-def test_rendezvous_later_recv_waits_behind_a_batch(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        batch = asyncio.ensure_future(rv.recv_many([A, B]))
-        await settle()
-        later = asyncio.ensure_future(rv.recv(B))
-        await settle()
-        rv.send_many([(B, "b0"), (B, "b1"), (A, "a0")])
-        assert await asyncio.wait_for(batch, 2) == ["a0", "b0"]
-        assert await asyncio.wait_for(later, 2) == "b1"
-
-    run(main(), timeout=5)
+@pytest.mark.loop_timeout(5)
+async def test_rendezvous_later_recv_waits_behind_a_batch() -> None:
+    rv = rvz.Rendezvous()
+    batch = asyncio.ensure_future(rv.recv_many([A, B]))
+    await settle()
+    later = asyncio.ensure_future(rv.recv(B))
+    await settle()
+    rv.send_many([(B, "b0"), (B, "b1"), (A, "a0")])
+    assert await asyncio.wait_for(batch, 2) == ["a0", "b0"]
+    assert await asyncio.wait_for(later, 2) == "b1"
 
 
 @pytest.mark.parametrize("where", ["rendezvous", "node"])
-def test_two_failed_batches_give_values_back_in_fifo_order(run, cluster, where) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.loop_timeout(10)
+async def test_two_failed_batches_give_values_back_in_fifo_order(cluster, where) -> None:  # type: ignore[no-untyped-def]
     # Two batches each hold one value of a key while they wait for other keys.  Whichever
     # fails first, later recvs get the values in the order they were sent.
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        node = await rvz.Node(cluster, "ps", 0, **FAST).start()   # local keys only
-        try:
-            if where == "rendezvous":
-                recv_many, a, n1, n2 = rv.recv_many, A, key("n1"), key("n2")
-            else:
-                recv_many, a, n1, n2 = node.recv_many, local("a"), local("n1"), local("n2")
-            first = asyncio.ensure_future(recv_many([a, n1]))
-            await settle()
-            second = asyncio.ensure_future(recv_many([a, n2]))
-            await settle()
-            for value in (b"a0", b"a1"):
-                if where == "rendezvous":
-                    rv.send(a, value)
-                else:
-                    await node.send(a, value)
-            await settle()
-            first.cancel()         # holds a0: fails first
-            await settle()
-            second.cancel()        # holds a1
-            for task in (first, second):
-                with pytest.raises(asyncio.CancelledError):
-                    await task
-            assert await recv_many([a, a], timeout=5) == [b"a0", b"a1"]
-        finally:
-            node.abort()
-
-    run(main(), timeout=10)
-
-
-def test_rendezvous_abort_mid_batch(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        rv.send(A, "a0")
-        batch = asyncio.ensure_future(rv.recv_many([A, B]))
+    rv = rvz.Rendezvous()
+    node = await rvz.Node(cluster, "ps", 0, **FAST).start()   # local keys only
+    try:
+        if where == "rendezvous":
+            recv_many, a, n1, n2 = rv.recv_many, A, key("n1"), key("n2")
+        else:
+            recv_many, a, n1, n2 = node.recv_many, local("a"), local("n1"), local("n2")
+        first = asyncio.ensure_future(recv_many([a, n1]))
         await settle()
-        cause = ValueError("the root cause")
-        rv.abort(cause)
-        with pytest.raises(rvz.Aborted) as info:
-            await batch
-        assert info.value.__cause__ is cause
-        with pytest.raises(rvz.Aborted) as info:
-            await rv.recv_many([A])
-        assert info.value.__cause__ is cause
-        with pytest.raises(rvz.Aborted):
-            rv.send_many([(A, "late")])
+        second = asyncio.ensure_future(recv_many([a, n2]))
+        await settle()
+        for value in (b"a0", b"a1"):
+            if where == "rendezvous":
+                rv.send(a, value)
+            else:
+                await node.send(a, value)
+        await settle()
+        first.cancel()         # holds a0: fails first
+        await settle()
+        second.cancel()        # holds a1
+        for task in (first, second):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert await recv_many([a, a], timeout=5) == [b"a0", b"a1"]
+    finally:
+        node.abort()
 
-    run(main(), timeout=5)
+
+@pytest.mark.loop_timeout(5)
+async def test_rendezvous_abort_mid_batch() -> None:
+    rv = rvz.Rendezvous()
+    rv.send(A, "a0")
+    batch = asyncio.ensure_future(rv.recv_many([A, B]))
+    await settle()
+    cause = ValueError("the root cause")
+    rv.abort(cause)
+    with pytest.raises(rvz.Aborted) as info:
+        await batch
+    assert info.value.__cause__ is cause
+    with pytest.raises(rvz.Aborted) as info:
+        await rv.recv_many([A])
+    assert info.value.__cause__ is cause
+    with pytest.raises(rvz.Aborted):
+        rv.send_many([(A, "late")])
 
 
-def test_rendezvous_malformed_key_takes_nothing(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        rv.send(A, "a0")
-        with pytest.raises(rvz.KeyFormatError):
-            await rv.recv_many([A, "not;a;key"], timeout=1)
-        assert rv.pending(A) == (1, 0)
-        assert await rv.recv(A) == "a0"
-
-    run(main(), timeout=5)
+@pytest.mark.loop_timeout(5)
+async def test_rendezvous_malformed_key_takes_nothing() -> None:
+    rv = rvz.Rendezvous()
+    rv.send(A, "a0")
+    with pytest.raises(rvz.KeyFormatError):
+        await rv.recv_many([A, "not;a;key"], timeout=1)
+    assert rv.pending(A) == (1, 0)
+    assert await rv.recv(A) == "a0"

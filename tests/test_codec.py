@@ -18,7 +18,7 @@ import pytest
 import rvz
 from rvz import _impl
 
-from .conftest import in_loop, key
+from .conftest import key
 
 codec = _impl.codec
 HEADER = struct.Struct("<BBHIQ")
@@ -104,8 +104,7 @@ def raw_data(step: int, rid: int, k: bytes, code: int, shape: tuple, payload: by
 # -- round trips -------------------------------------------------------------------------------
 
 
-@in_loop
-def test_every_frame_type_round_trips() -> None:
+async def test_every_frame_type_round_trips() -> None:
     arr = np.arange(12, dtype=np.int32).reshape(3, 4)
     stream = b"".join([
         HELLO,
@@ -142,8 +141,7 @@ def test_every_frame_type_round_trips() -> None:
     assert dec.frames == 11 and dec.bytes_in == len(stream)
 
 
-@in_loop
-def test_max_u64_fields_round_trip() -> None:
+async def test_max_u64_fields_round_trip() -> None:
     top = (1 << 64) - 1
     stream = HELLO + codec.encode_request(top, top, KEYB) + data_frame(np.zeros(1), top, top)
     events = all_ways(stream)
@@ -176,8 +174,7 @@ DTYPE_VALUES = [
 
 
 @pytest.mark.parametrize("value", DTYPE_VALUES, ids=lambda v: f"{v.dtype}{list(v.shape)}")
-@in_loop
-def test_every_dtype_and_shape_round_trips(value: np.ndarray) -> None:
+async def test_every_dtype_and_shape_round_trips(value: np.ndarray) -> None:
     events = all_ways(HELLO + data_frame(value), seed=value.size)
     (_, step, rid, k, got) = events[1]
     assert (step, rid, k) == (1, 0, KEY)
@@ -189,15 +186,13 @@ def test_every_dtype_and_shape_round_trips(value: np.ndarray) -> None:
 
 @pytest.mark.parametrize("value", [b"", b"x", bytes(range(256)) * 3, bytearray(b"mutable"),
                                    memoryview(b"a view"), memoryview(bytes(range(10)))[::2]])
-@in_loop
-def test_bytes_values_round_trip(value: Any) -> None:
+async def test_bytes_values_round_trip(value: Any) -> None:
     events = all_ways(HELLO + data_frame(value))
     assert events[1][4] == bytes(value)
     assert type(feed(codec.Decoder(), HELLO + data_frame(value))[1][4]) is bytes
 
 
-@in_loop
-def test_non_contiguous_and_big_endian_input_are_sent_contiguous_little_endian() -> None:
+async def test_non_contiguous_and_big_endian_input_are_sent_contiguous_little_endian() -> None:
     base = np.arange(48, dtype=np.float64).reshape(6, 8)
     for value in [base[::2, 1::3], base.T, np.asfortranarray(base), base.astype(">f8"),
                   base.astype(">i4")[::-1]]:
@@ -208,8 +203,7 @@ def test_non_contiguous_and_big_endian_input_are_sent_contiguous_little_endian()
         np.testing.assert_array_equal(arr, value)
 
 
-@in_loop
-def test_contiguous_input_is_not_copied() -> None:
+async def test_contiguous_input_is_not_copied() -> None:
     value = np.arange(10.0)
     assert codec.describe(value)[0] is value
 
@@ -217,8 +211,7 @@ def test_contiguous_input_is_not_copied() -> None:
 @pytest.mark.parametrize("value", [np.array(["a", "b"]), np.array([b"a"]), np.array([{}, 1], dtype=object),
                                    np.zeros(2, dtype=[("a", "i4")]), np.zeros(2, "datetime64[s]"),
                                    [1, 2, 3], "text", 3.5, None])
-@in_loop
-def test_unsupported_values_are_refused_with_type_error(value: Any) -> None:
+async def test_unsupported_values_are_refused_with_type_error(value: Any) -> None:
     with pytest.raises(TypeError) as info:
         codec.describe(value)
     assert "rvz" in str(info.value)
@@ -227,8 +220,7 @@ def test_unsupported_values_are_refused_with_type_error(value: Any) -> None:
 # -- chunked decoding and zero copy ---------------------------------------------------------
 
 
-@in_loop
-def test_mixed_stream_decodes_the_same_in_any_chunking() -> None:
+async def test_mixed_stream_decodes_the_same_in_any_chunking() -> None:
     rng = np.random.default_rng(1)
     parts = [HELLO]
     for i in range(40):
@@ -243,8 +235,7 @@ def test_mixed_stream_decodes_the_same_in_any_chunking() -> None:
     assert len(events) == 1 + 40 * 3 + 6 + 1
 
 
-@in_loop
-def test_large_payload_lands_in_the_array_the_decoder_hands_out() -> None:
+async def test_large_payload_lands_in_the_array_the_decoder_hands_out() -> None:
     value = np.random.default_rng(0).standard_normal((512, 256)).astype(np.float32)  # 512 KiB
     frame = data_frame(value, step=3, request_id=4)
     hdr_len = len(frame) - value.nbytes
@@ -276,8 +267,7 @@ def test_large_payload_lands_in_the_array_the_decoder_hands_out() -> None:
     assert feed(dec, codec.encode_ping()) == [(codec.PING,)]
 
 
-@in_loop
-def test_small_payload_does_not_alias_the_staging_buffer() -> None:
+async def test_small_payload_does_not_alias_the_staging_buffer() -> None:
     value = np.arange(100, dtype=np.int64)
     dec = codec.Decoder()
     feed(dec, HELLO)
@@ -289,8 +279,7 @@ def test_small_payload_does_not_alias_the_staging_buffer() -> None:
     np.testing.assert_array_equal(arr, value)
 
 
-@in_loop
-def test_large_bytes_value() -> None:
+async def test_large_bytes_value() -> None:
     value = bytes(range(256)) * 1024  # 256 KiB
     events = all_ways(HELLO + data_frame(value) + codec.encode_ping(), seed=9)
     assert events[1][4] == value and events[2] == (codec.PING,)
@@ -339,8 +328,7 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("name", sorted(MALFORMED))
-@in_loop
-def test_malformed_frames_raise_protocol_error_and_decoder_stays_failed(name: str) -> None:
+async def test_malformed_frames_raise_protocol_error_and_decoder_stays_failed(name: str) -> None:
     data = MALFORMED[name]
     for chunks in (None, byte_by_byte(), random_chunks(5)):
         dec = codec.Decoder()
@@ -356,8 +344,7 @@ def test_malformed_frames_raise_protocol_error_and_decoder_stays_failed(name: st
             feed(dec, codec.encode_ping())
 
 
-@in_loop
-def test_payload_above_the_limit_is_refused() -> None:
+async def test_payload_above_the_limit_is_refused() -> None:
     dec = codec.Decoder(max_payload=1000)
     with pytest.raises(rvz.ProtocolError) as info:
         feed(dec, HELLO + data_frame(np.zeros(1001, np.uint8)))
@@ -366,16 +353,14 @@ def test_payload_above_the_limit_is_refused() -> None:
     assert len(feed(ok, HELLO + data_frame(np.zeros(1000, np.uint8)))) == 2
 
 
-@in_loop
-def test_mismatch_error_names_key_dtype_and_shape() -> None:
+async def test_mismatch_error_names_key_dtype_and_shape() -> None:
     with pytest.raises(rvz.ProtocolError) as info:
         feed(codec.Decoder(), MALFORMED["payload-shape-mismatch"])
     message = str(info.value)
     assert KEY in message and "float32" in message and "(4,)" in message
 
 
-@in_loop
-def test_encoder_limits() -> None:
+async def test_encoder_limits() -> None:
     with pytest.raises(ValueError):
         codec.encode_data(0, 0, b"k" * (codec.MAX_KEY + 1), 3, (1,), 1)
     with pytest.raises(ValueError):
@@ -434,8 +419,7 @@ def _decode_or_protocol_error(data: bytes, chunks: Iterable[int] | None) -> None
             dec.get_buffer(-1)
 
 
-@in_loop
-def test_fuzz_random_bytes_decode_or_protocol_error() -> None:
+async def test_fuzz_random_bytes_decode_or_protocol_error() -> None:
     rng = random.Random(20240611)
     for i in range(300):
         data = bytes(rng.randrange(256) for _ in range(rng.randint(0, 200)))
@@ -444,16 +428,14 @@ def test_fuzz_random_bytes_decode_or_protocol_error() -> None:
         _decode_or_protocol_error(data, random_chunks(i))
 
 
-@in_loop
-def test_fuzz_mutated_valid_streams_decode_or_protocol_error() -> None:
+async def test_fuzz_mutated_valid_streams_decode_or_protocol_error() -> None:
     rng = random.Random(7)
     for i in range(600):
         data = _mutate(rng, _valid_stream(rng))
         _decode_or_protocol_error(data, None if i % 3 == 0 else random_chunks(i, 64))
 
 
-@in_loop
-def test_fuzz_header_fields_decode_or_protocol_error() -> None:
+async def test_fuzz_header_fields_decode_or_protocol_error() -> None:
     """Valid frames whose header and DATA metadata fields take extreme values."""
     rng = random.Random(99)
     extremes = [0, 1, 2, 7, 8, 32, 33, 255, 4096, 65535, 65536, 2 ** 31, 2 ** 32 - 1]

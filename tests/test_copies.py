@@ -34,73 +34,69 @@ def memory_owner(arr: np.ndarray) -> Any:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_received_arrays_own_their_memory(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        values = [np.random.default_rng(1).standard_normal((512, 1024)),   # 4 MiB: direct
-                  np.arange(70000, dtype=np.int32),                       # just above 64 KiB
-                  np.arange(300, dtype=np.float32).reshape(10, 30),       # small: staged
-                  np.array(7, dtype=np.int64)]                            # 0-d
-        async with pair(cluster, mode) as (w, p):
-            for value in values:
-                await w.send(key(), value)
-            for value in values:
-                got = await p.recv(key(), timeout=10)
-                np.testing.assert_array_equal(got, value)
-                owner = memory_owner(got)
-                if isinstance(owner, bytearray):   # a receive-pool block (a size class), this array's alone
-                    assert len(owner) >= got.nbytes and got.nbytes >= 65536
-                else:
-                    assert isinstance(owner, np.ndarray), f"backed by {type(owner).__name__}"
-                    assert owner.flags.owndata
-                assert got.flags.writeable and got.flags.c_contiguous
-
-    run(main(), timeout=20)
-
-
-def test_large_payload_is_written_from_the_callers_memory(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        value = np.arange(1 << 18, dtype=np.float64)  # 2 MiB
-        async with pair(cluster, "send") as (w, p):
-            await w.send(key(), np.arange(1))         # connected, window granted
-            assert (await p.recv(key(), timeout=5)).tolist() == [0]
-            conn = w._peers[("ps", 0)].out
-            assert conn is not None
-            written: list[Any] = []
-            transport = conn._transport
-            real_write = transport.write
-            real_writelines = transport.writelines
-
-            class Recording:
-                """Stands in for the transport and records what is written."""
-
-                def __getattr__(self, name: str) -> Any:
-                    return getattr(transport, name)
-
-                def write(self, data: Any) -> None:
-                    written.append(data)
-                    real_write(data)
-
-                def writelines(self, chunks: Any) -> None:  # gathered: one writev
-                    chunks = list(chunks)
-                    written.extend(chunks)
-                    real_writelines(chunks)
-
-            conn._transport = Recording()
-            try:
-                await w.send(key(), value)
-                got = await p.recv(key(), timeout=10)
-            finally:
-                conn._transport = transport
+@pytest.mark.loop_timeout(20)
+async def test_received_arrays_own_their_memory(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    values = [np.random.default_rng(1).standard_normal((512, 1024)),   # 4 MiB: direct
+              np.arange(70000, dtype=np.int32),                       # just above 64 KiB
+              np.arange(300, dtype=np.float32).reshape(10, 30),       # small: staged
+              np.array(7, dtype=np.int64)]                            # 0-d
+    async with pair(cluster, mode) as (w, p):
+        for value in values:
+            await w.send(key(), value)
+        for value in values:
+            got = await p.recv(key(), timeout=10)
             np.testing.assert_array_equal(got, value)
-            # The payload went to the transport as a view of the sender's array, not copied
-            # into a frame buffer, and the header went as a buffer of its own (with uvloop
-            # both in one gathered write).
-            views = [d for d in written if isinstance(d, memoryview) and d.nbytes == value.nbytes]
-            assert len(views) == 1
-            assert np.shares_memory(np.frombuffer(views[0], np.uint8), value)
-            assert all(len(d) < 4096 for d in written if d is not views[0])
+            owner = memory_owner(got)
+            if isinstance(owner, bytearray):   # a receive-pool block (a size class), this array's alone
+                assert len(owner) >= got.nbytes and got.nbytes >= 65536
+            else:
+                assert isinstance(owner, np.ndarray), f"backed by {type(owner).__name__}"
+                assert owner.flags.owndata
+            assert got.flags.writeable and got.flags.c_contiguous
 
-    run(main(), timeout=20)
+
+@pytest.mark.loop_timeout(20)
+async def test_large_payload_is_written_from_the_callers_memory(cluster) -> None:  # type: ignore[no-untyped-def]
+    value = np.arange(1 << 18, dtype=np.float64)  # 2 MiB
+    async with pair(cluster, "send") as (w, p):
+        await w.send(key(), np.arange(1))         # connected, window granted
+        assert (await p.recv(key(), timeout=5)).tolist() == [0]
+        conn = w._peers[("ps", 0)].out
+        assert conn is not None
+        written: list[Any] = []
+        transport = conn._transport
+        real_write = transport.write
+        real_writelines = transport.writelines
+
+        class Recording:
+            """Stands in for the transport and records what is written."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(transport, name)
+
+            def write(self, data: Any) -> None:
+                written.append(data)
+                real_write(data)
+
+            def writelines(self, chunks: Any) -> None:  # gathered: one writev
+                chunks = list(chunks)
+                written.extend(chunks)
+                real_writelines(chunks)
+
+        conn._transport = Recording()
+        try:
+            await w.send(key(), value)
+            got = await p.recv(key(), timeout=10)
+        finally:
+            conn._transport = transport
+        np.testing.assert_array_equal(got, value)
+        # The payload went to the transport as a view of the sender's array, not copied
+        # into a frame buffer, and the header went as a buffer of its own (with uvloop
+        # both in one gathered write).
+        views = [d for d in written if isinstance(d, memoryview) and d.nbytes == value.nbytes]
+        assert len(views) == 1
+        assert np.shares_memory(np.frombuffer(views[0], np.uint8), value)
+        assert all(len(d) < 4096 for d in written if d is not views[0])
 
 
 def frame_types(data: bytes) -> list[int]:
@@ -115,40 +111,38 @@ def frame_types(data: bytes) -> list[int]:
     return types
 
 
-def test_small_frames_of_one_iteration_leave_in_one_write(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, "recv") as (w, p):
-            await w.send(key("warmup"), np.arange(1))
-            await p.recv(key("warmup"), timeout=5)   # p dialled w: its requests go out here
-            conn = p._peers[("worker", 0)].out
-            assert conn is not None
-            written: list[bytes] = []
-            transport = conn._transport
-            real_write = transport.write
+@pytest.mark.loop_timeout(15)
+async def test_small_frames_of_one_iteration_leave_in_one_write(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, "recv") as (w, p):
+        await w.send(key("warmup"), np.arange(1))
+        await p.recv(key("warmup"), timeout=5)   # p dialled w: its requests go out here
+        conn = p._peers[("worker", 0)].out
+        assert conn is not None
+        written: list[bytes] = []
+        transport = conn._transport
+        real_write = transport.write
 
-            class Recording:
-                def __getattr__(self, name: str) -> Any:
-                    return getattr(transport, name)
+        class Recording:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(transport, name)
 
-                def write(self, data: Any) -> None:
-                    written.append(bytes(data))
-                    real_write(data)
+            def write(self, data: Any) -> None:
+                written.append(bytes(data))
+                real_write(data)
 
-            conn._transport = Recording()
-            try:
-                keys = [key(f"many{i}") for i in range(20)]
-                recvs = asyncio.gather(*(p.recv(k, timeout=5) for k in keys))
-                await asyncio.sleep(0.05)
-                for i, k in enumerate(keys):
-                    await w.send(k, np.array([i]))
-                got = await recvs
-            finally:
-                conn._transport = transport
-            assert [int(v[0]) for v in got] == list(range(20))
-            with_requests = [frame_types(d).count(_impl.codec.REQUEST) for d in written]
-            assert sum(with_requests) == 20
-            # The first frame leaves at once (latency), the other 19 of that iteration together.
-            assert len([n for n in with_requests if n]) <= 2, with_requests
-            assert max(with_requests) >= 19, with_requests
-
-    run(main(), timeout=15)
+        conn._transport = Recording()
+        try:
+            keys = [key(f"many{i}") for i in range(20)]
+            recvs = asyncio.gather(*(p.recv(k, timeout=5) for k in keys))
+            await asyncio.sleep(0.05)
+            for i, k in enumerate(keys):
+                await w.send(k, np.array([i]))
+            got = await recvs
+        finally:
+            conn._transport = transport
+        assert [int(v[0]) for v in got] == list(range(20))
+        with_requests = [frame_types(d).count(_impl.codec.REQUEST) for d in written]
+        assert sum(with_requests) == 20
+        # The first frame leaves at once (latency), the other 19 of that iteration together.
+        assert len([n for n in with_requests if n]) <= 2, with_requests
+        assert max(with_requests) >= 19, with_requests

@@ -35,6 +35,9 @@ class FakeTransport:
     def write(self, data: Any) -> None:
         self.written += len(data)
 
+    def get_write_buffer_size(self) -> int:
+        return 0  # everything "sent" at once
+
     def writelines(self, parts: Any) -> None:
         for part in parts:
             self.write(part)

@@ -74,8 +74,9 @@ def check_names_key_and_peer(err: BaseException, k: rvz.Key, peer: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_peer_killed_while_recv_waits(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main(proc: subprocess.Popen) -> None:
+@pytest.mark.loop_timeout(15)
+async def test_peer_killed_while_recv_waits(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    with peer_process(cluster, "worker", 0, mode) as proc:
         async with rvz.Node(cluster, "ps", 0, mode, **{**FAST, "peer_timeout": 1.0}) as p:
             k = key("from_the_dead")
             task = asyncio.ensure_future(p.recv(k, timeout=20))
@@ -88,13 +89,11 @@ def test_peer_killed_while_recv_waits(run, cluster, mode) -> None:  # type: igno
             check_names_key_and_peer(info.value, k, "/job:worker")
             assert isinstance(info.value.__cause__, OSError)  # the connection reset, not a timeout
 
-    with peer_process(cluster, "worker", 0, mode) as proc:
-        run(main(proc), timeout=15)
-
 
 @pytest.mark.parametrize("mode", MODES)
-def test_frozen_peer_is_lost_by_heartbeat(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main(proc: subprocess.Popen) -> None:
+@pytest.mark.loop_timeout(15)
+async def test_frozen_peer_is_lost_by_heartbeat(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    with peer_process(cluster, "worker", 0, mode) as proc:
         async with rvz.Node(cluster, "ps", 0, mode, **{**FAST, "peer_timeout": 0.5}) as p:
             k = key("from_the_frozen")
             task = asyncio.ensure_future(p.recv(k, timeout=20))
@@ -109,12 +108,10 @@ def test_frozen_peer_is_lost_by_heartbeat(run, cluster, mode) -> None:  # type: 
             assert isinstance(info.value.__cause__, TimeoutError)
             assert "heartbeat" in str(info.value)
 
-    with peer_process(cluster, "worker", 0, mode) as proc:
-        run(main(proc), timeout=15)
 
-
-def test_consumer_killed_while_a_push_waits_for_the_window(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main(proc: subprocess.Popen) -> None:
+@pytest.mark.loop_timeout(15)
+async def test_consumer_killed_while_a_push_waits_for_the_window(cluster) -> None:  # type: ignore[no-untyped-def]
+    with peer_process(cluster, "ps", 0, "send") as proc:
         settings = {**FAST, "peer_timeout": 1.0, "push_window": 1 << 20}
         async with rvz.Node(cluster, "worker", 0, "send", **settings) as w:
             k = key("into_the_void")
@@ -133,77 +130,64 @@ def test_consumer_killed_while_a_push_waits_for_the_window(run, cluster) -> None
                 await blocked
             check_names_key_and_peer(info.value, k, "/job:ps")
 
-    with peer_process(cluster, "ps", 0, "send") as proc:
-        run(main(proc), timeout=15)
-
 
 # -- connecting -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_consumer_first_connects_once_the_producer_starts(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with rvz.Node(cluster, "ps", 0, mode, **FAST) as p:
-            task = await pending(p.recv(key(), timeout=10), 0.3)   # the producer is not up
-            async with rvz.Node(cluster, "worker", 0, mode, **FAST) as w:
-                await w.send(key(), np.arange(4))
-                assert (await task).tolist() == [0, 1, 2, 3]
-
-    run(main(), timeout=15)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_producer_first_connects_once_the_consumer_starts(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
+@pytest.mark.loop_timeout(15)
+async def test_consumer_first_connects_once_the_producer_starts(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with rvz.Node(cluster, "ps", 0, mode, **FAST) as p:
+        task = await pending(p.recv(key(), timeout=10), 0.3)   # the producer is not up
         async with rvz.Node(cluster, "worker", 0, mode, **FAST) as w:
-            send = asyncio.ensure_future(w.send(key(), np.arange(3)))
-            await asyncio.sleep(0.3)                            # the consumer is not up
-            async with rvz.Node(cluster, "ps", 0, mode, **FAST) as p:
-                await send
-                assert (await p.recv(key(), timeout=10)).tolist() == [0, 1, 2]
-
-    run(main(), timeout=15)
+            await w.send(key(), np.arange(4))
+            assert (await task).tolist() == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_recv_from_a_peer_that_never_comes_up(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with rvz.Node(cluster, "ps", 0, mode, **{**FAST, "connect_timeout": 0.3}) as p:
-            k = key("never")
-            with pytest.raises(rvz.PeerLost) as info:
-                await p.recv(k, timeout=10)
-            check_names_key_and_peer(info.value, k, "/job:worker")
-            assert isinstance(info.value.__cause__, OSError)
-            assert cluster.address("worker", 0) in str(info.value)
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_producer_first_connects_once_the_consumer_starts(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with rvz.Node(cluster, "worker", 0, mode, **FAST) as w:
+        send = asyncio.ensure_future(w.send(key(), np.arange(3)))
+        await asyncio.sleep(0.3)                            # the consumer is not up
+        async with rvz.Node(cluster, "ps", 0, mode, **FAST) as p:
+            await send
+            assert (await p.recv(key(), timeout=10)).tolist() == [0, 1, 2]
 
 
-def test_push_to_a_peer_that_never_comes_up(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with rvz.Node(cluster, "worker", 0, "send", **{**FAST, "connect_timeout": 0.3}) as w:
-            k = key("nobody_home")
-            with pytest.raises(rvz.PeerLost) as info:
-                await w.send(k, np.arange(3))
-            check_names_key_and_peer(info.value, k, "/job:ps")
-            assert isinstance(info.value.__cause__, OSError)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.loop_timeout(15)
+async def test_recv_from_a_peer_that_never_comes_up(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with rvz.Node(cluster, "ps", 0, mode, **{**FAST, "connect_timeout": 0.3}) as p:
+        k = key("never")
+        with pytest.raises(rvz.PeerLost) as info:
+            await p.recv(k, timeout=10)
+        check_names_key_and_peer(info.value, k, "/job:worker")
+        assert isinstance(info.value.__cause__, OSError)
+        assert cluster.address("worker", 0) in str(info.value)
 
-    run(main(), timeout=15)
+
+@pytest.mark.loop_timeout(15)
+async def test_push_to_a_peer_that_never_comes_up(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with rvz.Node(cluster, "worker", 0, "send", **{**FAST, "connect_timeout": 0.3}) as w:
+        k = key("nobody_home")
+        with pytest.raises(rvz.PeerLost) as info:
+            await w.send(k, np.arange(3))
+        check_names_key_and_peer(info.value, k, "/job:ps")
+        assert isinstance(info.value.__cause__, OSError)
 
 
-def test_peer_closing_gracefully_fails_waiters_with_peer_lost(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with rvz.Node(cluster, "ps", 0, "recv", **FAST) as p:
-            w = await rvz.Node(cluster, "worker", 0, "recv", **FAST).start()
-            await w.send(key("first"), np.arange(1))
-            assert (await p.recv(key("first"), timeout=5)).tolist() == [0]
-            task = await pending(p.recv(key("second"), timeout=10))
-            await w.close()
-            with pytest.raises(rvz.PeerLost) as info:
-                await task
-            check_names_key_and_peer(info.value, key("second"), "/job:worker")
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_peer_closing_gracefully_fails_waiters_with_peer_lost(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with rvz.Node(cluster, "ps", 0, "recv", **FAST) as p:
+        w = await rvz.Node(cluster, "worker", 0, "recv", **FAST).start()
+        await w.send(key("first"), np.arange(1))
+        assert (await p.recv(key("first"), timeout=5)).tolist() == [0]
+        task = await pending(p.recv(key("second"), timeout=10))
+        await w.close()
+        with pytest.raises(rvz.PeerLost) as info:
+            await task
+        check_names_key_and_peer(info.value, key("second"), "/job:worker")
 
 
 # -- a peer that speaks garbage --------------------------------------------------------------
@@ -246,78 +230,72 @@ GARBAGE = {
 
 
 @pytest.mark.parametrize("name", sorted(GARBAGE))
-def test_garbage_from_a_peer_closes_only_that_connection(run, name) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.loop_timeout(15)
+async def test_garbage_from_a_peer_closes_only_that_connection(name) -> None:  # type: ignore[no-untyped-def]
     cluster = three_task_cluster()
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        unhandled: list[dict[str, Any]] = []
-        loop.set_exception_handler(lambda _loop, context: unhandled.append(context))
-        async with pair(cluster, "recv") as (w, p):
-            # a healthy exchange is under way
-            task = await pending(p.recv(key("healthy"), timeout=10))
-            host, port = cluster.address("ps", 0).split(":")
-            reader, writer = await asyncio.open_connection(host, int(port))
-            try:
-                writer.write(GARBAGE[name])
-                await writer.drain()
-                # The node closes that connection (its HELLO may come first).
-                data = await asyncio.wait_for(reader.read(), 5)
-                assert data == b"" or data.startswith(_impl.codec.encode_hello({"v": 0})[:2])
-            finally:
-                writer.close()
-            await w.send(key("healthy"), np.arange(2))
-            assert (await task).tolist() == [0, 1]
-            await w.send(key("healthy"), np.arange(3))
-            assert (await p.recv(key("healthy"), timeout=5)).tolist() == [0, 1, 2]
-        assert unhandled == [], [c.get("message") for c in unhandled]
-
-    run(main(), timeout=15)
+    loop = asyncio.get_running_loop()
+    unhandled: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: unhandled.append(context))
+    async with pair(cluster, "recv") as (w, p):
+        # a healthy exchange is under way
+        task = await pending(p.recv(key("healthy"), timeout=10))
+        host, port = cluster.address("ps", 0).split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(GARBAGE[name])
+            await writer.drain()
+            # The node closes that connection (its HELLO may come first).
+            data = await asyncio.wait_for(reader.read(), 5)
+            assert data == b"" or data.startswith(_impl.codec.encode_hello({"v": 0})[:2])
+        finally:
+            writer.close()
+        await w.send(key("healthy"), np.arange(2))
+        assert (await task).tolist() == [0, 1]
+        await w.send(key("healthy"), np.arange(3))
+        assert (await p.recv(key("healthy"), timeout=5)).tolist() == [0, 1, 2]
+    assert unhandled == [], [c.get("message") for c in unhandled]
 
 
-def test_error_frame_for_an_unknown_request_is_ignored(run) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.loop_timeout(15)
+async def test_error_frame_for_an_unknown_request_is_ignored() -> None:
     cluster = three_task_cluster()
 
-    async def main() -> None:
-        async with pair(cluster, "recv") as (w, p):
-            host, port = cluster.address("ps", 0).split(":")
-            reader, writer = await asyncio.open_connection(host, int(port))
-            try:
-                writer.write(RAW_HELLO + _impl.codec.encode_error(12345, 0, "k", "x", "m")
-                             + _impl.codec.encode_ping())
-                await writer.drain()
-                with pytest.raises(asyncio.TimeoutError):
-                    # the connection stays open: a stray answer is not a protocol violation
-                    await asyncio.wait_for(reader.read(), 0.3)
-            finally:
-                writer.close()
-            await w.send(key(), np.arange(2))
-            assert (await p.recv(key(), timeout=5)).tolist() == [0, 1]
-
-    run(main(), timeout=15)
+    async with pair(cluster, "recv") as (w, p):
+        host, port = cluster.address("ps", 0).split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(RAW_HELLO + _impl.codec.encode_error(12345, 0, "k", "x", "m")
+                         + _impl.codec.encode_ping())
+            await writer.drain()
+            with pytest.raises(asyncio.TimeoutError):
+                # the connection stays open: a stray answer is not a protocol violation
+                await asyncio.wait_for(reader.read(), 0.3)
+        finally:
+            writer.close()
+        await w.send(key(), np.arange(2))
+        assert (await p.recv(key(), timeout=5)).tolist() == [0, 1]
 
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_restarted_peer_is_a_new_incarnation_and_works_again(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with rvz.Node(cluster, "ps", 0, mode, **FAST) as p:
-            first = rvz.Node(cluster, "worker", 0, mode, incarnation=1, **FAST)
-            await first.start()
-            try:
-                await first.send(key("before", incarnation=1), np.arange(3))
-                assert (await p.recv(key("before", incarnation=1), timeout=5)).tolist() == [0, 1, 2]
-                waiting = await pending(p.recv(key("lost", incarnation=1), timeout=10))
-            finally:
-                first.abort(RuntimeError("worker crashed"))  # no BYE: the peer just vanishes
-            with pytest.raises(rvz.PeerLost) as info:
-                await waiting
-            check_names_key_and_peer(info.value, key("lost", incarnation=1), "/job:worker")
-            assert p._peers[WORKER_ID].incarnation == 1
-            # The worker comes back on the same address with a new incarnation.
-            async with rvz.Node(cluster, "worker", 0, mode, incarnation=2, **FAST) as second:
-                await second.send(key("after", incarnation=2), np.arange(2))
-                assert (await p.recv(key("after", incarnation=2), timeout=5)).tolist() == [0, 1]
-                assert p._peers[WORKER_ID].incarnation == 2
-
-    run(main(), timeout=20)
+@pytest.mark.loop_timeout(20)
+async def test_a_restarted_peer_is_a_new_incarnation_and_works_again(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with rvz.Node(cluster, "ps", 0, mode, **FAST) as p:
+        first = rvz.Node(cluster, "worker", 0, mode, incarnation=1, **FAST)
+        await first.start()
+        try:
+            await first.send(key("before", incarnation=1), np.arange(3))
+            assert (await p.recv(key("before", incarnation=1), timeout=5)).tolist() == [0, 1, 2]
+            waiting = await pending(p.recv(key("lost", incarnation=1), timeout=10))
+        finally:
+            first.abort(RuntimeError("worker crashed"))  # no BYE: the peer just vanishes
+        with pytest.raises(rvz.PeerLost) as info:
+            await waiting
+        check_names_key_and_peer(info.value, key("lost", incarnation=1), "/job:worker")
+        assert p._peers[WORKER_ID].incarnation == 1
+        # The worker comes back on the same address with a new incarnation.
+        async with rvz.Node(cluster, "worker", 0, mode, incarnation=2, **FAST) as second:
+            await second.send(key("after", incarnation=2), np.arange(2))
+            assert (await p.recv(key("after", incarnation=2), timeout=5)).tolist() == [0, 1]
+            assert p._peers[WORKER_ID].incarnation == 2

@@ -20,274 +20,248 @@ def array(i: int) -> np.ndarray:
     return np.full(SIZE // 4, i, np.float32)
 
 
-def test_send_driven_backpressure_bounds_memory_and_loses_nothing(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, "send", push_window=MIB) as (w, p):
-            k = key("flood")
+@pytest.mark.loop_timeout(30)
+async def test_send_driven_backpressure_bounds_memory_and_loses_nothing(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, "send", push_window=MIB) as (w, p):
+        k = key("flood")
 
-            async def produce() -> None:
-                for i in range(COUNT):
-                    await w.send(k, array(i))
-
-            producer = asyncio.ensure_future(produce())
-            await eventually(lambda: 0 in p._tables and p._tables[0].queued(str(k)) >= 1,
-                             "the first pushes arrived")
-            await asyncio.sleep(0.5)
-            # The consumer does not recv: the producer is held back by the push window ...
-            assert not producer.done()
-            queued = p._tables[0].queued(str(k))
-            assert 1 <= queued <= MIB // SIZE + 1, queued
-            # ... and nothing is piled up in its socket buffer either.
-            conn = w._peers[("ps", 0)].out
-            assert conn is not None
-            assert conn._transport.get_write_buffer_size() <= MIB + SIZE
-            # Once the consumer drains, everything arrives, in order.
+        async def produce() -> None:
             for i in range(COUNT):
-                got = await p.recv(k, timeout=10)
-                assert got.shape == (SIZE // 4,) and got[0] == i and got[-1] == i
-            await producer
-            assert p._tables[0].queued(str(k)) == 0
+                await w.send(k, array(i))
 
-    run(main(), timeout=30)
+        producer = asyncio.ensure_future(produce())
+        await eventually(lambda: 0 in p._tables and p._tables[0].queued(str(k)) >= 1,
+                         "the first pushes arrived")
+        await asyncio.sleep(0.5)
+        # The consumer does not recv: the producer is held back by the push window ...
+        assert not producer.done()
+        queued = p._tables[0].queued(str(k))
+        assert 1 <= queued <= MIB // SIZE + 1, queued
+        # ... and nothing is piled up in its socket buffer either.
+        conn = w._peers[("ps", 0)].out
+        assert conn is not None
+        assert conn._transport.get_write_buffer_size() <= MIB + SIZE
+        # Once the consumer drains, everything arrives, in order.
+        for i in range(COUNT):
+            got = await p.recv(k, timeout=10)
+            assert got.shape == (SIZE // 4,) and got[0] == i and got[-1] == i
+        await producer
+        assert p._tables[0].queued(str(k)) == 0
 
 
-def test_recv_driven_hold_limit_slows_the_producer(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, "recv", hold_limit=MIB, claim_timeout=None) as (w, p):
-            k = key("held_flood")
+@pytest.mark.loop_timeout(30)
+async def test_recv_driven_hold_limit_slows_the_producer(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, "recv", hold_limit=MIB, claim_timeout=None) as (w, p):
+        k = key("held_flood")
 
-            async def produce() -> None:
-                for i in range(COUNT):
-                    await w.send(k, array(i))
-
-            producer = await pending(produce(), 0.3)
-            assert w._held_bytes <= MIB + SIZE, w._held_bytes
-            assert w._tables[0].queued(str(k)) <= MIB // SIZE + 1
+        async def produce() -> None:
             for i in range(COUNT):
-                got = await p.recv(k, timeout=10)
-                assert got[0] == i and got[-1] == i
-            await producer
-            assert w._held_bytes == 0 and w._held_count == 0
+                await w.send(k, array(i))
 
-    run(main(), timeout=30)
+        producer = await pending(produce(), 0.3)
+        assert w._held_bytes <= MIB + SIZE, w._held_bytes
+        assert w._tables[0].queued(str(k)) <= MIB // SIZE + 1
+        for i in range(COUNT):
+            got = await p.recv(k, timeout=10)
+            assert got[0] == i and got[-1] == i
+        await producer
+        assert w._held_bytes == 0 and w._held_count == 0
 
 
-def test_one_value_larger_than_the_window_still_goes(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, "send", push_window=MIB) as (w, p):
-            big = np.arange(3 * MIB // 8, dtype=np.float64)
-            await w.send(key(), big)         # nothing else in flight: it goes
-            later = await pending(w.send(key(), np.arange(3)))  # waits for the window
-            np.testing.assert_array_equal(await p.recv(key(), timeout=10), big)
-            await later
-            assert (await p.recv(key(), timeout=10)).tolist() == [0, 1, 2]
-
-    run(main(), timeout=20)
+@pytest.mark.loop_timeout(20)
+async def test_one_value_larger_than_the_window_still_goes(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, "send", push_window=MIB) as (w, p):
+        big = np.arange(3 * MIB // 8, dtype=np.float64)
+        await w.send(key(), big)         # nothing else in flight: it goes
+        later = await pending(w.send(key(), np.arange(3)))  # waits for the window
+        np.testing.assert_array_equal(await p.recv(key(), timeout=10), big)
+        await later
+        assert (await p.recv(key(), timeout=10)).tolist() == [0, 1, 2]
 
 
 @pytest.mark.parametrize("concurrent_consumer", [False, True])
-def test_graceful_close_delivers_send_driven_pushes(run, cluster, concurrent_consumer) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with rvz.Node(cluster, "ps", 0, "send", **FAST) as p:
-            k = key("flushed")
-            sizes = [10, 3 * MIB, 0, 5000, 2 * MIB, 1, 300000] * 3
-            received: list[np.ndarray] = []
+@pytest.mark.loop_timeout(30)
+async def test_graceful_close_delivers_send_driven_pushes(cluster, concurrent_consumer) -> None:  # type: ignore[no-untyped-def]
+    async with rvz.Node(cluster, "ps", 0, "send", **FAST) as p:
+        k = key("flushed")
+        sizes = [10, 3 * MIB, 0, 5000, 2 * MIB, 1, 300000] * 3
+        received: list[np.ndarray] = []
 
-            async def consume() -> None:
-                for _ in sizes:
-                    received.append(await p.recv(k, timeout=10))
+        async def consume() -> None:
+            for _ in sizes:
+                received.append(await p.recv(k, timeout=10))
 
-            consumer = asyncio.ensure_future(consume()) if concurrent_consumer else None
-            window = 4 * MIB if concurrent_consumer else 64 * MIB
-            async with rvz.Node(cluster, "worker", 0, "send", **{**FAST, "push_window": window}) as w:
-                for i, n in enumerate(sizes):
-                    await w.send(k, np.full(n, i % 251, np.uint8))
-            assert w.state == "closed"
-            # The producer is gone; what it sent is all here.
-            if consumer is not None:
-                await consumer
-            else:
-                await consume()
-            assert [v.shape[0] for v in received] == sizes
-            for i, v in enumerate(received):
-                assert v.size == 0 or (v[0] == i % 251 and v[-1] == i % 251)
-
-    run(main(), timeout=30)
+        consumer = asyncio.ensure_future(consume()) if concurrent_consumer else None
+        window = 4 * MIB if concurrent_consumer else 64 * MIB
+        async with rvz.Node(cluster, "worker", 0, "send", **{**FAST, "push_window": window}) as w:
+            for i, n in enumerate(sizes):
+                await w.send(k, np.full(n, i % 251, np.uint8))
+        assert w.state == "closed"
+        # The producer is gone; what it sent is all here.
+        if consumer is not None:
+            await consumer
+        else:
+            await consume()
+        assert [v.shape[0] for v in received] == sizes
+        for i, v in enumerate(received):
+            assert v.size == 0 or (v[0] == i % 251 and v[-1] == i % 251)
 
 
-def test_recv_driven_close_keeps_serving_held_values(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with rvz.Node(cluster, "ps", 0, "recv", **{**FAST, "connect_timeout": 0.5}) as p:
-            w = await rvz.Node(cluster, "worker", 0, "recv",
-                               **{**FAST, "linger": 10.0, "claim_timeout": None}).start()
-            k = key("lingering")
-            for i in range(3):
-                await w.send(k, np.array([i]))
-            await w.send(k, np.zeros(MIB, np.uint8))
-            closing = asyncio.ensure_future(w.close())
-            await eventually(lambda: w.state == "closing", "the producer started closing")
-            await asyncio.sleep(0.1)
-            assert not closing.done()          # it waits for the consumer
-            # the consumer asks only now, and still gets everything
-            got = [int((await p.recv(k, timeout=5))[0]) for _ in range(3)]
-            assert got == [0, 1, 2]
-            assert (await p.recv(k, timeout=5)).nbytes == MIB
-            await closing                      # all fetched: the close completes
-            assert w.state == "closed"
-            # nothing more from a closed producer: PeerLost, not a hang
-            with pytest.raises(rvz.PeerLost):
-                await p.recv(k, timeout=8)
-
-    run(main(), timeout=20)
-
-
-def test_recv_driven_close_gives_up_after_linger(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
+@pytest.mark.loop_timeout(20)
+async def test_recv_driven_close_delivers_held_values(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Values a Recv-Driven producer still holds at close are pushed to their consumer,
+    which has asked for none of them yet; close() does not wait for it to ask."""
+    async with rvz.Node(cluster, "ps", 0, "recv", **{**FAST, "connect_timeout": 0.5}) as p:
         w = await rvz.Node(cluster, "worker", 0, "recv",
-                           **{**FAST, "linger": 0.3, "claim_timeout": None}).start()
-        await w.send(key("unfetched"), np.arange(10))
-        assert w._held_count == 1
-        await w.close()                        # nobody ever fetches it
-        assert w.state == "closed" and w._held_count == 0
+                           **{**FAST, "linger": 10.0, "claim_timeout": None}).start()
+        k = key("lingering")
+        for i in range(3):
+            await w.send(k, np.array([i]))
+        await w.send(k, np.zeros(MIB, np.uint8))
+        await asyncio.wait_for(w.close(), 8)   # well within the 10 s linger
+        assert w.state == "closed"
+        # the consumer asks only now, and still gets everything, in order
+        got = [int((await p.recv(k, timeout=5))[0]) for _ in range(3)]
+        assert got == [0, 1, 2]
+        assert (await p.recv(k, timeout=5)).nbytes == MIB
+        # nothing more from a closed producer: PeerLost, not a hang
+        with pytest.raises(rvz.PeerLost):
+            await p.recv(k, timeout=8)
 
-    run(main(), timeout=5)
+
+@pytest.mark.loop_timeout(5)
+async def test_recv_driven_close_gives_up_after_linger(cluster) -> None:  # type: ignore[no-untyped-def]
+    w = await rvz.Node(cluster, "worker", 0, "recv",
+                       **{**FAST, "linger": 0.3, "claim_timeout": None}).start()
+    await w.send(key("unfetched"), np.arange(10))
+    assert w._held_count == 1
+    await w.close()                        # nobody ever fetches it
+    assert w.state == "closed" and w._held_count == 0
 
 
-def test_unclaimed_held_values_are_pushed_during_close(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with rvz.Node(cluster, "ps", 0, "send", **FAST) as p:
-            async with rvz.Node(cluster, "worker", 0, "recv",
-                                **{**FAST, "linger": 10.0, "claim_timeout": 0.2}) as w:
-                for i in range(3):
-                    await w.send(key("claimed"), np.array([i]))
-            # the consumer waited locally and never asked; the values were pushed to it
-            got = [int((await p.recv(key("claimed"), timeout=5))[0]) for _ in range(3)]
-            assert sorted(got) == [0, 1, 2]
-
-    run(main(), timeout=20)
+@pytest.mark.loop_timeout(20)
+async def test_unclaimed_held_values_are_pushed_during_close(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with rvz.Node(cluster, "ps", 0, "send", **FAST) as p:
+        async with rvz.Node(cluster, "worker", 0, "recv",
+                            **{**FAST, "linger": 10.0, "claim_timeout": 0.2}) as w:
+            for i in range(3):
+                await w.send(key("claimed"), np.array([i]))
+        # the consumer waited locally and never asked; the values were pushed to it
+        got = [int((await p.recv(key("claimed"), timeout=5))[0]) for _ in range(3)]
+        assert sorted(got) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("mode", ["recv", "send"])
-def test_close_is_not_held_by_a_dial_to_a_dead_peer(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        p = await rvz.Node(cluster, "ps", 0, mode,
-                           **{**FAST, "linger": 30.0, "connect_timeout": 30.0}).start()
-        task = await pending(p.recv(key("from_nobody")), 0.2)  # keeps dialling the absent worker
-        task.cancel()
-        await p.close()   # nothing to deliver: must not wait out the 30 s linger
-        assert p.state == "closed"
-
-    run(main(), timeout=5)
+@pytest.mark.loop_timeout(5)
+async def test_close_is_not_held_by_a_dial_to_a_dead_peer(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    p = await rvz.Node(cluster, "ps", 0, mode,
+                       **{**FAST, "linger": 30.0, "connect_timeout": 30.0}).start()
+    task = await pending(p.recv(key("from_nobody")), 0.2)  # keeps dialling the absent worker
+    task.cancel()
+    await p.close()   # nothing to deliver: must not wait out the 30 s linger
+    assert p.state == "closed"
 
 
-def test_close_twice_and_close_before_start(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        never = rvz.Node(cluster, "ps", 0)
-        await never.close()
-        assert never.state == "closed"
-        async with pair(cluster, "send") as (w, p):
+@pytest.mark.loop_timeout(15)
+async def test_close_twice_and_close_before_start(cluster) -> None:  # type: ignore[no-untyped-def]
+    never = rvz.Node(cluster, "ps", 0)
+    await never.close()
+    assert never.state == "closed"
+    async with pair(cluster, "send") as (w, p):
+        await w.send(key(), np.arange(2))
+        assert (await p.recv(key(), timeout=5)).tolist() == [0, 1]
+        await asyncio.gather(w.close(), w.close())
+        assert w.state == "closed"
+        with pytest.raises(rvz.Aborted):
             await w.send(key(), np.arange(2))
-            assert (await p.recv(key(), timeout=5)).tolist() == [0, 1]
-            await asyncio.gather(w.close(), w.close())
-            assert w.state == "closed"
-            with pytest.raises(rvz.Aborted):
-                await w.send(key(), np.arange(2))
-
-    run(main(), timeout=15)
 
 
 @pytest.mark.parametrize("next_waiter", [True, False])
-def test_cancel_after_delivery_keeps_the_push_window_whole(run, cluster, next_waiter) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.loop_timeout(20)
+async def test_cancel_after_delivery_keeps_the_push_window_whole(cluster, next_waiter) -> None:  # type: ignore[no-untyped-def]
     """A pushed value delivered to a recv that is cancelled before it runs goes to the next
     waiter (or back to the queue); either way the producer gets its window back once the
     value is consumed, so repeated races cannot shrink the window until pushes stall."""
 
-    async def main() -> None:
-        window = 16 * (SIZE + 1024)
-        async with pair(cluster, "send", push_window=window) as (w, p):
-            k = key("raced")
-            for i in range(6):
-                first = await pending(p.recv(k, timeout=10), 0.02)
-                second = await pending(p.recv(k, timeout=10), 0.02) if next_waiter else None
-                table = p._tables[0]
-                before = table.waiting(str(k))
-                conns = [c for c in p._conns if not c.closed]
+    window = 16 * (SIZE + 1024)
+    async with pair(cluster, "send", push_window=window) as (w, p):
+        k = key("raced")
+        for i in range(6):
+            first = await pending(p.recv(k, timeout=10), 0.02)
+            second = await pending(p.recv(k, timeout=10), 0.02) if next_waiter else None
+            table = p._tables[0]
+            before = table.waiting(str(k))
+            conns = [c for c in p._conns if not c.closed]
 
-                def hooked(conn, first=first, table=table, before=before, conns=conns):  # type: ignore[no-untyped-def]
-                    real_feed = conn.feed
+            def hooked(conn, first=first, table=table, before=before, conns=conns):  # type: ignore[no-untyped-def]
+                real_feed = conn.feed
 
-                    def feed(nbytes: int) -> None:
-                        real_feed(nbytes)
-                        if table.waiting(str(k)) < before:  # the value reached first's waiter ...
-                            first.cancel()                   # ... and first is cancelled before it runs
-                            for c in conns:
-                                c.__dict__.pop("feed", None)
-                    return feed
+                def feed(nbytes: int) -> None:
+                    real_feed(nbytes)
+                    if table.waiting(str(k)) < before:  # the value reached first's waiter ...
+                        first.cancel()                   # ... and first is cancelled before it runs
+                        for c in conns:
+                            c.__dict__.pop("feed", None)
+                return feed
 
-                for conn in conns:
-                    conn.feed = hooked(conn)
-                await w.send(k, array(i))
-                with pytest.raises(asyncio.CancelledError):
-                    await first
-                got = await (second if second is not None else p.recv(k, timeout=5))
-                assert got[0] == i
-            credit = w._peers[("ps", 0)]
-            await eventually(lambda: credit.credit == window,
-                             f"the producer's window is whole again (credit {credit.credit} of {window})")
-
-    run(main(), timeout=20)
+            for conn in conns:
+                conn.feed = hooked(conn)
+            await w.send(k, array(i))
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            got = await (second if second is not None else p.recv(k, timeout=5))
+            assert got[0] == i
+        credit = w._peers[("ps", 0)]
+        await eventually(lambda: credit.credit == window,
+                         f"the producer's window is whole again (credit {credit.credit} of {window})")
 
 
 @pytest.mark.parametrize("mode", ["recv", "send"])
-def test_cleanup_by_a_producer_that_never_used_the_step(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.loop_timeout(15)
+async def test_cleanup_by_a_producer_that_never_used_the_step(cluster, mode) -> None:  # type: ignore[no-untyped-def]
     """The consumer waits on step 5; the producer fails before sending anything in it and
     cleans the step up.  The consumer must not hang."""
 
-    async def main() -> None:
-        async with pair(cluster, mode) as (w, p):
-            await w.send(key("warmup"), np.arange(1))          # the two are connected
-            assert (await p.recv(key("warmup"), timeout=5)).tolist() == [0]
-            waiting = await pending(p.step(5).recv(key("never_sent"), timeout=10))
-            await w.step(5).cleanup("producer failed in step 5")
-            with pytest.raises(rvz.Aborted) as info:
-                await waiting
-            assert "producer failed in step 5" in str(info.value)
-
-    run(main(), timeout=15)
+    async with pair(cluster, mode) as (w, p):
+        await w.send(key("warmup"), np.arange(1))          # the two are connected
+        assert (await p.recv(key("warmup"), timeout=5)).tolist() == [0]
+        waiting = await pending(p.step(5).recv(key("never_sent"), timeout=10))
+        await w.step(5).cleanup("producer failed in step 5")
+        with pytest.raises(rvz.Aborted) as info:
+            await waiting
+        assert "producer failed in step 5" in str(info.value)
 
 
 @pytest.mark.parametrize("mode", ["recv", "send"])
-def test_send_timeout_under_backpressure_means_not_sent(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.loop_timeout(20)
+async def test_send_timeout_under_backpressure_means_not_sent(cluster, mode) -> None:  # type: ignore[no-untyped-def]
     """A send that times out waiting for backpressure did not send: the value never arrives,
     the values before and after it do, in order."""
 
-    async def main() -> None:
-        limits = {"push_window": MIB} if mode == "send" else {"hold_limit": MIB, "claim_timeout": None}
-        async with pair(cluster, mode, **limits) as (w, p):
-            k = key("patience")
-            sent = []
-            i = 0
-            while True:   # fill the window / hold limit until a send has to wait
-                try:
-                    await w.send(k, array(i), timeout=0.2)
-                except TimeoutError as exc:
-                    assert str(k) in str(exc)
-                    break
-                sent.append(i)
-                i += 1
-                assert i < 50, "backpressure never applied"
-            timed_out = i
-            after = list(range(timed_out + 1, timed_out + 4))
+    limits = {"push_window": MIB} if mode == "send" else {"hold_limit": MIB, "claim_timeout": None}
+    async with pair(cluster, mode, **limits) as (w, p):
+        k = key("patience")
+        sent = []
+        i = 0
+        while True:   # fill the window / hold limit until a send has to wait
+            try:
+                await w.send(k, array(i), timeout=0.2)
+            except TimeoutError as exc:
+                assert str(k) in str(exc)
+                break
+            sent.append(i)
+            i += 1
+            assert i < 50, "backpressure never applied"
+        timed_out = i
+        after = list(range(timed_out + 1, timed_out + 4))
 
-            async def send_more() -> None:
-                for j in after:
-                    await w.send(k, array(j))
+        async def send_more() -> None:
+            for j in after:
+                await w.send(k, array(j))
 
-            more = asyncio.ensure_future(send_more())
-            got = [int((await p.recv(k, timeout=5))[0]) for _ in range(len(sent) + len(after))]
-            await more
-            assert got == sent + after                  # in order, and nothing lost ...
-            with pytest.raises(TimeoutError):
-                await p.recv(k, timeout=0.3)            # ... and the timed-out value never comes
-
-    run(main(), timeout=20)
+        more = asyncio.ensure_future(send_more())
+        got = [int((await p.recv(k, timeout=5))[0]) for _ in range(len(sent) + len(after))]
+        await more
+        assert got == sent + after                  # in order, and nothing lost ...
+        with pytest.raises(TimeoutError):
+            await p.recv(k, timeout=0.3)            # ... and the timed-out value never comes

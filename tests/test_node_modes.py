@@ -31,180 +31,158 @@ def queued(node: rvz.Node, k: rvz.Key, step: int = 0) -> int:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_send_before_recv(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, mode) as (w, p):
-            await w.send(key(), np.arange(5, dtype=np.int32))
-            got = await p.recv(key(), timeout=5)
-            assert got.dtype == np.int32 and got.tolist() == [0, 1, 2, 3, 4]
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_send_before_recv(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, mode) as (w, p):
+        await w.send(key(), np.arange(5, dtype=np.int32))
+        got = await p.recv(key(), timeout=5)
+        assert got.dtype == np.int32 and got.tolist() == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_recv_before_send(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, mode) as (w, p):
-            task = await pending(p.recv(key(), timeout=10))
-            await w.send(key(), np.array([7.5]))
-            assert (await task).tolist() == [7.5]
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_recv_before_send(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, mode) as (w, p):
+        task = await pending(p.recv(key(), timeout=10))
+        await w.send(key(), np.array([7.5]))
+        assert (await task).tolist() == [7.5]
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_ping_pong_through_two_keys(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, mode) as (w, p):
-            async def ponger() -> None:
-                for _ in range(30):
-                    value = await p.recv(key("ping"), timeout=5)
-                    await p.send(back("pong"), value + 1)
+@pytest.mark.loop_timeout(20)
+async def test_ping_pong_through_two_keys(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, mode) as (w, p):
+        async def ponger() -> None:
+            for _ in range(30):
+                value = await p.recv(key("ping"), timeout=5)
+                await p.send(back("pong"), value + 1)
 
-            task = asyncio.ensure_future(ponger())
-            value = np.zeros(3, np.int64)
-            for i in range(30):
-                await w.send(key("ping"), value)
-                value = await w.recv(back("pong"), timeout=5)
-                assert value.tolist() == [i + 1] * 3
-            await task
-
-    run(main(), timeout=20)
+        task = asyncio.ensure_future(ponger())
+        value = np.zeros(3, np.int64)
+        for i in range(30):
+            await w.send(key("ping"), value)
+            value = await w.recv(back("pong"), timeout=5)
+            assert value.tolist() == [i + 1] * 3
+        await task
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fifo_of_n_values(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, mode) as (w, p):
-            # Some recvs wait before the sends, the rest find their values queued.
-            early = [asyncio.ensure_future(p.recv(key(), timeout=10)) for _ in range(20)]
-            await settle()
-            for i in range(100):
-                await w.send(key(), np.array([i]))
-            late = [await p.recv(key(), timeout=10) for _ in range(80)]
-            got = [int(v[0]) for v in await asyncio.gather(*early)] + [int(v[0]) for v in late]
-            assert got == list(range(100))
-
-    run(main(), timeout=20)
+@pytest.mark.loop_timeout(20)
+async def test_fifo_of_n_values(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, mode) as (w, p):
+        # Some recvs wait before the sends, the rest find their values queued.
+        early = [asyncio.ensure_future(p.recv(key(), timeout=10)) for _ in range(20)]
+        await settle()
+        for i in range(100):
+            await w.send(key(), np.array([i]))
+        late = [await p.recv(key(), timeout=10) for _ in range(80)]
+        got = [int(v[0]) for v in await asyncio.gather(*early)] + [int(v[0]) for v in late]
+        assert got == list(range(100))
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_bytes_and_sizes_interleaved_keep_order(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, mode) as (w, p):
-            sizes = [0, 1, 70000, 10, 300000, 5, 2 << 20, 3]
-            for i, n in enumerate(sizes):
-                await w.send(key(), np.full(n, i, np.uint8))
-            for i, n in enumerate(sizes):
-                got = await p.recv(key(), timeout=10)
-                assert got.shape == (n,) and (n == 0 or int(got[0]) == i and int(got[-1]) == i)
-
-    run(main(), timeout=20)
+@pytest.mark.loop_timeout(20)
+async def test_bytes_and_sizes_interleaved_keep_order(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, mode) as (w, p):
+        sizes = [0, 1, 70000, 10, 300000, 5, 2 << 20, 3]
+        for i, n in enumerate(sizes):
+            await w.send(key(), np.full(n, i, np.uint8))
+        for i, n in enumerate(sizes):
+            got = await p.recv(key(), timeout=10)
+            assert got.shape == (n,) and (n == 0 or int(got[0]) == i and int(got[-1]) == i)
 
 
-def test_per_call_mode_override_to_send(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, "recv") as (w, p):
-            await w.send(key(), np.arange(3), mode="send")
-            # Pushed: it reaches the consumer's table without any recv asking for it.
-            await eventually(lambda: queued(p, key()) == 1, "the push arrived")
-            assert queued(w, key()) == 0
-            got = await p.recv(key(), mode="send", timeout=5)
-            assert got.tolist() == [0, 1, 2]
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_per_call_mode_override_to_send(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, "recv") as (w, p):
+        await w.send(key(), np.arange(3), mode="send")
+        # Pushed: it reaches the consumer's table without any recv asking for it.
+        await eventually(lambda: queued(p, key()) == 1, "the push arrived")
+        assert queued(w, key()) == 0
+        got = await p.recv(key(), mode="send", timeout=5)
+        assert got.tolist() == [0, 1, 2]
 
 
-def test_per_call_mode_override_to_recv(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, "send", claim_timeout=None) as (w, p):
-            await w.send(key(), np.arange(3), mode="recv")
-            # Held by the producer until the consumer asks for it.
-            assert queued(w, key()) == 1
-            await asyncio.sleep(0.1)
-            assert queued(p, key()) == 0
-            got = await p.recv(key(), mode="recv", timeout=5)
-            assert got.tolist() == [0, 1, 2]
-            assert queued(w, key()) == 0
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_per_call_mode_override_to_recv(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, "send", claim_timeout=None) as (w, p):
+        await w.send(key(), np.arange(3), mode="recv")
+        # Held by the producer until the consumer asks for it.
+        assert queued(w, key()) == 1
+        await asyncio.sleep(0.1)
+        assert queued(p, key()) == 0
+        got = await p.recv(key(), mode="recv", timeout=5)
+        assert got.tolist() == [0, 1, 2]
+        assert queued(w, key()) == 0
 
 
-def test_bad_mode_is_refused(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
+@pytest.mark.loop_timeout(15)
+async def test_bad_mode_is_refused(cluster) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError):
+        rvz.Node(cluster, "ps", 0, mode="pull")
+    async with pair(cluster, "recv") as (w, p):
         with pytest.raises(ValueError):
-            rvz.Node(cluster, "ps", 0, mode="pull")
-        async with pair(cluster, "recv") as (w, p):
-            with pytest.raises(ValueError):
-                await w.send(key(), np.arange(1), mode="push")
-            with pytest.raises(ValueError):
-                await p.recv(key(), mode="push", timeout=1)
-            # the refused recv left no waiter behind
-            await w.send(key(), np.arange(2))
-            assert (await p.recv(key(), timeout=5)).tolist() == [0, 1]
-
-    run(main(), timeout=15)
+            await w.send(key(), np.arange(1), mode="push")
+        with pytest.raises(ValueError):
+            await p.recv(key(), mode="push", timeout=1)
+        # the refused recv left no waiter behind
+        await w.send(key(), np.arange(2))
+        assert (await p.recv(key(), timeout=5)).tolist() == [0, 1]
 
 
-def test_both_modes_on_different_keys_in_one_cluster(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, "recv", claim_timeout=None) as (w, p):
-            pulled, pushed = key("pulled"), key("pushed")
-            for i in range(10):
-                await w.send(pulled, np.array([i]), mode="recv")
-                await w.send(pushed, np.array([100 + i]), mode="send")
-            await eventually(lambda: queued(p, pushed) == 10, "all pushes arrived")
-            assert queued(w, pulled) == 10 and queued(p, pulled) == 0
-            a = [int((await p.recv(pulled, mode="recv", timeout=5))[0]) for _ in range(10)]
-            b = [int((await p.recv(pushed, mode="send", timeout=5))[0]) for _ in range(10)]
-            assert a == list(range(10)) and b == list(range(100, 110))
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_both_modes_on_different_keys_in_one_cluster(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, "recv", claim_timeout=None) as (w, p):
+        pulled, pushed = key("pulled"), key("pushed")
+        for i in range(10):
+            await w.send(pulled, np.array([i]), mode="recv")
+            await w.send(pushed, np.array([100 + i]), mode="send")
+        await eventually(lambda: queued(p, pushed) == 10, "all pushes arrived")
+        assert queued(w, pulled) == 10 and queued(p, pulled) == 0
+        a = [int((await p.recv(pulled, mode="recv", timeout=5))[0]) for _ in range(10)]
+        b = [int((await p.recv(pushed, mode="send", timeout=5))[0]) for _ in range(10)]
+        assert a == list(range(10)) and b == list(range(100, 110))
 
 
 # -- the two sides disagree on a key's mode -------------------------------------------------
 
 
-def test_producer_pushes_consumer_requests(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, "recv") as (w, p):
-            k = key("mixed")
-            # consumer asks first, then the producer pushes
-            task = await pending(p.recv(k, mode="recv", timeout=5))
-            await w.send(k, np.array([1]), mode="send")
-            assert (await task).tolist() == [1]
-            # producer pushes first, then the consumer asks
-            for i in range(5):
-                await w.send(k, np.array([10 + i]), mode="send")
-            got = [int((await p.recv(k, mode="recv", timeout=5))[0]) for _ in range(5)]
-            assert sorted(got) == list(range(10, 15))
-            # nothing left over and nothing duplicated: the next value is the next one sent
-            await asyncio.sleep(0.1)
-            assert queued(p, k) == 0 and queued(w, k) == 0
-            await w.send(k, np.array([99]), mode="send")
-            assert (await p.recv(k, mode="recv", timeout=5)).tolist() == [99]
-            with pytest.raises(TimeoutError):
-                await p.recv(k, mode="recv", timeout=0.2)
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_producer_pushes_consumer_requests(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, "recv") as (w, p):
+        k = key("mixed")
+        # consumer asks first, then the producer pushes
+        task = await pending(p.recv(k, mode="recv", timeout=5))
+        await w.send(k, np.array([1]), mode="send")
+        assert (await task).tolist() == [1]
+        # producer pushes first, then the consumer asks
+        for i in range(5):
+            await w.send(k, np.array([10 + i]), mode="send")
+        got = [int((await p.recv(k, mode="recv", timeout=5))[0]) for _ in range(5)]
+        assert sorted(got) == list(range(10, 15))
+        # nothing left over and nothing duplicated: the next value is the next one sent
+        await asyncio.sleep(0.1)
+        assert queued(p, k) == 0 and queued(w, k) == 0
+        await w.send(k, np.array([99]), mode="send")
+        assert (await p.recv(k, mode="recv", timeout=5)).tolist() == [99]
+        with pytest.raises(TimeoutError):
+            await p.recv(k, mode="recv", timeout=0.2)
 
 
-def test_producer_holds_consumer_waits_locally(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, "send", claim_timeout=0.2, heartbeat=0.05) as (w, p):
-            k = key("held")
-            # consumer waits first (no request crosses the wire), producer holds
-            task = await pending(p.recv(k, mode="send", timeout=5))
-            await w.send(k, np.array([1]), mode="recv")
-            assert (await task).tolist() == [1]   # pushed after claim_timeout
-            # producer holds first, then the consumer waits locally
-            for i in range(3):
-                await w.send(k, np.array([10 + i]), mode="recv")
-            got = [int((await p.recv(k, mode="send", timeout=5))[0]) for _ in range(3)]
-            assert sorted(got) == [10, 11, 12]
-            assert queued(w, k) == 0 and w._held_count == 0
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_producer_holds_consumer_waits_locally(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, "send", claim_timeout=0.2, heartbeat=0.05) as (w, p):
+        k = key("held")
+        # consumer waits first (no request crosses the wire), producer holds
+        task = await pending(p.recv(k, mode="send", timeout=5))
+        await w.send(k, np.array([1]), mode="recv")
+        assert (await task).tolist() == [1]   # pushed after claim_timeout
+        # producer holds first, then the consumer waits locally
+        for i in range(3):
+            await w.send(k, np.array([10 + i]), mode="recv")
+        got = [int((await p.recv(k, mode="send", timeout=5))[0]) for _ in range(3)]
+        assert sorted(got) == [10, 11, 12]
+        assert queued(w, k) == 0 and w._held_count == 0
 
 
 # -- values -----------------------------------------------------------------------------------
@@ -232,306 +210,273 @@ VALUES = [
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_values_of_every_kind(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, mode) as (w, p):
-            for value in VALUES:
-                await w.send(key(), value)
-            for value in VALUES:
-                got = await p.recv(key(), timeout=5)
-                if isinstance(value, bytes):
-                    assert type(got) is bytes and got == value
-                else:
-                    assert got.shape == value.shape
-                    assert got.dtype == value.dtype.newbyteorder("=")  # native order on arrival
-                    np.testing.assert_array_equal(got, value)
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_values_of_every_kind(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, mode) as (w, p):
+        for value in VALUES:
+            await w.send(key(), value)
+        for value in VALUES:
+            got = await p.recv(key(), timeout=5)
+            if isinstance(value, bytes):
+                assert type(got) is bytes and got == value
+            else:
+                assert got.shape == value.shape
+                assert got.dtype == value.dtype.newbyteorder("=")  # native order on arrival
+                np.testing.assert_array_equal(got, value)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_multi_mib_array(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        value = np.random.default_rng(3).standard_normal((1024, 1024))  # 8 MiB
-        big_bytes = bytes(range(256)) * 8192                           # 2 MiB
-        async with pair(cluster, mode) as (w, p):
-            task = asyncio.ensure_future(p.recv(key(), timeout=10))
-            await w.send(key(), value)
-            await w.send(key(), big_bytes)
-            got = await task
-            np.testing.assert_array_equal(got, value)
-            assert await p.recv(key(), timeout=10) == big_bytes
-
-    run(main(), timeout=20)
+@pytest.mark.loop_timeout(20)
+async def test_multi_mib_array(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    value = np.random.default_rng(3).standard_normal((1024, 1024))  # 8 MiB
+    big_bytes = bytes(range(256)) * 8192                           # 2 MiB
+    async with pair(cluster, mode) as (w, p):
+        task = asyncio.ensure_future(p.recv(key(), timeout=10))
+        await w.send(key(), value)
+        await w.send(key(), big_bytes)
+        got = await task
+        np.testing.assert_array_equal(got, value)
+        assert await p.recv(key(), timeout=10) == big_bytes
 
 
-def test_object_dtype_is_refused_before_anything_is_sent(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, "send") as (w, p):
-            with pytest.raises(TypeError):
-                await w.send(key(), np.array([{}], dtype=object))
-            with pytest.raises(TypeError):
-                await w.send(key(), [1, 2])
-            await w.send(key(), np.arange(2))
-            assert (await p.recv(key(), timeout=5)).tolist() == [0, 1]
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_object_dtype_is_refused_before_anything_is_sent(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, "send") as (w, p):
+        with pytest.raises(TypeError):
+            await w.send(key(), np.array([{}], dtype=object))
+        with pytest.raises(TypeError):
+            await w.send(key(), [1, 2])
+        await w.send(key(), np.arange(2))
+        assert (await p.recv(key(), timeout=5)).tolist() == [0, 1]
 
 
 # -- endpoints, cancel, timeout ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_wrong_endpoint_names_the_key(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, mode) as (w, p):
-            k = key("misrouted")
-            with pytest.raises(rvz.WrongEndpoint) as info:
-                await p.send(k, np.arange(1))       # ps is not the key's source
-            assert str(k) in str(info.value)
-            with pytest.raises(rvz.WrongEndpoint) as info:
-                await w.recv(k, timeout=1)           # worker is not the key's destination
-            assert str(k) in str(info.value)
-            with pytest.raises(rvz.WrongEndpoint):
-                await w.recv(str(k), timeout=1)
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_wrong_endpoint_names_the_key(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, mode) as (w, p):
+        k = key("misrouted")
+        with pytest.raises(rvz.WrongEndpoint) as info:
+            await p.send(k, np.arange(1))       # ps is not the key's source
+        assert str(k) in str(info.value)
+        with pytest.raises(rvz.WrongEndpoint) as info:
+            await w.recv(k, timeout=1)           # worker is not the key's destination
+        assert str(k) in str(info.value)
+        with pytest.raises(rvz.WrongEndpoint):
+            await w.recv(str(k), timeout=1)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_local_key_on_one_node(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, mode) as (w, _):
-            k = key("self", dst=WORKER)
-            task = await pending(w.recv(k, timeout=5))
-            await w.send(k, np.arange(2))
-            await w.send(k, np.arange(3))
-            assert (await task).tolist() == [0, 1]
-            assert (await w.recv(k, timeout=5)).tolist() == [0, 1, 2]
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_local_key_on_one_node(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, mode) as (w, _):
+        k = key("self", dst=WORKER)
+        task = await pending(w.recv(k, timeout=5))
+        await w.send(k, np.arange(2))
+        await w.send(k, np.arange(3))
+        assert (await task).tolist() == [0, 1]
+        assert (await w.recv(k, timeout=5)).tolist() == [0, 1, 2]
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_cancel_pending_remote_recv_next_send_goes_to_next_waiter(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, mode) as (w, p):
-            first = await pending(p.recv(key(), timeout=10))
-            second = await pending(p.recv(key(), timeout=10))
-            first.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await first
-            await asyncio.sleep(0.05)  # the cancel reaches the producer
-            await w.send(key(), np.array([1]))
-            assert (await second).tolist() == [1]
-            # and nothing was lost or duplicated
-            await w.send(key(), np.array([2]))
-            assert (await p.recv(key(), timeout=5)).tolist() == [2]
-            await asyncio.sleep(0.1)
-            assert queued(p, key()) == 0 and queued(w, key()) == 0
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_cancel_pending_remote_recv_next_send_goes_to_next_waiter(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, mode) as (w, p):
+        first = await pending(p.recv(key(), timeout=10))
+        second = await pending(p.recv(key(), timeout=10))
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await asyncio.sleep(0.05)  # the cancel reaches the producer
+        await w.send(key(), np.array([1]))
+        assert (await second).tolist() == [1]
+        # and nothing was lost or duplicated
+        await w.send(key(), np.array([2]))
+        assert (await p.recv(key(), timeout=5)).tolist() == [2]
+        await asyncio.sleep(0.1)
+        assert queued(p, key()) == 0 and queued(w, key()) == 0
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_cancel_all_pending_remote_recvs_then_send(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, mode) as (w, p):
-            tasks = [asyncio.ensure_future(p.recv(key(), timeout=10)) for _ in range(3)]
-            await asyncio.sleep(0.1)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await asyncio.sleep(0.05)
-            await w.send(key(), np.array([5]))
-            assert (await p.recv(key(), timeout=5)).tolist() == [5]
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_cancel_all_pending_remote_recvs_then_send(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, mode) as (w, p):
+        tasks = [asyncio.ensure_future(p.recv(key(), timeout=10)) for _ in range(3)]
+        await asyncio.sleep(0.1)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        await w.send(key(), np.array([5]))
+        assert (await p.recv(key(), timeout=5)).tolist() == [5]
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_timeout_on_remote_recv(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, mode) as (w, p):
-            with pytest.raises(TimeoutError) as info:
-                await p.recv(key(), timeout=0.1)
-            assert type(info.value) is TimeoutError
-            assert str(key()) in str(info.value) and w.name in str(info.value)
-            # the timed-out recv is gone: the next value goes to the next recv
-            task = await pending(p.recv(key(), timeout=5))
-            await w.send(key(), np.array([3]))
-            assert (await task).tolist() == [3]
-            await asyncio.sleep(0.05)
-            assert queued(p, key()) == 0 and queued(w, key()) == 0
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_timeout_on_remote_recv(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, mode) as (w, p):
+        with pytest.raises(TimeoutError) as info:
+            await p.recv(key(), timeout=0.1)
+        assert type(info.value) is TimeoutError
+        assert str(key()) in str(info.value) and w.name in str(info.value)
+        # the timed-out recv is gone: the next value goes to the next recv
+        task = await pending(p.recv(key(), timeout=5))
+        await w.send(key(), np.array([3]))
+        assert (await task).tolist() == [3]
+        await asyncio.sleep(0.05)
+        assert queued(p, key()) == 0 and queued(w, key()) == 0
 
 
 # -- steps ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_steps_are_separate_scopes(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, mode) as (w, p):
-            await w.step(1).send(key(), np.array([1]))
-            await w.step(2).send(key(), np.array([2]))
-            await w.send(key(), np.array([0]))
-            assert (await p.step(2).recv(key(), timeout=5)).tolist() == [2]
-            assert (await p.recv(key(), timeout=5)).tolist() == [0]
-            assert (await p.step(1).recv(key(), timeout=5)).tolist() == [1]
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_steps_are_separate_scopes(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, mode) as (w, p):
+        await w.step(1).send(key(), np.array([1]))
+        await w.step(2).send(key(), np.array([2]))
+        await w.send(key(), np.array([0]))
+        assert (await p.step(2).recv(key(), timeout=5)).tolist() == [2]
+        assert (await p.recv(key(), timeout=5)).tolist() == [0]
+        assert (await p.step(1).recv(key(), timeout=5)).tolist() == [1]
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("by", ["consumer", "producer"])
-def test_step_cleanup_aborts_the_step_on_both_nodes(run, cluster, mode, by) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, mode) as (w, p):
-            ws, ps = w.step(7), p.step(7)
-            # both nodes take part in step 7
-            await ws.send(key("x"), np.array([1]))
-            assert (await ps.recv(key("x"), timeout=5)).tolist() == [1]
-            on_ps = await pending(ps.recv(key("y"), timeout=10))
-            on_w = await pending(ws.recv(back("z"), timeout=10))
-            # another step is not affected
-            other = await pending(p.step(8).recv(key("y"), timeout=10))
-            await (ps if by == "consumer" else ws).cleanup("step 7 failed on purpose")
-            for task in (on_ps, on_w):
-                with pytest.raises(rvz.Aborted) as info:
-                    await task
-                assert "step 7 failed on purpose" in str(info.value)
-            with pytest.raises(rvz.Aborted):
-                await ws.send(key("x"), np.array([2]))
-            with pytest.raises(rvz.Aborted):
-                await ps.recv(key("x"), timeout=1)
-            with pytest.raises(rvz.Aborted):
-                await ps.send(back("z"), np.array([2]))
-            with pytest.raises(rvz.Aborted):
-                await ws.recv(back("z"), timeout=1)
-            assert not other.done()
-            await w.step(8).send(key("y"), np.array([8]))
-            assert (await other).tolist() == [8]
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_step_cleanup_aborts_the_step_on_both_nodes(cluster, mode, by) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, mode) as (w, p):
+        ws, ps = w.step(7), p.step(7)
+        # both nodes take part in step 7
+        await ws.send(key("x"), np.array([1]))
+        assert (await ps.recv(key("x"), timeout=5)).tolist() == [1]
+        on_ps = await pending(ps.recv(key("y"), timeout=10))
+        on_w = await pending(ws.recv(back("z"), timeout=10))
+        # another step is not affected
+        other = await pending(p.step(8).recv(key("y"), timeout=10))
+        await (ps if by == "consumer" else ws).cleanup("step 7 failed on purpose")
+        for task in (on_ps, on_w):
+            with pytest.raises(rvz.Aborted) as info:
+                await task
+            assert "step 7 failed on purpose" in str(info.value)
+        with pytest.raises(rvz.Aborted):
+            await ws.send(key("x"), np.array([2]))
+        with pytest.raises(rvz.Aborted):
+            await ps.recv(key("x"), timeout=1)
+        with pytest.raises(rvz.Aborted):
+            await ps.send(back("z"), np.array([2]))
+        with pytest.raises(rvz.Aborted):
+            await ws.recv(back("z"), timeout=1)
+        assert not other.done()
+        await w.step(8).send(key("y"), np.array([8]))
+        assert (await other).tolist() == [8]
 
 
-def test_cleanup_drops_held_and_pushed_values(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, "recv", claim_timeout=None) as (w, p):
-            await w.step(3).send(key("held"), np.zeros(1000), mode="recv")
-            await w.step(3).send(key("pushed"), np.zeros(1000), mode="send")
-            await eventually(lambda: queued(p, key("pushed"), 3) == 1, "the push arrived")
-            assert w._held_count == 1
-            await p.step(3).recv(key("pushed"), timeout=5)
-            await w.step(3).cleanup()
-            assert w._held_count == 0 and w._held_bytes == 0
-            await eventually(lambda: 3 not in p._tables, "the consumer dropped step 3")
-            with pytest.raises(rvz.Aborted):
-                await p.step(3).recv(key("held"), timeout=1)
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_cleanup_drops_held_and_pushed_values(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, "recv", claim_timeout=None) as (w, p):
+        await w.step(3).send(key("held"), np.zeros(1000), mode="recv")
+        await w.step(3).send(key("pushed"), np.zeros(1000), mode="send")
+        await eventually(lambda: queued(p, key("pushed"), 3) == 1, "the push arrived")
+        assert w._held_count == 1
+        await p.step(3).recv(key("pushed"), timeout=5)
+        await w.step(3).cleanup()
+        assert w._held_count == 0 and w._held_bytes == 0
+        await eventually(lambda: 3 not in p._tables, "the consumer dropped step 3")
+        with pytest.raises(rvz.Aborted):
+            await p.step(3).recv(key("held"), timeout=1)
 
 
 # -- node abort ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_node_abort_fails_pending_ops_with_cause(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, mode) as (w, p):
-            waits = [await pending(p.recv(key(f"k{i}"), timeout=10)) for i in range(2)]
-            local = await pending(p.recv(key("l", src=PS), timeout=10))
-            cause = RuntimeError("the real reason")
-            p.abort(cause)
-            assert p.state == "closed"
-            for task in waits + [local]:
-                with pytest.raises(rvz.Aborted) as info:
-                    await task
-                assert info.value.__cause__ is cause
+@pytest.mark.loop_timeout(15)
+async def test_node_abort_fails_pending_ops_with_cause(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, mode) as (w, p):
+        waits = [await pending(p.recv(key(f"k{i}"), timeout=10)) for i in range(2)]
+        local = await pending(p.recv(key("l", src=PS), timeout=10))
+        cause = RuntimeError("the real reason")
+        p.abort(cause)
+        assert p.state == "closed"
+        for task in waits + [local]:
             with pytest.raises(rvz.Aborted) as info:
-                await p.recv(key(), timeout=1)
+                await task
             assert info.value.__cause__ is cause
-            assert str(key()) in str(info.value)
-            with pytest.raises(rvz.Aborted):
-                await p.send(back(), np.arange(1))
-            # the peer notices: its ops on the aborted node fail instead of hanging
-            with pytest.raises(rvz.PeerLost):
-                await w.recv(back(), timeout=5)
-
-    run(main(), timeout=15)
-
-
-def test_async_with_aborts_on_error(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        node = rvz.Node(cluster, "ps", 0)
-        with pytest.raises(KeyError):
-            async with node:
-                raise KeyError("boom")
-        assert node.state == "closed"
         with pytest.raises(rvz.Aborted) as info:
-            await node.recv(key(), timeout=1)
-        assert isinstance(info.value.__cause__, KeyError)
+            await p.recv(key(), timeout=1)
+        assert info.value.__cause__ is cause
+        assert str(key()) in str(info.value)
+        with pytest.raises(rvz.Aborted):
+            await p.send(back(), np.arange(1))
+        # the peer notices: its ops on the aborted node fail instead of hanging
+        with pytest.raises(rvz.PeerLost):
+            await w.recv(back(), timeout=5)
 
-    run(main(), timeout=15)
+
+@pytest.mark.loop_timeout(15)
+async def test_async_with_aborts_on_error(cluster) -> None:  # type: ignore[no-untyped-def]
+    node = rvz.Node(cluster, "ps", 0)
+    with pytest.raises(KeyError):
+        async with node:
+            raise KeyError("boom")
+    assert node.state == "closed"
+    with pytest.raises(rvz.Aborted) as info:
+        await node.recv(key(), timeout=1)
+    assert isinstance(info.value.__cause__, KeyError)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_key_naming_a_task_outside_the_cluster(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, mode) as (w, p):
-            stranger = key("stranger", src="/job:nope/replica:0/task:0/device:CPU:0")
-            with pytest.raises(rvz.WrongEndpoint) as info:
-                await p.recv(stranger, timeout=1)
-            assert str(stranger) in str(info.value) and "/job:nope" in str(info.value)
-            t = table(p)
-            assert t is None or t.waiting(str(stranger)) == 0   # no waiter left behind
-            lost = key("lost", dst="/job:ps/replica:0/task:9/device:CPU:0")
-            with pytest.raises(rvz.WrongEndpoint) as info:
-                await w.send(lost, np.arange(1))
-            assert str(lost) in str(info.value)
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_key_naming_a_task_outside_the_cluster(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, mode) as (w, p):
+        stranger = key("stranger", src="/job:nope/replica:0/task:0/device:CPU:0")
+        with pytest.raises(rvz.WrongEndpoint) as info:
+            await p.recv(stranger, timeout=1)
+        assert str(stranger) in str(info.value) and "/job:nope" in str(info.value)
+        t = table(p)
+        assert t is None or t.waiting(str(stranger)) == 0   # no waiter left behind
+        lost = key("lost", dst="/job:ps/replica:0/task:9/device:CPU:0")
+        with pytest.raises(rvz.WrongEndpoint) as info:
+            await w.send(lost, np.arange(1))
+        assert str(lost) in str(info.value)
 
 
-def test_remote_step_abort_names_the_peer(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, "recv") as (w, p):
-            await w.step(4).send(key(), np.arange(1))
-            await p.step(4).recv(key(), timeout=5)
-            waiting = await pending(w.step(4).recv(back(), timeout=10))
-            await p.step(4).cleanup("custom reason")
-            with pytest.raises(rvz.Aborted) as info:
-                await waiting
-            message = str(info.value)
-            assert "custom reason" in message and p.name in message and str(back()) in message
-            assert isinstance(info.value.__cause__, rvz.RemoteError)
-            assert info.value.__cause__.peer == p.name
-
-    run(main(), timeout=15)
+@pytest.mark.loop_timeout(15)
+async def test_remote_step_abort_names_the_peer(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, "recv") as (w, p):
+        await w.step(4).send(key(), np.arange(1))
+        await p.step(4).recv(key(), timeout=5)
+        waiting = await pending(w.step(4).recv(back(), timeout=10))
+        await p.step(4).cleanup("custom reason")
+        with pytest.raises(rvz.Aborted) as info:
+            await waiting
+        message = str(info.value)
+        assert "custom reason" in message and p.name in message and str(back()) in message
+        assert isinstance(info.value.__cause__, rvz.RemoteError)
+        assert info.value.__cause__.peer == p.name
 
 
 @pytest.mark.parametrize("consumer_first", [False, True])
-def test_default_modes_that_disagree_need_no_claim_timeout(run, cluster, consumer_first) -> None:
+async def test_default_modes_that_disagree_need_no_claim_timeout(cluster, consumer_first) -> None:
     # The producer node holds (Recv-Driven), the consumer node waits locally (Send-Driven)
     # and unclaimed values are never pushed: the consumer must ask, having learned the
     # producer's default mode from its HELLO.
-    async def main() -> None:
-        settings = {**FAST, "claim_timeout": None}
-        async with rvz.Node(cluster, "worker", 0, "recv", **settings) as w, \
-                rvz.Node(cluster, "ps", 0, "send", **settings) as p:
-            if consumer_first:
-                waiting = await pending(p.recv(key("x"), timeout=5))
-                await w.send(key("x"), np.arange(4))
-                got = await waiting
-            else:
-                await w.send(key("x"), np.arange(4))
-                got = await p.recv(key("x"), timeout=5)
-            assert got.tolist() == [0, 1, 2, 3]
-            # and again once both sides know each other
-            await w.send(key("x"), np.arange(2))
-            assert (await p.recv(key("x"), timeout=5)).tolist() == [0, 1]
-            assert not w._held_count
-
-    run(main())
+    settings = {**FAST, "claim_timeout": None}
+    async with rvz.Node(cluster, "worker", 0, "recv", **settings) as w, \
+            rvz.Node(cluster, "ps", 0, "send", **settings) as p:
+        if consumer_first:
+            waiting = await pending(p.recv(key("x"), timeout=5))
+            await w.send(key("x"), np.arange(4))
+            got = await waiting
+        else:
+            await w.send(key("x"), np.arange(4))
+            got = await p.recv(key("x"), timeout=5)
+        assert got.tolist() == [0, 1, 2, 3]
+        # and again once both sides know each other
+        await w.send(key("x"), np.arange(2))
+        assert (await p.recv(key("x"), timeout=5)).tolist() == [0, 1]
+        assert not w._held_count

@@ -68,102 +68,94 @@ def same(a: Any, b: Any) -> bool:
 
 
 @pytest.mark.parametrize("mode", ["send", "recv"])
-def test_values_arrive_intact_in_both_modes(run: Any, cluster: rvz.ClusterSpec, transport: str,
-                                            mode: str) -> None:
-    async def main() -> None:
-        async with pair(cluster, mode, transport=transport, onesided=OPTS) as (w, p):
-            for round_ in range(2):  # the second round uses cached slots / metadata
-                for i, v in enumerate(values()):
-                    k = key(f"v{i}")
-                    await w.send(k, v)
-                    got = await p.recv(k, timeout=10)
-                    assert same(v.copy() if isinstance(v, np.ndarray) else v, got), (i, round_)
-                    if isinstance(got, np.ndarray):
-                        got[...] = 0  # received arrays are the receiver's, writable
-            assert w.transport_for(PS) == transport and p.transport_for(WORKER) == transport
-            assert stats(w, "writes") > 0 and stats(w, "inline") > 0
-            if mode == "recv":
-                assert stats(w, "meta") > 0  # first sight of each large key: metadata first
-        # nothing of the pools stays allocated once the arrays are gone and the nodes closed
-
-    run(main(), timeout=40)
-
-
-def test_recv_driven_writes_straight_into_the_destination(run: Any, cluster: rvz.ClusterSpec,
-                                                          transport: str) -> None:
-    async def main() -> None:
-        async with pair(cluster, "recv", transport=transport, onesided=OPTS) as (w, p):
-            k = key("dst")
-            first = np.arange(50000, dtype=np.float32)
-            await w.send(k, first)
-            assert np.array_equal(await p.recv(k, timeout=10), first)
-            metas = stats(w, "meta")
-            for i in range(5):  # same dtype/shape: the request carries the destination
-                v = first + i
+@pytest.mark.loop_timeout(40)
+async def test_values_arrive_intact_in_both_modes(cluster: rvz.ClusterSpec, transport: str,
+                                                  mode: str) -> None:
+    async with pair(cluster, mode, transport=transport, onesided=OPTS) as (w, p):
+        for round_ in range(2):  # the second round uses cached slots / metadata
+            for i, v in enumerate(values()):
+                k = key(f"v{i}")
                 await w.send(k, v)
                 got = await p.recv(k, timeout=10)
-                assert np.array_equal(got, v)
-                block_owner = got.base
-                assert block_owner is not None and type(block_owner).__name__ == "_Owner"
-            assert stats(w, "meta") == metas
+                assert same(v.copy() if isinstance(v, np.ndarray) else v, got), (i, round_)
+                if isinstance(got, np.ndarray):
+                    got[...] = 0  # received arrays are the receiver's, writable
+        assert w.transport_for(PS) == transport and p.transport_for(WORKER) == transport
+        assert stats(w, "writes") > 0 and stats(w, "inline") > 0
+        if mode == "recv":
+            assert stats(w, "meta") > 0  # first sight of each large key: metadata first
+    # nothing of the pools stays allocated once the arrays are gone and the nodes closed
 
-    run(main(), timeout=30)
+
+@pytest.mark.loop_timeout(30)
+async def test_recv_driven_writes_straight_into_the_destination(cluster: rvz.ClusterSpec,
+                                                                transport: str) -> None:
+    async with pair(cluster, "recv", transport=transport, onesided=OPTS) as (w, p):
+        k = key("dst")
+        first = np.arange(50000, dtype=np.float32)
+        await w.send(k, first)
+        assert np.array_equal(await p.recv(k, timeout=10), first)
+        metas = stats(w, "meta")
+        for i in range(5):  # same dtype/shape: the request carries the destination
+            v = first + i
+            await w.send(k, v)
+            got = await p.recv(k, timeout=10)
+            assert np.array_equal(got, v)
+            block_owner = got.base
+            assert block_owner is not None and type(block_owner).__name__ == "_Owner"
+        assert stats(w, "meta") == metas
 
 
 # -- many keys in flight ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", ["send", "recv"])
-def test_many_keys_in_flight_keep_fifo_per_key(run: Any, cluster: rvz.ClusterSpec, transport: str,
-                                               mode: str) -> None:
+@pytest.mark.loop_timeout(40)
+async def test_many_keys_in_flight_keep_fifo_per_key(cluster: rvz.ClusterSpec, transport: str,
+                                                     mode: str) -> None:
     nkeys, per_key = 40, 4
 
-    async def main() -> None:
-        async with pair(cluster, mode, transport=transport, onesided=OPTS) as (w, p):
-            async def consume(i: int) -> list[int]:
-                out = []
-                for _ in range(per_key):
-                    v = await p.recv(key(f"k{i}"), timeout=20)
-                    out.append(int(v[0]))
-                    assert v.shape == ((i % 5 + 1) * 1000,)
-                return out
+    async with pair(cluster, mode, transport=transport, onesided=OPTS) as (w, p):
+        async def consume(i: int) -> list[int]:
+            out = []
+            for _ in range(per_key):
+                v = await p.recv(key(f"k{i}"), timeout=20)
+                out.append(int(v[0]))
+                assert v.shape == ((i % 5 + 1) * 1000,)
+            return out
 
-            consumers = [asyncio.ensure_future(consume(i)) for i in range(nkeys)]
-            for j in range(per_key):
-                for i in range(nkeys):
-                    await w.send(key(f"k{i}"), np.full((i % 5 + 1) * 1000, j, np.int32))
-            results = await asyncio.gather(*consumers)
-            assert all(r == list(range(per_key)) for r in results)
-
-    run(main(), timeout=40)
+        consumers = [asyncio.ensure_future(consume(i)) for i in range(nkeys)]
+        for j in range(per_key):
+            for i in range(nkeys):
+                await w.send(key(f"k{i}"), np.full((i % 5 + 1) * 1000, j, np.int32))
+        results = await asyncio.gather(*consumers)
+        assert all(r == list(range(per_key)) for r in results)
 
 
 # -- slots: exhaustion and credit return ---------------------------------------------------------
 
 
-def test_slot_exhaustion_queues_in_order_and_credit_returns(run: Any, cluster: rvz.ClusterSpec,
-                                                            transport: str) -> None:
+@pytest.mark.loop_timeout(30)
+async def test_slot_exhaustion_queues_in_order_and_credit_returns(cluster: rvz.ClusterSpec,
+                                                                  transport: str) -> None:
     n = 12
 
-    async def main() -> None:
-        opts = {**OPTS, "max_slots": 2, "slot_budget": 1 << 20}
-        async with pair(cluster, "send", transport=transport, onesided=opts) as (w, p):
-            k = key("slots")
-            for i in range(n):  # the push window allows it; the slots do not
-                await w.send(k, np.full(100000, i, np.float32))
-            (out,) = [ch for ch in channels(w) if ch.remote_slots or ch.out_pending]
-            await eventually(lambda: len(out.out_pending.get(k_text(k), ())) > 0,
-                             "values wait for slots on the producer")
-            assert sum(1 for ch in channels(w) for _ in ch.out_pending) == 1
-            assert w._onesided.busy()
-            for i in range(n):
-                assert int((await p.recv(k, timeout=10))[0]) == i
-            await eventually(lambda: not out.out_pending, "the producer's queue drained")
-            assert stats(p, "grants") >= n  # each consumed slot came back as a new grant
-            (inn,) = [ch for ch in channels(p) if ch.slot_imms]
-            assert len(inn.slot_imms[k_text(k)]) <= 2  # never more than max_slots outstanding
-
-    run(main(), timeout=30)
+    opts = {**OPTS, "max_slots": 2, "slot_budget": 1 << 20}
+    async with pair(cluster, "send", transport=transport, onesided=opts) as (w, p):
+        k = key("slots")
+        for i in range(n):  # the push window allows it; the slots do not
+            await w.send(k, np.full(100000, i, np.float32))
+        (out,) = [ch for ch in channels(w) if ch.remote_slots or ch.out_pending]
+        await eventually(lambda: len(out.out_pending.get(k_text(k), ())) > 0,
+                         "values wait for slots on the producer")
+        assert sum(1 for ch in channels(w) for _ in ch.out_pending) == 1
+        assert w._onesided.busy()
+        for i in range(n):
+            assert int((await p.recv(k, timeout=10))[0]) == i
+        await eventually(lambda: not out.out_pending, "the producer's queue drained")
+        assert stats(p, "grants") >= n  # each consumed slot came back as a new grant
+        (inn,) = [ch for ch in channels(p) if ch.slot_imms]
+        assert len(inn.slot_imms[k_text(k)]) <= 2  # never more than max_slots outstanding
 
 
 def k_text(k: rvz.Key) -> str:
@@ -174,48 +166,44 @@ def k_text(k: rvz.Key) -> str:
 
 
 @pytest.mark.parametrize("mode", ["send", "recv"])
-def test_shape_and_dtype_change_mid_stream(run: Any, cluster: rvz.ClusterSpec, transport: str,
-                                           mode: str) -> None:
+@pytest.mark.loop_timeout(30)
+async def test_shape_and_dtype_change_mid_stream(cluster: rvz.ClusterSpec, transport: str,
+                                                 mode: str) -> None:
     shapes = [((1000,), np.float32), ((1000,), np.float32), ((3000,), np.float32),
               ((30, 100), np.float32), ((30, 100), np.float64), ((10,), np.int8),
               ((5000,), np.int64), ((5000,), np.int64)]
 
-    async def main() -> None:
-        async with pair(cluster, mode, transport=transport, onesided=OPTS) as (w, p):
-            k = key("shape")
-            for i, (shape, dtype) in enumerate(shapes):
-                v = np.full(shape, i, dtype)
-                if mode == "recv":  # the consumer asks first, with its stale metadata
-                    task = asyncio.ensure_future(p.recv(k, timeout=10))
-                    await asyncio.sleep(0.01)
-                    await w.send(k, v)
-                    got = await task
-                else:
-                    await w.send(k, v)
-                    got = await p.recv(k, timeout=10)
-                assert same(v, got), i
-            if mode == "recv":
-                assert stats(w, "meta") >= 4  # first sight plus three changes (int8 goes inline)
-
-    run(main(), timeout=30)
+    async with pair(cluster, mode, transport=transport, onesided=OPTS) as (w, p):
+        k = key("shape")
+        for i, (shape, dtype) in enumerate(shapes):
+            v = np.full(shape, i, dtype)
+            if mode == "recv":  # the consumer asks first, with its stale metadata
+                task = asyncio.ensure_future(p.recv(k, timeout=10))
+                await asyncio.sleep(0.01)
+                await w.send(k, v)
+                got = await task
+            else:
+                await w.send(k, v)
+                got = await p.recv(k, timeout=10)
+            assert same(v, got), i
+        if mode == "recv":
+            assert stats(w, "meta") >= 4  # first sight plus three changes (int8 goes inline)
 
 
-def test_answers_queued_behind_a_metadata_update_keep_fifo(run: Any, cluster: rvz.ClusterSpec,
-                                                           transport: str) -> None:
-    async def main() -> None:
-        async with pair(cluster, "recv", transport=transport, onesided=OPTS) as (w, p):
-            k = key("fifo")
-            await w.send(k, np.zeros(4000, np.float32))
-            await p.recv(k, timeout=10)  # metadata (4000,) float32 cached
-            waits = [asyncio.ensure_future(p.recv(k, timeout=10)) for _ in range(3)]
-            await asyncio.sleep(0.05)  # three requests carry (4000,) float32 destinations
-            await w.send(k, np.full(8000, 1, np.float32))   # mismatch: META, re-ask
-            await w.send(k, np.full(4000, 2, np.float32))   # would match: must wait behind
-            await w.send(k, np.full(4000, 3, np.float32))
-            got = await asyncio.gather(*waits)
-            assert [int(g[0]) for g in got] == [1, 2, 3]
-
-    run(main(), timeout=30)
+@pytest.mark.loop_timeout(30)
+async def test_answers_queued_behind_a_metadata_update_keep_fifo(cluster: rvz.ClusterSpec,
+                                                                 transport: str) -> None:
+    async with pair(cluster, "recv", transport=transport, onesided=OPTS) as (w, p):
+        k = key("fifo")
+        await w.send(k, np.zeros(4000, np.float32))
+        await p.recv(k, timeout=10)  # metadata (4000,) float32 cached
+        waits = [asyncio.ensure_future(p.recv(k, timeout=10)) for _ in range(3)]
+        await asyncio.sleep(0.05)  # three requests carry (4000,) float32 destinations
+        await w.send(k, np.full(8000, 1, np.float32))   # mismatch: META, re-ask
+        await w.send(k, np.full(4000, 2, np.float32))   # would match: must wait behind
+        await w.send(k, np.full(4000, 3, np.float32))
+        got = await asyncio.gather(*waits)
+        assert [int(g[0]) for g in got] == [1, 2, 3]
 
 
 # -- abort, step clean-up, cancel -------------------------------------------------------------
@@ -225,89 +213,82 @@ def dests(node: rvz.Node) -> int:
     return sum(1 for ch in channels(node) for t in ch.targets.values() if t.kind == 2)
 
 
-def test_step_cleanup_aborts_and_frees_destinations(run: Any, cluster: rvz.ClusterSpec,
-                                                    transport: str) -> None:
-    async def main() -> None:
-        async with pair(cluster, "recv", transport=transport, onesided=OPTS) as (w, p):
-            k = key("step")
-            await w.step(1).send(k, np.ones(20000))
-            await p.step(1).recv(k, timeout=10)        # metadata cached
-            waiting = asyncio.ensure_future(p.step(7).recv(k, timeout=10))
-            await eventually(lambda: dests(p) == 1, "the request offered a destination")
-            await w.step(7).cleanup("step 7 is over")
-            with pytest.raises(rvz.Aborted) as info:
-                await waiting
-            assert "step 7 is over" in str(info.value)
-            await eventually(lambda: dests(p) == 0, "the destination was freed")
-            # the channel still works for other steps
-            await w.step(8).send(k, np.ones(20000) * 8)
-            assert (await p.step(8).recv(k, timeout=10))[0] == 8
-
-    run(main(), timeout=30)
+@pytest.mark.loop_timeout(30)
+async def test_step_cleanup_aborts_and_frees_destinations(cluster: rvz.ClusterSpec,
+                                                          transport: str) -> None:
+    async with pair(cluster, "recv", transport=transport, onesided=OPTS) as (w, p):
+        k = key("step")
+        await w.step(1).send(k, np.ones(20000))
+        await p.step(1).recv(k, timeout=10)        # metadata cached
+        waiting = asyncio.ensure_future(p.step(7).recv(k, timeout=10))
+        await eventually(lambda: dests(p) == 1, "the request offered a destination")
+        await w.step(7).cleanup("step 7 is over")
+        with pytest.raises(rvz.Aborted) as info:
+            await waiting
+        assert "step 7 is over" in str(info.value)
+        await eventually(lambda: dests(p) == 0, "the destination was freed")
+        # the channel still works for other steps
+        await w.step(8).send(k, np.ones(20000) * 8)
+        assert (await p.step(8).recv(k, timeout=10))[0] == 8
 
 
-def test_cancelled_request_frees_its_destination(run: Any, cluster: rvz.ClusterSpec,
-                                                 transport: str) -> None:
-    async def main() -> None:
-        async with pair(cluster, "recv", transport=transport, onesided=OPTS) as (w, p):
-            k = key("cancel")
-            await w.send(k, np.ones(20000))
-            await p.recv(k, timeout=10)
-            with pytest.raises(TimeoutError):
-                await p.recv(k, timeout=0.2)
-            await eventually(lambda: dests(p) == 0, "the producer released the destination")
-            await w.send(k, np.ones(20000) * 2)  # the next value goes to the next recv
-            assert (await p.recv(k, timeout=10))[0] == 2
-
-    run(main(), timeout=30)
+@pytest.mark.loop_timeout(30)
+async def test_cancelled_request_frees_its_destination(cluster: rvz.ClusterSpec,
+                                                       transport: str) -> None:
+    async with pair(cluster, "recv", transport=transport, onesided=OPTS) as (w, p):
+        k = key("cancel")
+        await w.send(k, np.ones(20000))
+        await p.recv(k, timeout=10)
+        with pytest.raises(TimeoutError):
+            await p.recv(k, timeout=0.2)
+        await eventually(lambda: dests(p) == 0, "the producer released the destination")
+        await w.send(k, np.ones(20000) * 2)  # the next value goes to the next recv
+        assert (await p.recv(k, timeout=10))[0] == 2
 
 
-def test_abort_fails_pending_operations_and_frees_the_pool(run: Any, cluster: rvz.ClusterSpec,
-                                                           transport: str) -> None:
-    async def main() -> None:
-        async with pair(cluster, "send", transport=transport, onesided=OPTS) as (w, p):
-            k = key("abort")
-            await w.send(k, np.ones(100000))
-            kept = await p.recv(k, timeout=10)           # an array in the pool, still alive
-            pending = asyncio.ensure_future(p.recv(k, timeout=10))
-            await asyncio.sleep(0.05)
-            engine = p._onesided.engines[transport]
-            p.abort(RuntimeError("operator abort"))
-            with pytest.raises(rvz.Aborted) as info:
-                await pending
-            assert isinstance(info.value.__cause__, RuntimeError)
-            assert engine.closed and engine.pool.closed
-            assert kept.sum() == 100000                  # its block outlives the pool
-            del kept
-            engine.pool.reclaim()
-            assert engine.pool.stats()["chunks"] == 0
-
-    run(main(), timeout=30)
+@pytest.mark.loop_timeout(30)
+async def test_abort_fails_pending_operations_and_frees_the_pool(cluster: rvz.ClusterSpec,
+                                                                 transport: str) -> None:
+    async with pair(cluster, "send", transport=transport, onesided=OPTS) as (w, p):
+        k = key("abort")
+        await w.send(k, np.ones(100000))
+        kept = await p.recv(k, timeout=10)           # an array in the pool, still alive
+        pending = asyncio.ensure_future(p.recv(k, timeout=10))
+        await asyncio.sleep(0.05)
+        engine = p._onesided.engines[transport]
+        p.abort(RuntimeError("operator abort"))
+        with pytest.raises(rvz.Aborted) as info:
+            await pending
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert engine.closed and engine.pool.closed
+        assert kept.sum() == 100000                  # its block outlives the pool
+        del kept
+        engine.pool.reclaim()
+        assert engine.pool.stats()["chunks"] == 0
 
 
-def test_graceful_close_delivers_what_was_sent(run: Any, cluster: rvz.ClusterSpec, transport: str) -> None:
-    async def main() -> None:
-        p = await rvz.Node(cluster, "ps", 0, "send", transport=transport, onesided=OPTS, **FAST).start()
-        try:
-            async with rvz.Node(cluster, "worker", 0, "send", transport=transport, onesided={
-                    **OPTS, "max_slots": 1, "slot_budget": 1}, **FAST) as w:
-                for i in range(6):
-                    await w.send(key("bye"), np.full(50000, i))
-            # w closed: everything it accepted was delivered before its BYE
+@pytest.mark.loop_timeout(30)
+async def test_graceful_close_delivers_what_was_sent(cluster: rvz.ClusterSpec, transport: str) -> None:
+    p = await rvz.Node(cluster, "ps", 0, "send", transport=transport, onesided=OPTS, **FAST).start()
+    try:
+        async with rvz.Node(cluster, "worker", 0, "send", transport=transport, onesided={
+                **OPTS, "max_slots": 1, "slot_budget": 1}, **FAST) as w:
             for i in range(6):
-                assert int((await p.recv(key("bye"), timeout=10))[0]) == i
-        finally:
-            await p.close()
-
-    run(main(), timeout=30)
+                await w.send(key("bye"), np.full(50000, i))
+        # w closed: everything it accepted was delivered before its BYE
+        for i in range(6):
+            assert int((await p.recv(key("bye"), timeout=10))[0]) == i
+    finally:
+        await p.close()
 
 
 # -- negotiation --------------------------------------------------------------------------------
 
 
-def test_asking_for_shm_with_a_tcp_peer_fails_with_the_reason(run: Any, cluster: rvz.ClusterSpec,
-                                                              caplog: pytest.LogCaptureFixture) -> None:
-    async def main() -> None:
+@pytest.mark.loop_timeout(30)
+async def test_asking_for_shm_with_a_tcp_peer_fails_with_the_reason(cluster: rvz.ClusterSpec,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, "rvz"):
         async with rvz.Node(cluster, "worker", 0, "send", transport="shm", onesided=OPTS, **FAST) as w, \
                 rvz.Node(cluster, "ps", 0, "send", transport="tcp", **FAST):
             with pytest.raises((rvz.PeerLost, rvz.TransportError)) as info:
@@ -315,43 +296,34 @@ def test_asking_for_shm_with_a_tcp_peer_fails_with_the_reason(run: Any, cluster:
             text = f"{info.value} {info.value.__cause__}"
             assert "shm" in text and "tcp" in text, text
 
-    with caplog.at_level(logging.WARNING, "rvz"):
-        run(main(), timeout=30)
 
-
-def test_auto_picks_shm_on_one_host_and_logs_it(run: Any, cluster: rvz.ClusterSpec,
-                                                caplog: pytest.LogCaptureFixture) -> None:
-    async def main() -> None:
+@pytest.mark.loop_timeout(30)
+async def test_auto_picks_shm_on_one_host_and_logs_it(cluster: rvz.ClusterSpec,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, "rvz"):
         async with pair(cluster, "send", transport="auto", onesided=OPTS) as (w, p):
             assert w.transport_for(PS) == "auto"   # nothing decided before a connection
             await w.send(key("a"), np.ones(5000))
             await p.recv(key("a"), timeout=10)
             assert w.transport_for(PS) == "shm" and p.transport_for(WORKER) == "shm"
-
-    with caplog.at_level(logging.INFO, "rvz"):
-        run(main(), timeout=30)
     assert any("transport to /job:ps/replica:0/task:0 is shm" in r.getMessage() for r in caplog.records)
 
 
-def test_auto_with_a_tcp_peer_uses_tcp(run: Any, cluster: rvz.ClusterSpec) -> None:
-    async def main() -> None:
-        async with rvz.Node(cluster, "worker", 0, "recv", transport="auto", onesided=OPTS, **FAST) as w, \
-                rvz.Node(cluster, "ps", 0, "recv", transport="tcp", **FAST) as p:
-            await w.send(key("a"), np.ones(5000))
-            assert np.array_equal(await p.recv(key("a"), timeout=10), np.ones(5000))
-            assert w.transport_for(PS) == "tcp" and p.transport_for(WORKER) == "tcp"
-
-    run(main(), timeout=30)
+@pytest.mark.loop_timeout(30)
+async def test_auto_with_a_tcp_peer_uses_tcp(cluster: rvz.ClusterSpec) -> None:
+    async with rvz.Node(cluster, "worker", 0, "recv", transport="auto", onesided=OPTS, **FAST) as w, \
+            rvz.Node(cluster, "ps", 0, "recv", transport="tcp", **FAST) as p:
+        await w.send(key("a"), np.ones(5000))
+        assert np.array_equal(await p.recv(key("a"), timeout=10), np.ones(5000))
+        assert w.transport_for(PS) == "tcp" and p.transport_for(WORKER) == "tcp"
 
 
-def test_unknown_transport_and_option_are_refused(run: Any, cluster: rvz.ClusterSpec) -> None:
-    async def main() -> None:
-        with pytest.raises(ValueError, match="transport must be one of"):
-            rvz.Node(cluster, "ps", 0, transport="rdma")
-        with pytest.raises(ValueError, match="unknown onesided option"):
-            await rvz.Node(cluster, "ps", 0, transport="shm", onesided={"slots": 3}).start()
-
-    run(main(), timeout=10)
+@pytest.mark.loop_timeout(10)
+async def test_unknown_transport_and_option_are_refused(cluster: rvz.ClusterSpec) -> None:
+    with pytest.raises(ValueError, match="transport must be one of"):
+        rvz.Node(cluster, "ps", 0, transport="rdma")
+    with pytest.raises(ValueError, match="unknown onesided option"):
+        await rvz.Node(cluster, "ps", 0, transport="shm", onesided={"slots": 3}).start()
 
 
 # -- two processes ------------------------------------------------------------------------------
@@ -400,72 +372,66 @@ def reap(proc: subprocess.Popen[str]) -> None:
 
 
 @pytest.mark.parametrize("mode", ["send", "recv"])
-def test_two_processes_exchange(run: Any, cluster: rvz.ClusterSpec, transport: str, mode: str) -> None:
+@pytest.mark.loop_timeout(40)
+async def test_two_processes_exchange(cluster: rvz.ClusterSpec, transport: str, mode: str) -> None:
     count, size = 24, 1 << 20
     proc = spawn(cluster, "producer", mode, transport, count, size)
     try:
-        async def main() -> None:
-            await wait_ready(proc)
-            async with rvz.Node(cluster, "ps", 0, mode, transport=transport, onesided=OPTS, **FAST) as p:
-                for i in range(count):
-                    got = await p.recv(key("p", iter=i % 4), timeout=20)
-                    assert got.shape == (size // 8,) and int(got[0]) == i and int(got[-1]) == i
-                assert p.transport_for(WORKER) == transport
-
-        run(main(), timeout=40)
+        await wait_ready(proc)
+        async with rvz.Node(cluster, "ps", 0, mode, transport=transport, onesided=OPTS, **FAST) as p:
+            for i in range(count):
+                got = await p.recv(key("p", iter=i % 4), timeout=20)
+                assert got.shape == (size // 8,) and int(got[0]) == i and int(got[-1]) == i
+            assert p.transport_for(WORKER) == transport
     finally:
         reap(proc)
 
 
 @pytest.mark.parametrize("mode", ["send", "recv"])
-def test_producer_killed_mid_write_fails_waiters_with_peer_lost(run: Any, cluster: rvz.ClusterSpec,
-                                                                 transport: str, mode: str) -> None:
+@pytest.mark.loop_timeout(40)
+async def test_producer_killed_mid_write_fails_waiters_with_peer_lost(cluster: rvz.ClusterSpec,
+                                                                      transport: str, mode: str) -> None:
     proc = spawn(cluster, "producer", mode, transport, 1 << 30, 4 << 20)
     try:
-        async def main() -> None:
-            await wait_ready(proc)
-            async with rvz.Node(cluster, "ps", 0, mode, transport=transport, onesided=OPTS, **FAST) as p:
-                for i in range(3):
-                    await p.recv(key("p", iter=i), timeout=20)
-                # the producer is writing continuously (send) or serving requests (recv)
-                waiting = [asyncio.ensure_future(p.recv(key("p", iter=3), timeout=30)) for _ in range(50)]
-                await asyncio.sleep(0.01)
-                os.kill(proc.pid, signal.SIGKILL)
-                results = await asyncio.gather(*waiting, return_exceptions=True)
-                errors = [r for r in results if isinstance(r, BaseException)]
-                assert errors, "the kill happened after every value arrived"
-                for err in errors:
-                    assert isinstance(err, rvz.PeerLost), repr(err)
-                engine = p._onesided.engines[transport]
-                await eventually(lambda: not engine.channels, "the dead peer's channel is closed")
-                # the node keeps working
-                await p.send(rvz.Key(PS, PS, "local"), np.ones(3))
-                assert (await p.recv(rvz.Key(PS, PS, "local"), timeout=5)).sum() == 3
-
-        run(main(), timeout=40)
+        await wait_ready(proc)
+        async with rvz.Node(cluster, "ps", 0, mode, transport=transport, onesided=OPTS, **FAST) as p:
+            for i in range(3):
+                await p.recv(key("p", iter=i), timeout=20)
+            # the producer is writing continuously (send) or serving requests (recv)
+            waiting = [asyncio.ensure_future(p.recv(key("p", iter=3), timeout=30)) for _ in range(50)]
+            await asyncio.sleep(0.01)
+            os.kill(proc.pid, signal.SIGKILL)
+            results = await asyncio.gather(*waiting, return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            assert errors, "the kill happened after every value arrived"
+            for err in errors:
+                assert isinstance(err, rvz.PeerLost), repr(err)
+            engine = p._onesided.engines[transport]
+            await eventually(lambda: not engine.channels, "the dead peer's channel is closed")
+            # the node keeps working
+            await p.send(rvz.Key(PS, PS, "local"), np.ones(3))
+            assert (await p.recv(rvz.Key(PS, PS, "local"), timeout=5)).sum() == 3
     finally:
         reap(proc)
 
 
-def test_consumer_killed_mid_write_fails_the_producer_cleanly(run: Any, cluster: rvz.ClusterSpec,
-                                                              transport: str) -> None:
+@pytest.mark.loop_timeout(40)
+async def test_consumer_killed_mid_write_fails_the_producer_cleanly(cluster: rvz.ClusterSpec,
+                                                                    transport: str) -> None:
     proc = spawn(cluster, "consumer", "send", transport, 0, 0)
     try:
-        async def main() -> None:
-            await wait_ready(proc)
-            async with rvz.Node(cluster, "worker", 0, "send", transport=transport, onesided=OPTS,
-                                **FAST) as w:
-                value = np.ones(1 << 19)
-                for _ in range(5):
+        await wait_ready(proc)
+        async with rvz.Node(cluster, "worker", 0, "send", transport=transport, onesided=OPTS,
+                            **FAST) as w:
+            value = np.ones(1 << 19)
+            for _ in range(5):
+                await w.send(key("p", iter=0), value, timeout=20)
+            os.kill(proc.pid, signal.SIGKILL)
+            with pytest.raises((rvz.PeerLost, rvz.TransportError)):
+                for _ in range(10000):  # pushes stop once the loss is noticed
                     await w.send(key("p", iter=0), value, timeout=20)
-                os.kill(proc.pid, signal.SIGKILL)
-                with pytest.raises((rvz.PeerLost, rvz.TransportError)):
-                    for _ in range(10000):  # pushes stop once the loss is noticed
-                        await w.send(key("p", iter=0), value, timeout=20)
-                engine = w._onesided.engines[transport]
-                await eventually(lambda: not engine.channels, "the dead peer's channel is closed")
-
-        run(main(), timeout=40)
+            engine = w._onesided.engines[transport]
+            await eventually(lambda: not engine.channels, "the dead peer's channel is closed")
     finally:
         reap(proc)
 

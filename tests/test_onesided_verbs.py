@@ -232,18 +232,17 @@ def provider(**kw: Any) -> VerbsProvider:
 # -- set-up without a device ---------------------------------------------------------------
 
 
-def test_argument_checks(run: Any) -> None:
-    async def main() -> None:
-        for kw, what in [({"device": ""}, "device"), ({"device": 3}, "device"), ({"port": 0}, "port"),
-                         ({"port": "1"}, "port"), ({"gid_index": -1}, "gid_index"),
-                         ({"recv_depth": 0}, "recv_depth"), ({"send_depth": 1 << 20}, "send_depth")]:
-            with pytest.raises(ValueError, match=what):
-                provider(**kw)
-
-    run(main(), timeout=10)
+@pytest.mark.loop_timeout(10)
+async def test_argument_checks() -> None:
+    for kw, what in [({"device": ""}, "device"), ({"device": 3}, "device"), ({"port": 0}, "port"),
+                     ({"port": "1"}, "port"), ({"gid_index": -1}, "gid_index"),
+                     ({"recv_depth": 0}, "recv_depth"), ({"send_depth": 1 << 20}, "send_depth")]:
+        with pytest.raises(ValueError, match=what):
+            provider(**kw)
 
 
-def test_missing_pyverbs_is_named(run: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.loop_timeout(10)
+async def test_missing_pyverbs_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     import builtins
 
     real_import = builtins.__import__
@@ -253,31 +252,26 @@ def test_missing_pyverbs_is_named(run: Any, monkeypatch: pytest.MonkeyPatch) -> 
             raise ImportError("No module named 'pyverbs'")
         return real_import(name, *args, **kw)
 
-    async def main() -> None:
-        monkeypatch.setattr(builtins, "__import__", no_pyverbs)
-        try:
-            with pytest.raises(rvz.TransportError, match="no pyverbs.*docs/rdma.md"):
-                provider().open()
-        finally:
-            monkeypatch.setattr(builtins, "__import__", real_import)
-
-    run(main(), timeout=10)
+    monkeypatch.setattr(builtins, "__import__", no_pyverbs)
+    try:
+        with pytest.raises(rvz.TransportError, match="no pyverbs.*docs/rdma.md"):
+            provider().open()
+    finally:
+        monkeypatch.setattr(builtins, "__import__", real_import)
 
 
-def test_node_asking_for_verbs_fails_at_start_naming_the_reason(run: Any, cluster: rvz.ClusterSpec,
-                                                                fabric: Fabric) -> None:
+@pytest.mark.loop_timeout(20)
+async def test_node_asking_for_verbs_fails_at_start_naming_the_reason(cluster: rvz.ClusterSpec,
+                                                                      fabric: Fabric) -> None:
     fabric.devices = []
 
-    async def main() -> None:
-        node = rvz.Node(cluster, "ps", 0, transport="verbs", **FAST)
-        with pytest.raises(rvz.TransportError, match="transport 'verbs' is not available.*no RDMA device"):
-            await node.start()
-        # auto does not fail: it says why verbs is out and goes on
-        async with rvz.Node(cluster, "ps", 0, transport="auto", **FAST) as auto:
-            assert "no RDMA device" in auto._onesided.unavailable["verbs"]
-            assert "shm" in auto._onesided.engines
-
-    run(main(), timeout=20)
+    node = rvz.Node(cluster, "ps", 0, transport="verbs", **FAST)
+    with pytest.raises(rvz.TransportError, match="transport 'verbs' is not available.*no RDMA device"):
+        await node.start()
+    # auto does not fail: it says why verbs is out and goes on
+    async with rvz.Node(cluster, "ps", 0, transport="auto", **FAST) as auto:
+        assert "no RDMA device" in auto._onesided.unavailable["verbs"]
+        assert "shm" in auto._onesided.engines
 
 
 @pytest.mark.parametrize("setup, message", [
@@ -285,20 +279,15 @@ def test_node_asking_for_verbs_fails_at_start_naming_the_reason(run: Any, cluste
     (lambda f: setattr(f, "port_state", 1), "port 1 of RDMA device fake0 is down .state DOWN"),
     (lambda f: setattr(f, "link_layer", 2), "RoCE port 1 of fake0 has no GID"),
 ])
-def test_device_errors(run: Any, fabric: Fabric, setup: Any, message: str) -> None:
-    async def main() -> None:
-        setup(fabric)
-        with pytest.raises(rvz.TransportError, match=message):
-            provider(pyverbs=fake_pyverbs(fabric)).open()
-
-    run(main(), timeout=10)
+@pytest.mark.loop_timeout(10)
+async def test_device_errors(fabric: Fabric, setup: Any, message: str) -> None:
+    setup(fabric)
+    with pytest.raises(rvz.TransportError, match=message):
+        provider(pyverbs=fake_pyverbs(fabric)).open()
 
 
-def test_device_selection(run: Any, fabric: Fabric) -> None:
-    run(device_selection(fabric), timeout=10)
-
-
-async def device_selection(fabric: Fabric) -> None:
+@pytest.mark.loop_timeout(10)
+async def test_device_selection(fabric: Fabric) -> None:
     fabric.devices = ["fake0", "fake1"]
     with pytest.raises(rvz.TransportError, match=r"no RDMA device named 'mlx5_9'; found \['fake0', 'fake1"):
         provider(device="mlx5_9", pyverbs=fake_pyverbs(fabric)).open()
@@ -314,12 +303,9 @@ async def device_selection(fabric: Fabric) -> None:
     assert roce.gid_index == 2 and roce.gid.startswith("fe80")
 
 
-def test_memlock_limit_is_checked_before_registering(run: Any, fabric: Fabric,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    run(memlock_checked(fabric, monkeypatch), timeout=10)
-
-
-async def memlock_checked(fabric: Fabric, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.loop_timeout(10)
+async def test_memlock_limit_is_checked_before_registering(fabric: Fabric,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     p = provider(pyverbs=fake_pyverbs(fabric))
     p.open()
     monkeypatch.setattr(memlock, "memlock_limit", lambda: (1 << 20, 2 << 20))
@@ -336,61 +322,56 @@ async def memlock_checked(fabric: Fabric, monkeypatch: pytest.MonkeyPatch) -> No
     assert not fabric.mrs
 
 
-def test_memlock_unlimited_and_capability_pass(run: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def main() -> None:
-        unlimited = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
-        monkeypatch.setattr(memlock, "memlock_limit", lambda: unlimited)
-        memlock.check_memlock(1 << 40, 1 << 40)
-        monkeypatch.setattr(memlock, "memlock_limit", lambda: (1, 1))
-        monkeypatch.setattr(memlock, "has_cap_ipc_lock", lambda: True)
-        memlock.check_memlock(1 << 40, 1 << 40)
-
-    run(main(), timeout=10)
+@pytest.mark.loop_timeout(10)
+async def test_memlock_unlimited_and_capability_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    unlimited = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+    monkeypatch.setattr(memlock, "memlock_limit", lambda: unlimited)
+    memlock.check_memlock(1 << 40, 1 << 40)
+    monkeypatch.setattr(memlock, "memlock_limit", lambda: (1, 1))
+    monkeypatch.setattr(memlock, "has_cap_ipc_lock", lambda: True)
+    memlock.check_memlock(1 << 40, 1 << 40)
 
 
-def test_channel_fd_is_found_when_pyverbs_hides_it(run: Any) -> None:
-    async def main() -> None:
-        before = verbs._fds()
-        ch = NoFdChannel(None)  # type: ignore[arg-type]
-        try:
-            assert find_channel_fd(ch, before) == ch._fd
-        finally:
-            ch.close()
-
-    run(main(), timeout=10)
+@pytest.mark.loop_timeout(10)
+async def test_channel_fd_is_found_when_pyverbs_hides_it() -> None:
+    before = verbs._fds()
+    ch = NoFdChannel(None)  # type: ignore[arg-type]
+    try:
+        assert find_channel_fd(ch, before) == ch._fd
+    finally:
+        ch.close()
 
 
 # -- the data path on the fake device ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", ["send", "recv"])
-def test_exchange_through_the_verbs_provider(run: Any, cluster: rvz.ClusterSpec, fabric: Fabric,
-                                             mode: str) -> None:
-    async def main() -> None:
-        async with pair(cluster, mode, transport="verbs", onesided=OPTS) as (w, p):
-            assert w.transport_for(PS) == "verbs"
-            for i, shape in enumerate([(10,), (70000,), (70000,), (300, 300), (0,), (5,)]):
-                v = np.random.default_rng(i).standard_normal(shape)
-                await w.send(key("v"), v)
-                assert np.array_equal(await p.recv(key("v"), timeout=10), v)
-            await w.send(key("b"), bytes(range(200)) * 100)
-            assert await p.recv(key("b"), timeout=10) == bytes(range(200)) * 100
-            many = [asyncio.ensure_future(p.recv(key(f"k{i}"), timeout=10)) for i in range(30)]
-            for i in range(30):
-                await w.send(key(f"k{i}"), np.full(5000, i))
-            assert [int(v[0]) for v in await asyncio.gather(*many)] == list(range(30))
-            ch = next(iter(w._onesided.engines["verbs"].channels.values()))
-            assert ch.stats["writes"] > 0 and ch.stats["inline"] > 0
-            await asyncio.sleep(0.05)
-            assert not ch.inflight  # every work request completed and released its staging
-
-    run(main(), timeout=30)
+@pytest.mark.loop_timeout(30)
+async def test_exchange_through_the_verbs_provider(cluster: rvz.ClusterSpec, fabric: Fabric,
+                                                   mode: str) -> None:
+    async with pair(cluster, mode, transport="verbs", onesided=OPTS) as (w, p):
+        assert w.transport_for(PS) == "verbs"
+        for i, shape in enumerate([(10,), (70000,), (70000,), (300, 300), (0,), (5,)]):
+            v = np.random.default_rng(i).standard_normal(shape)
+            await w.send(key("v"), v)
+            assert np.array_equal(await p.recv(key("v"), timeout=10), v)
+        await w.send(key("b"), bytes(range(200)) * 100)
+        assert await p.recv(key("b"), timeout=10) == bytes(range(200)) * 100
+        many = [asyncio.ensure_future(p.recv(key(f"k{i}"), timeout=10)) for i in range(30)]
+        for i in range(30):
+            await w.send(key(f"k{i}"), np.full(5000, i))
+        assert [int(v[0]) for v in await asyncio.gather(*many)] == list(range(30))
+        ch = next(iter(w._onesided.engines["verbs"].channels.values()))
+        assert ch.stats["writes"] > 0 and ch.stats["inline"] > 0
+        await asyncio.sleep(0.05)
+        assert not ch.inflight  # every work request completed and released its staging
 
 
-def test_a_failed_completion_fails_the_peer_not_the_process(run: Any, cluster: rvz.ClusterSpec,
-                                                            fabric: Fabric,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
-    async def main() -> None:
+@pytest.mark.loop_timeout(30)
+async def test_a_failed_completion_fails_the_peer_not_the_process(cluster: rvz.ClusterSpec,
+                                                                  fabric: Fabric,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, "rvz"):
         async with pair(cluster, "send", transport="verbs", onesided=OPTS) as (w, p):
             await w.send(key("f"), np.ones(50000))
             await p.recv(key("f"), timeout=10)
@@ -405,20 +386,15 @@ def test_a_failed_completion_fails_the_peer_not_the_process(run: Any, cluster: r
             await w.send(key("f"), np.ones(50000) * 2, timeout=10)
             assert (await p.recv(key("f"), timeout=10))[0] == 2
 
-    with caplog.at_level(logging.WARNING, "rvz"):
-        run(main(), timeout=30)
 
-
-def test_verbs_with_a_shm_only_peer_fails_with_the_reason(run: Any, cluster: rvz.ClusterSpec,
-                                                          fabric: Fabric) -> None:
-    async def main() -> None:
-        async with rvz.Node(cluster, "worker", 0, "send", transport="verbs", onesided=OPTS, **FAST) as w, \
-                rvz.Node(cluster, "ps", 0, "send", transport="shm", onesided=OPTS, **FAST):
-            with pytest.raises((rvz.PeerLost, rvz.TransportError)) as info:
-                await w.send(key("x"), np.ones(10), timeout=5)
-            text = f"{info.value} {info.value.__cause__}"
-            assert "asks for transport 'verbs'" in text and "'shm'" in text, text
-
-    run(main(), timeout=20)
+@pytest.mark.loop_timeout(20)
+async def test_verbs_with_a_shm_only_peer_fails_with_the_reason(cluster: rvz.ClusterSpec,
+                                                                fabric: Fabric) -> None:
+    async with rvz.Node(cluster, "worker", 0, "send", transport="verbs", onesided=OPTS, **FAST) as w, \
+            rvz.Node(cluster, "ps", 0, "send", transport="shm", onesided=OPTS, **FAST):
+        with pytest.raises((rvz.PeerLost, rvz.TransportError)) as info:
+            await w.send(key("x"), np.ones(10), timeout=5)
+        text = f"{info.value} {info.value.__cause__}"
+        assert "asks for transport 'verbs'" in text and "'shm'" in text, text
 
 

@@ -8,10 +8,11 @@ import gc
 from typing import Any
 
 import numpy as np
+import pytest
 
 from rvz import _impl
 
-from .conftest import in_loop, key, pair
+from .conftest import key, pair
 
 RecvPool = _impl.recvpool.RecvPool
 size_class = _impl.recvpool.size_class
@@ -44,8 +45,7 @@ def stream(pool: Any, sizes: list[int], hold: int = 1,
     return kept
 
 
-@in_loop
-def test_a_block_in_use_is_never_handed_out_again() -> None:
+async def test_a_block_in_use_is_never_handed_out_again() -> None:
     pool = RecvPool(8 * MiB)
     arr = fill(pool.take(MiB), MiB, 1)
     other = fill(pool.take(MiB), MiB, 2)
@@ -63,8 +63,7 @@ def test_a_block_in_use_is_never_handed_out_again() -> None:
     assert (view == 1).all() and (other == 2).all() and (again == 4).all()
 
 
-@in_loop
-def test_a_consumer_holding_its_previous_array_reuses_two_blocks() -> None:
+async def test_a_consumer_holding_its_previous_array_reuses_two_blocks() -> None:
     pool = RecvPool(256 * MiB)
     stream(pool, [4 * MiB] * 50)
     assert pool.fresh + pool.prepared <= 3          # learned: two alive at once, one spare
@@ -72,16 +71,14 @@ def test_a_consumer_holding_its_previous_array_reuses_two_blocks() -> None:
     assert pool.held <= 3 * 4 * MiB
 
 
-@in_loop
-def test_a_deeper_hold_learns_more_blocks_and_stays_correct() -> None:
+async def test_a_deeper_hold_learns_more_blocks_and_stays_correct() -> None:
     pool = RecvPool(256 * MiB)
     stream(pool, [MiB] * 60, hold=3)                # three held while the fourth arrives
     assert 4 <= pool.fresh + pool.prepared <= 5
     assert pool.reused >= 55 and pool.missed == 0
 
 
-@in_loop
-def test_maintain_prepares_the_next_block_off_the_data_path() -> None:
+async def test_maintain_prepares_the_next_block_off_the_data_path() -> None:
     pool = RecvPool(64 * MiB)
     assert pool.maintain() is False                 # nothing taken yet: nothing to prepare
     first = fill(pool.take(4 * MiB), 4 * MiB, 1)
@@ -98,8 +95,7 @@ def test_maintain_prepares_the_next_block_off_the_data_path() -> None:
     assert pool.prepared == 1
 
 
-@in_loop
-def test_maintain_stays_within_the_limit() -> None:
+async def test_maintain_stays_within_the_limit() -> None:
     pool = RecvPool(4 * MiB)
     held = fill(pool.take(4 * MiB), 4 * MiB, 1)
     assert pool.maintain() is False and pool.held == 4 * MiB and pool.prepared == 0
@@ -107,8 +103,7 @@ def test_maintain_stays_within_the_limit() -> None:
     assert (held == 1).all()
 
 
-@in_loop
-def test_the_limit_is_kept_and_free_blocks_of_other_sizes_make_room() -> None:
+async def test_the_limit_is_kept_and_free_blocks_of_other_sizes_make_room() -> None:
     pool = RecvPool(2 * MiB)
     held = [fill(pool.take(MiB), MiB, 1), fill(pool.take(MiB), MiB, 2)]
     assert pool.take(MiB) is None                   # full, and nothing is free
@@ -121,8 +116,7 @@ def test_the_limit_is_kept_and_free_blocks_of_other_sizes_make_room() -> None:
     assert pool.held == 2 * MiB and pool.released == 2
 
 
-@in_loop
-def test_a_request_that_cannot_fit_evicts_nothing() -> None:
+async def test_a_request_that_cannot_fit_evicts_nothing() -> None:
     pool = RecvPool(2 * MiB)
     busy = fill(pool.take(MiB), MiB, 1)
     spare = fill(pool.take(MiB), MiB, 2)
@@ -133,8 +127,7 @@ def test_a_request_that_cannot_fit_evicts_nothing() -> None:
     assert (busy == 1).all()
 
 
-@in_loop
-def test_sizes_that_vary_share_blocks_across_a_class_boundary() -> None:
+async def test_sizes_that_vary_share_blocks_across_a_class_boundary() -> None:
     rng = np.random.default_rng(3)
     sizes = [int(MiB + d) // 8 * 8 for d in rng.integers(-MiB // 20, MiB // 20, 80)]
     assert len({size_class(n) for n in sizes}) == 2  # 1 MiB sits on a boundary
@@ -146,8 +139,7 @@ def test_sizes_that_vary_share_blocks_across_a_class_boundary() -> None:
     assert pool.held <= 4 * size_class(max(sizes))
 
 
-@in_loop
-def test_a_size_just_below_a_recent_one_gets_a_block_that_serves_both() -> None:
+async def test_a_size_just_below_a_recent_one_gets_a_block_that_serves_both() -> None:
     pool = RecvPool(64 * MiB)
     upper = fill(pool.take(MiB + MiB // 10), MiB + MiB // 10, 1)
     lower = fill(pool.take(MiB - 4096), MiB - 4096, 2)   # a class below, asked for just after
@@ -160,8 +152,7 @@ def test_a_size_just_below_a_recent_one_gets_a_block_that_serves_both() -> None:
     assert (lower == 2).all() and (again == 3).all()
 
 
-@in_loop
-def test_the_pool_adapts_when_sizes_change_under_its_limit() -> None:
+async def test_the_pool_adapts_when_sizes_change_under_its_limit() -> None:
     pool = RecvPool(32 * MiB)
     stream(pool, [8 * MiB] * 40)                    # about three blocks of 8 MiB
     assert pool.stats()[8 * MiB][0] >= 2
@@ -173,8 +164,7 @@ def test_the_pool_adapts_when_sizes_change_under_its_limit() -> None:
     assert len(kept) == 1
 
 
-@in_loop
-def test_sizes_nobody_asks_for_any_more_are_released() -> None:
+async def test_sizes_nobody_asks_for_any_more_are_released() -> None:
     pool = RecvPool(1 << 30, window=4, stale=16)
     stream(pool, [8 * MiB] * 12)
     assert 8 * MiB in pool.stats()
@@ -184,8 +174,7 @@ def test_sizes_nobody_asks_for_any_more_are_released() -> None:
     assert pool.held <= 3 * 2 * MiB and pool.released >= 2
 
 
-@in_loop
-def test_a_burst_of_held_arrays_decays() -> None:
+async def test_a_burst_of_held_arrays_decays() -> None:
     pool = RecvPool(1 << 30, window=4)
     stream(pool, [MiB] * 20, hold=5)                # six alive at once
     assert pool.held >= 6 * MiB
@@ -193,8 +182,7 @@ def test_a_burst_of_held_arrays_decays() -> None:
     assert pool.held <= 3 * MiB
 
 
-@in_loop
-def test_any_pattern_keeps_held_arrays_intact_and_the_limit() -> None:
+async def test_any_pattern_keeps_held_arrays_intact_and_the_limit() -> None:
     rng = np.random.default_rng(11)
     pool = RecvPool(6 * MiB, window=8, stale=64)
     live: list[tuple[int, np.ndarray]] = []
@@ -218,8 +206,7 @@ def test_any_pattern_keeps_held_arrays_intact_and_the_limit() -> None:
     assert pool.reused > 100
 
 
-@in_loop
-def test_size_classes_round_up_by_less_than_an_eighth() -> None:
+async def test_size_classes_round_up_by_less_than_an_eighth() -> None:
     for nbytes in (1, 4095, 4096, 65536, 65537, 100_000, MiB - 1, MiB, MiB + 1, 64 * MiB + 8):
         size = size_class(nbytes)
         assert size >= nbytes and size % 4096 == 0
@@ -227,8 +214,7 @@ def test_size_classes_round_up_by_less_than_an_eighth() -> None:
     assert size_class(64 * MiB) == 64 * MiB and size_class(64 * MiB + 1) == 72 * MiB
 
 
-@in_loop
-def test_pooled_arrays_decode_correctly_and_independently() -> None:
+async def test_pooled_arrays_decode_correctly_and_independently() -> None:
     codec = _impl.codec
     pool = RecvPool(64 * MiB)
     dec = codec.Decoder(pool=pool)
@@ -251,19 +237,17 @@ def test_pooled_arrays_decode_correctly_and_independently() -> None:
     assert not np.shares_memory(got[0], got[1]) and not np.shares_memory(got[1], got[2])
 
 
-def test_held_arrays_are_not_overwritten_by_later_messages(run, cluster) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        async with pair(cluster, "send") as (w, p):
-            kept = []
-            for i in range(6):
-                await w.send(key(), np.full(MiB // 8, i, np.float64))
-                arr = await p.recv(key(), timeout=10)
-                if i % 2 == 0:
-                    kept.append((i, arr))        # held: its block must stay untouched
-                else:
-                    del arr                      # dropped: its block may serve the next one
-            for i, arr in kept:
-                assert (arr == i).all()
-            assert p._recv_pool is not None and p._recv_pool.held > 0
-
-    run(main(), timeout=20)
+@pytest.mark.loop_timeout(20)
+async def test_held_arrays_are_not_overwritten_by_later_messages(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, "send") as (w, p):
+        kept = []
+        for i in range(6):
+            await w.send(key(), np.full(MiB // 8, i, np.float64))
+            arr = await p.recv(key(), timeout=10)
+            if i % 2 == 0:
+                kept.append((i, arr))        # held: its block must stay untouched
+            else:
+                del arr                      # dropped: its block may serve the next one
+        for i, arr in kept:
+            assert (arr == i).all()
+        assert p._recv_pool is not None and p._recv_pool.held > 0

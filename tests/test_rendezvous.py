@@ -9,7 +9,7 @@ import pytest
 import rvz
 from rvz import _impl
 
-from .conftest import in_loop, key
+from .conftest import key
 
 K = key("local")
 OTHER = key("other")
@@ -20,212 +20,185 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-def test_send_before_recv(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        rv.send(K, "v1")
-        assert rv.pending(K) == (1, 0)
-        assert await rv.recv(K) == "v1"
-        assert rv.pending(K) == (0, 0)
-
-    run(main(), timeout=5)
+@pytest.mark.loop_timeout(5)
+async def test_send_before_recv() -> None:
+    rv = rvz.Rendezvous()
+    rv.send(K, "v1")
+    assert rv.pending(K) == (1, 0)
+    assert await rv.recv(K) == "v1"
+    assert rv.pending(K) == (0, 0)
 
 
-def test_recv_before_send(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        task = asyncio.ensure_future(rv.recv(K))
-        await settle()
-        assert not task.done()
-        assert rv.pending(K) == (0, 1)
-        rv.send(K, "v1")
-        assert await task == "v1"
-        assert rv.pending(K) == (0, 0)
-
-    run(main(), timeout=5)
+@pytest.mark.loop_timeout(5)
+async def test_recv_before_send() -> None:
+    rv = rvz.Rendezvous()
+    task = asyncio.ensure_future(rv.recv(K))
+    await settle()
+    assert not task.done()
+    assert rv.pending(K) == (0, 1)
+    rv.send(K, "v1")
+    assert await task == "v1"
+    assert rv.pending(K) == (0, 0)
 
 
-def test_keys_are_independent_and_string_form_meets_key(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        rv.send(K, 1)
-        rv.send(OTHER, 2)
-        assert await rv.recv(str(OTHER)) == 2
-        assert await rv.recv(str(K)) == 1
-
-    run(main(), timeout=5)
+@pytest.mark.loop_timeout(5)
+async def test_keys_are_independent_and_string_form_meets_key() -> None:
+    rv = rvz.Rendezvous()
+    rv.send(K, 1)
+    rv.send(OTHER, 2)
+    assert await rv.recv(str(OTHER)) == 2
+    assert await rv.recv(str(K)) == 1
 
 
-def test_fifo_sends_first(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        for i in range(50):
-            rv.send(K, i)
-        assert [await rv.recv(K) for _ in range(50)] == list(range(50))
-
-    run(main(), timeout=5)
+@pytest.mark.loop_timeout(5)
+async def test_fifo_sends_first() -> None:
+    rv = rvz.Rendezvous()
+    for i in range(50):
+        rv.send(K, i)
+    assert [await rv.recv(K) for _ in range(50)] == list(range(50))
 
 
-def test_fifo_recvs_first(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        tasks = []
-        for _ in range(50):
-            tasks.append(asyncio.ensure_future(rv.recv(K)))
-            await asyncio.sleep(0)  # each recv registers in order
-        assert rv.pending(K) == (0, 50)
-        for i in range(50):
-            rv.send(K, i)
-        assert await asyncio.gather(*tasks) == list(range(50))
-
-    run(main(), timeout=5)
+@pytest.mark.loop_timeout(5)
+async def test_fifo_recvs_first() -> None:
+    rv = rvz.Rendezvous()
+    tasks = []
+    for _ in range(50):
+        tasks.append(asyncio.ensure_future(rv.recv(K)))
+        await asyncio.sleep(0)  # each recv registers in order
+    assert rv.pending(K) == (0, 50)
+    for i in range(50):
+        rv.send(K, i)
+    assert await asyncio.gather(*tasks) == list(range(50))
 
 
-def test_cancel_removes_only_that_waiter(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        first = asyncio.ensure_future(rv.recv(K))
-        await settle()
-        second = asyncio.ensure_future(rv.recv(K))
-        await settle()
-        third = asyncio.ensure_future(rv.recv(K))
-        await settle()
-        second.cancel()
-        await settle()
-        assert second.cancelled()
-        assert rv.pending(K) == (0, 2)
-        rv.send(K, "a")
-        rv.send(K, "b")
-        assert await first == "a"
-        assert await third == "b"
-        assert rv.pending(K) == (0, 0)
-
-    run(main(), timeout=5)
+@pytest.mark.loop_timeout(5)
+async def test_cancel_removes_only_that_waiter() -> None:
+    rv = rvz.Rendezvous()
+    first = asyncio.ensure_future(rv.recv(K))
+    await settle()
+    second = asyncio.ensure_future(rv.recv(K))
+    await settle()
+    third = asyncio.ensure_future(rv.recv(K))
+    await settle()
+    second.cancel()
+    await settle()
+    assert second.cancelled()
+    assert rv.pending(K) == (0, 2)
+    rv.send(K, "a")
+    rv.send(K, "b")
+    assert await first == "a"
+    assert await third == "b"
+    assert rv.pending(K) == (0, 0)
 
 
-def test_cancel_of_first_waiter_next_send_goes_to_next(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        first = asyncio.ensure_future(rv.recv(K))
-        await settle()
-        second = asyncio.ensure_future(rv.recv(K))
-        await settle()
-        first.cancel()
-        await settle()
-        rv.send(K, "x")
-        assert await second == "x"
-        assert rv.pending(K) == (0, 0)
-
-    run(main(), timeout=5)
+@pytest.mark.loop_timeout(5)
+async def test_cancel_of_first_waiter_next_send_goes_to_next() -> None:
+    rv = rvz.Rendezvous()
+    first = asyncio.ensure_future(rv.recv(K))
+    await settle()
+    second = asyncio.ensure_future(rv.recv(K))
+    await settle()
+    first.cancel()
+    await settle()
+    rv.send(K, "x")
+    assert await second == "x"
+    assert rv.pending(K) == (0, 0)
 
 
-def test_timeout_behaves_like_cancel(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        timed = asyncio.ensure_future(rv.recv(K, timeout=0.05))
-        await settle()
-        patient = asyncio.ensure_future(rv.recv(K))
-        await settle()
-        with pytest.raises(TimeoutError) as info:
-            await timed
-        assert type(info.value) is TimeoutError  # the built-in, not an rvz class
+@pytest.mark.loop_timeout(5)
+async def test_timeout_behaves_like_cancel() -> None:
+    rv = rvz.Rendezvous()
+    timed = asyncio.ensure_future(rv.recv(K, timeout=0.05))
+    await settle()
+    patient = asyncio.ensure_future(rv.recv(K))
+    await settle()
+    with pytest.raises(TimeoutError) as info:
+        await timed
+    assert type(info.value) is TimeoutError  # the built-in, not an rvz class
+    assert str(K) in str(info.value)
+    assert rv.pending(K) == (0, 1)
+    rv.send(K, "v")
+    assert await patient == "v"
+    assert rv.pending(K) == (0, 0)
+
+
+@pytest.mark.loop_timeout(5)
+async def test_timeout_with_value_already_there_returns_it() -> None:
+    rv = rvz.Rendezvous()
+    rv.send(K, 7)
+    assert await rv.recv(K, timeout=0.01) == 7
+
+
+@pytest.mark.loop_timeout(5)
+async def test_cancel_after_delivery_puts_value_back_at_head() -> None:
+    rv = rvz.Rendezvous()
+    first = asyncio.ensure_future(rv.recv(K))
+    await settle()
+    rv.send(K, "a")       # delivered to first's waiter ...
+    rv.send(K, "b")       # ... and b is queued behind it
+    first.cancel()        # ... but first is cancelled before it ran
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert rv.pending(K) == (2, 0)
+    assert await rv.recv(K) == "a"   # not lost, and still ahead of b
+    assert await rv.recv(K) == "b"
+
+
+@pytest.mark.loop_timeout(5)
+async def test_cancel_after_delivery_hands_value_to_next_waiter() -> None:
+    rv = rvz.Rendezvous()
+    first = asyncio.ensure_future(rv.recv(K))
+    await settle()
+    second = asyncio.ensure_future(rv.recv(K))
+    await settle()
+    rv.send(K, "a")
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert await asyncio.wait_for(second, 2) == "a"
+
+
+@pytest.mark.loop_timeout(5)
+async def test_abort_fails_pending_and_later_ops_with_cause() -> None:
+    rv = rvz.Rendezvous()
+    rv.send(OTHER, "dropped")
+    waiters = [asyncio.ensure_future(rv.recv(K)) for _ in range(3)]
+    await settle()
+    cause = ValueError("the root cause")
+    rv.abort(cause)
+    assert rv.aborted
+    for waiter in waiters:
+        with pytest.raises(rvz.Aborted) as info:
+            await waiter
+        assert info.value.__cause__ is cause
         assert str(K) in str(info.value)
-        assert rv.pending(K) == (0, 1)
-        rv.send(K, "v")
-        assert await patient == "v"
-        assert rv.pending(K) == (0, 0)
-
-    run(main(), timeout=5)
-
-
-def test_timeout_with_value_already_there_returns_it(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        rv.send(K, 7)
-        assert await rv.recv(K, timeout=0.01) == 7
-
-    run(main(), timeout=5)
+    with pytest.raises(rvz.Aborted) as info:
+        rv.send(K, 1)
+    assert info.value.__cause__ is cause
+    with pytest.raises(rvz.Aborted) as info:
+        await rv.recv(OTHER)  # its queued value was dropped by the abort
+    assert info.value.__cause__ is cause
+    assert str(OTHER) in str(info.value)
+    # A second abort does not replace the first cause.
+    rv.abort(RuntimeError("later"))
+    with pytest.raises(rvz.Aborted) as info:
+        await rv.recv(K)
+    assert info.value.__cause__ is cause
 
 
-def test_cancel_after_delivery_puts_value_back_at_head(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        first = asyncio.ensure_future(rv.recv(K))
-        await settle()
-        rv.send(K, "a")       # delivered to first's waiter ...
-        rv.send(K, "b")       # ... and b is queued behind it
-        first.cancel()        # ... but first is cancelled before it ran
-        with pytest.raises(asyncio.CancelledError):
-            await first
-        assert rv.pending(K) == (2, 0)
-        assert await rv.recv(K) == "a"   # not lost, and still ahead of b
-        assert await rv.recv(K) == "b"
-
-    run(main(), timeout=5)
+@pytest.mark.loop_timeout(5)
+async def test_abort_is_immediate() -> None:
+    rv = rvz.Rendezvous()
+    waiter = asyncio.ensure_future(rv.recv(K))
+    await settle()
+    rv.abort(KeyError("x"))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert waiter.done()
+    assert isinstance(waiter.exception(), rvz.Aborted)
 
 
-def test_cancel_after_delivery_hands_value_to_next_waiter(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        first = asyncio.ensure_future(rv.recv(K))
-        await settle()
-        second = asyncio.ensure_future(rv.recv(K))
-        await settle()
-        rv.send(K, "a")
-        first.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await first
-        assert await asyncio.wait_for(second, 2) == "a"
-
-    run(main(), timeout=5)
-
-
-def test_abort_fails_pending_and_later_ops_with_cause(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        rv.send(OTHER, "dropped")
-        waiters = [asyncio.ensure_future(rv.recv(K)) for _ in range(3)]
-        await settle()
-        cause = ValueError("the root cause")
-        rv.abort(cause)
-        assert rv.aborted
-        for waiter in waiters:
-            with pytest.raises(rvz.Aborted) as info:
-                await waiter
-            assert info.value.__cause__ is cause
-            assert str(K) in str(info.value)
-        with pytest.raises(rvz.Aborted) as info:
-            rv.send(K, 1)
-        assert info.value.__cause__ is cause
-        with pytest.raises(rvz.Aborted) as info:
-            await rv.recv(OTHER)  # its queued value was dropped by the abort
-        assert info.value.__cause__ is cause
-        assert str(OTHER) in str(info.value)
-        # A second abort does not replace the first cause.
-        rv.abort(RuntimeError("later"))
-        with pytest.raises(rvz.Aborted) as info:
-            await rv.recv(K)
-        assert info.value.__cause__ is cause
-
-    run(main(), timeout=5)
-
-
-def test_abort_is_immediate(run) -> None:  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        rv = rvz.Rendezvous()
-        waiter = asyncio.ensure_future(rv.recv(K))
-        await settle()
-        rv.abort(KeyError("x"))
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        assert waiter.done()
-        assert isinstance(waiter.exception(), rvz.Aborted)
-
-    run(main(), timeout=5)
-
-
-@in_loop
-def test_abort_under_rvz_error() -> None:
+async def test_abort_under_rvz_error() -> None:
     assert issubclass(rvz.Aborted, rvz.RvzError)
 
 
@@ -254,8 +227,7 @@ class FakeWaiter:
         self.exc = exc
 
 
-@in_loop
-def test_table_holds_values_or_waiters_never_both() -> None:
+async def test_table_holds_values_or_waiters_never_both() -> None:
     table = _impl.table.Table()
     k = str(K)
     assert table.take(k) is _impl.table.EMPTY
@@ -271,8 +243,7 @@ def test_table_holds_values_or_waiters_never_both() -> None:
     assert (table.queued(k), table.waiting(k)) == (0, 0)
 
 
-@in_loop
-def test_table_skips_done_waiters_and_removes_one() -> None:
+async def test_table_skips_done_waiters_and_removes_one() -> None:
     table = _impl.table.Table()
     k = str(K)
     w1, w2, w3 = FakeWaiter(), FakeWaiter(), FakeWaiter()
@@ -287,8 +258,7 @@ def test_table_skips_done_waiters_and_removes_one() -> None:
     assert table.keys_waiting() == []
 
 
-@in_loop
-def test_table_put_front_restores_order() -> None:
+async def test_table_put_front_restores_order() -> None:
     table = _impl.table.Table()
     k = str(K)
     table.put(k, "b")
@@ -300,8 +270,7 @@ def test_table_put_front_restores_order() -> None:
     assert table.put_front(k, "z") is True and w.result == "z"
 
 
-@in_loop
-def test_table_fail_waiters_keeps_key_usable() -> None:
+async def test_table_fail_waiters_keeps_key_usable() -> None:
     table = _impl.table.Table()
     k = str(K)
     w1, w2 = FakeWaiter(), FakeWaiter()
@@ -313,8 +282,7 @@ def test_table_fail_waiters_keeps_key_usable() -> None:
     assert table.put(k, 1) is False and table.take(k) == 1
 
 
-@in_loop
-def test_table_abort_returns_dropped_values_and_fails_waiters() -> None:
+async def test_table_abort_returns_dropped_values_and_fails_waiters() -> None:
     table = _impl.table.Table()
     a, b = str(K), str(OTHER)
     table.put(a, 1)
@@ -336,7 +304,8 @@ def test_table_abort_returns_dropped_values_and_fails_waiters() -> None:
     assert table.abort("again", None) == []
 
 
-def test_waiter_timeout_and_cancel_give_the_value_back(run) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.loop_timeout(5)
+async def test_waiter_timeout_and_cancel_give_the_value_back() -> None:
     """arm_timeout fails a parked waiter naming the key and its source; give_back returns
     a value delivered to a waiter whose recv was cancelled to the head of the queue."""
     tbl = _impl.table
@@ -353,24 +322,21 @@ def test_waiter_timeout_and_cancel_give_the_value_back(run) -> None:  # type: ig
             if handle is not None:
                 handle.cancel()
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        table = tbl.Table()
-        k = str(K)
-        w1 = loop.create_future()
-        table.take_or_wait(k, w1)
-        with pytest.raises(TimeoutError) as info:
-            await wait(table, k, w1, loop, 0.02)
-        assert k in str(info.value) and "a producer" in str(info.value)
-        assert table.waiting(k) == 0
-        w2 = loop.create_future()
-        table.take_or_wait(k, w2)
-        task = asyncio.ensure_future(wait(table, k, w2, loop, None))
-        await settle()
-        table.put(k, "v")
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert table.take(k) == "v"
-
-    run(main(), timeout=5)
+    loop = asyncio.get_running_loop()
+    table = tbl.Table()
+    k = str(K)
+    w1 = loop.create_future()
+    table.take_or_wait(k, w1)
+    with pytest.raises(TimeoutError) as info:
+        await wait(table, k, w1, loop, 0.02)
+    assert k in str(info.value) and "a producer" in str(info.value)
+    assert table.waiting(k) == 0
+    w2 = loop.create_future()
+    table.take_or_wait(k, w2)
+    task = asyncio.ensure_future(wait(table, k, w2, loop, None))
+    await settle()
+    table.put(k, "v")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert table.take(k) == "v"

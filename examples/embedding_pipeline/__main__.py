@@ -1,106 +1,317 @@
-"""``python -m examples.embedding_pipeline``: EG/MG training, prefetch 0 vs 2, in one run.
+"""``python -m examples.embedding_pipeline``: generate Criteo-format data, train, compare.
 
-For each prefetch depth, starts fresh PS shard processes (so every run starts from the same
-state), trains the synthetic task in this process (EG on the event loop, MG's dense compute
-in a thread) and reports throughput, loss, and how much of the time MG waited for
-embeddings. The last line compares the throughputs as a ratio measured in this run: the
-gain of overlapping lookups with dense compute.
+``generate`` writes planted synthetic data in the Criteo format and prints the oracle's
+held-out AUC (the best any model can reach on it). ``train`` reads Criteo files (``--data``
+and ``--eval-data``; plain or gzip) or generates planted data itself (``--samples``), parses
+them once into a column cache, then runs each requested configuration on fresh PS shard
+processes and N worker processes: ``--compare-staleness 0,1,2`` and ``--compare-workers
+1,2`` run the same data at each setting and print them side by side, with throughput ratios
+measured in this run. ``--reference`` also runs the sequential reference in this process
+and checks that staleness 0 with one worker reproduces its losses bit for bit.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
+import shutil
 import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
 
 # One BLAS thread per process, set before numpy loads. On a small machine OpenBLAS's own
-# threads spin while they wait and steal the cores that EG, MG and the PS shards need (the
-# dense step measured ~10x slower with them). Child processes inherit the setting.
+# threads spin while they wait and steal the cores that EG, MG and the PS shards need.
+# Child processes inherit the setting.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
 
 import rvz  # noqa: E402
 
-from ..param_server.client import PSClient  # noqa: E402
-from ..param_server.launch import Processes, PSConfig, local_cluster, start_shards  # noqa: E402
-from ..param_server.protocol import WORKER_JOB  # noqa: E402
-from .data import Batch, TaskSpec, synthetic_batches  # noqa: E402
-from .model import DenseModel  # noqa: E402
-from .trainer import RunResult, train  # noqa: E402
+from ..param_server.launch import PSConfig  # noqa: E402
+from .criteo import Columns, LoadStats, encode  # noqa: E402
+from .launch import JobFailed, JobSpec, run_job  # noqa: E402
+from .synthetic import Planted  # noqa: E402
+from .trainer import TrainConfig  # noqa: E402
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, not {text!r}") from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m examples.embedding_pipeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prefetch", type=int, nargs="+", default=[0, 2], help="prefetch depths to compare")
-    p.add_argument("--batches", type=int, default=500)
-    p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--fields", type=int, default=4)
-    p.add_argument("--bag", type=int, default=2, help="ids per field (mean-pooled)")
-    p.add_argument("--vocab", type=int, default=5000, help="distinct ids per field")
-    p.add_argument("--dim", type=int, default=16, help="embedding width")
-    p.add_argument("--hidden", type=int, default=1024, help="MLP hidden units")
-    p.add_argument("--shards", type=int, default=2, help="PS shard processes")
-    p.add_argument("--optimizer", choices=("adagrad", "adam"), default="adagrad")
-    p.add_argument("--lr", type=float, default=0.1, help="sparse (PS) learning rate")
-    p.add_argument("--dense-lr", type=float, default=3e-3)
-    p.add_argument("--mode", choices=("recv", "send"), default="send",
-                   help="rvz mode of every node: Recv-Driven or Send-Driven")
-    p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=300.0, help="bound on each run, seconds")
-    return p.parse_args(argv)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="write planted synthetic data in the Criteo format")
+    g.add_argument("--samples", type=int, default=100_000)
+    g.add_argument("--eval-samples", type=int, default=20_000)
+    g.add_argument("--out", required=True, help="directory for train.tsv.gz and eval.tsv.gz")
+    g.add_argument("--plain", action="store_true", help="write .tsv instead of .tsv.gz")
+    g.add_argument("--seed", type=int, default=0)
+
+    t = sub.add_parser("train", help="train and evaluate (see the description)")
+    data = t.add_argument_group("data")
+    data.add_argument("--data", help="training file in the Criteo format (plain or gzip)")
+    data.add_argument("--eval-data", help="held-out file in the Criteo format (needed with --data)")
+    data.add_argument("--samples", type=int, default=200_000, help="planted samples (no --data)")
+    data.add_argument("--eval-samples", type=int, default=20_000, help="planted held-out samples")
+    data.add_argument("--cache-dir", help="keep the parsed columns here and reuse them (default: "
+                      "a temporary directory, removed at the end)")
+    data.add_argument("--strict", action="store_true",
+                      help="a bad line is an error naming its line number (default: skip and count)")
+    run = t.add_argument_group("runs")
+    run.add_argument("--staleness", type=int, default=0)
+    run.add_argument("--compare-staleness", type=int_list, help="e.g. 0,1,2: one run per staleness")
+    run.add_argument("--workers", type=int, default=1)
+    run.add_argument("--compare-workers", type=int_list, help="e.g. 1,2: one run per worker count")
+    run.add_argument("--max-steps", type=int, help="stop after this many steps (default: one pass)")
+    run.add_argument("--repeat", type=int, default=1, help="runs per setting (to show they reproduce)")
+    run.add_argument("--reference", action="store_true",
+                     help="also run the sequential reference and compare with staleness 0, 1 worker")
+    model = t.add_argument_group("model")
+    model.add_argument("--batch-size", type=int, default=1024, help="global batch (split over workers)")
+    model.add_argument("--dim", type=int, default=16, help="embedding width")
+    model.add_argument("--hidden", type=int_list, default=[256, 128], help="MLP hidden layers")
+    model.add_argument("--optimizer", choices=("sgd", "adagrad", "adam", "ftrl"), default="adam",
+                       help="sparse optimizer on the PS (lazy Adam by default)")
+    model.add_argument("--lr", type=float, default=0.01, help="sparse (PS) learning rate")
+    model.add_argument("--dense-lr", type=float, default=1e-3)
+    model.add_argument("--seed", type=int, default=0)
+    infra = t.add_argument_group("processes")
+    infra.add_argument("--shards", type=int, default=2, help="PS shard processes")
+    infra.add_argument("--mode", choices=("recv", "send"), default="send", help="rvz mode of every node")
+    infra.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto")
+    infra.add_argument("--timeout", type=float, default=60.0, help="bound on every wait, seconds")
+    infra.add_argument("--run-timeout", type=float, default=3600.0, help="bound on each run, seconds")
+    infra.add_argument("--switch-interval", type=float, default=0.0005,
+                       help="the GIL switch interval of the worker processes, seconds")
+    infra.add_argument("--kill-worker", help="W:STEP: worker W kills itself (SIGKILL) at STEP (a demo "
+                       "of the failure report)")
+    out = t.add_argument_group("output")
+    out.add_argument("--eval-every", type=int, default=0, help="held-out evaluation every N steps")
+    out.add_argument("--json", help="write the report here")
+    out.add_argument("--plot", help="draw loss and AUC against step here (needs matplotlib)")
+    args = p.parse_args(argv)
+    if args.command == "train":
+        if args.plot:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                p.error("--plot needs matplotlib, which is not installed (the 'plot' extra of rvz)")
+        if args.data and not args.eval_data:
+            p.error("--data needs --eval-data (the held-out file)")
+        if args.kill_worker:
+            try:
+                w, s = (int(x) for x in args.kill_worker.split(":"))
+            except ValueError:
+                p.error("--kill-worker takes W:STEP")
+            args.kill_worker = (w, s)
+    return args
 
 
-async def run_trainer(cluster: dict[str, list[str]], args: argparse.Namespace, prefetch: int,
-                      batches: list[Batch]) -> RunResult:
-    model = DenseModel(args.fields * args.dim, args.hidden, lr=args.dense_lr, seed=args.seed)
-    async with rvz.Node(cluster, WORKER_JOB, 0, mode=args.mode) as node:
-        ps = PSClient(node, len(cluster["ps"]), args.dim)
-        try:
-            return await train(ps, batches, model, prefetch=prefetch)
-        finally:
-            await ps.close()
+# -- data -------------------------------------------------------------------------------------------
+
+def generate(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = ".tsv" if args.plain else ".tsv.gz"
+    planted = Planted(args.seed)
+    started = time.perf_counter()
+    planted.write(out / f"train{suffix}", args.samples, sample_seed=1)
+    oracle = planted.write(out / f"eval{suffix}", args.eval_samples, sample_seed=2)
+    (out / "oracle.json").write_text(json.dumps(oracle.__dict__, indent=1))
+    print(f"wrote {args.samples} + {args.eval_samples} samples to {out} in "
+          f"{time.perf_counter() - started:.1f} s; held-out CTR "
+          f"{oracle.positives / max(1, oracle.samples):.3f}, "
+          f"oracle AUC {oracle.auc:.4f}, oracle logloss {oracle.logloss:.4f}")
+    return 0
+
+
+def describe_load(name: str, stats: LoadStats) -> str:
+    text = f"{name}: {stats.samples} samples from {stats.lines} lines"
+    if stats.bad:
+        shown = "; ".join(f"line {n}: {why}" for n, why in stats.bad_examples[:3])
+        text += f", {stats.bad} bad lines skipped ({shown})"
+    return text
+
+
+def prepare(args: argparse.Namespace, cache: Path) -> tuple[str, str, dict[str, Any] | None]:
+    """Parse (or generate and parse) the data into the column cache; returns its two
+    directories and the oracle's figures (planted data only)."""
+    train_dir, eval_dir = cache / "train", cache / "eval"
+    params = {"data": args.data, "eval_data": args.eval_data, "samples": args.samples,
+              "eval_samples": args.eval_samples, "seed": args.seed}
+    stamp = cache / "params.json"
+    if stamp.exists() and json.loads(stamp.read_text()).get("params") == params:
+        saved = json.loads(stamp.read_text())
+        print(f"data: reusing the parsed columns in {cache}", flush=True)
+        return str(train_dir), str(eval_dir), saved.get("oracle")
+    started = time.perf_counter()
+    oracle = None
+    if args.data:
+        train_src, eval_src = args.data, args.eval_data
+    else:
+        planted = Planted(args.seed)
+        train_src, eval_src = str(cache / "train.tsv.gz"), str(cache / "eval.tsv.gz")
+        planted.write(train_src, args.samples, sample_seed=1)
+        oracle = planted.write(eval_src, args.eval_samples, sample_seed=2).__dict__
+        print(f"data: wrote {args.samples} + {args.eval_samples} planted samples in the Criteo format "
+              f"(gzip); oracle held-out AUC {oracle['auc']:.4f}, logloss {oracle['logloss']:.4f}", flush=True)
+    for name, src, dst in (("train", train_src, train_dir), ("eval", eval_src, eval_dir)):
+        stats = encode(src, dst, strict=args.strict)
+        print("data: " + describe_load(name, stats), flush=True)
+    stamp.write_text(json.dumps({"params": params, "oracle": oracle}))
+    print(f"data: ready in {time.perf_counter() - started:.1f} s", flush=True)
+    return str(train_dir), str(eval_dir), oracle
+
+
+# -- runs -------------------------------------------------------------------------------------------
+
+def settings(args: argparse.Namespace) -> list[tuple[int, int]]:
+    workers = args.compare_workers or [args.workers]
+    ks = args.compare_staleness or [args.staleness]
+    return [(w, k) for w in workers for k in ks]
+
+
+def summary_line(r: dict[str, Any]) -> str:
+    def share(name: str) -> float:
+        return 100 * r[name] / r["seconds"] if r["seconds"] else 0.0
+
+    return (f"workers {r['workers']} staleness {r['staleness']}: {r['steps']} steps in "
+            f"{r['seconds']:.1f} s = "
+            f"{r['steps_per_s']:.2f} steps/s ({r['samples_per_s']:.0f} samples/s); AUC {r['auc']:.4f}, "
+            f"logloss {r['logloss']:.4f}; of the time MG computed {share('mg_compute'):.0f}%, waited for "
+            f"embeddings {share('mg_waiting'):.0f}%, EG was in PS calls {share('eg_ps'):.0f}%; "
+            f"processes used {r['cpu_seconds']:.0f} CPU-s; losses {r['loss_digest']}")
+
+
+def table(runs: list[dict[str, Any]], oracle: dict[str, Any] | None) -> str:
+    """Side by side. Each worker count's baseline is its first staleness (the mean of its
+    runs, when a setting ran more than once): ``x base`` is the steps/s ratio to it."""
+    first_k: dict[int, int] = {}
+    for r in runs:
+        first_k.setdefault(r["workers"], r["staleness"])
+    base = {w: [r for r in runs if (r["workers"], r["staleness"]) == (w, k)] for w, k in first_k.items()}
+    speed = {w: float(np.mean([r["steps_per_s"] for r in rs])) for w, rs in base.items()}
+    first = runs[0]
+    lines = ["workers  staleness  steps/s  x base  AUC     dAUC vs base  dAUC vs first run  logloss  losses"]
+    for r in runs:
+        b = base[r["workers"]][0]
+        lines.append(f"{r['workers']:>7}  {r['staleness']:>9}  {r['steps_per_s']:>7.2f}  "
+                     f"{r['steps_per_s'] / speed[r['workers']]:>6.2f}  {r['auc']:.4f}  "
+                     f"{r['auc'] - b['auc']:>+12.4f}  "
+                     f"{r['auc'] - first['auc']:>+17.4f}  {r['logloss']:.4f}   {r['loss_digest']}")
+    if oracle:
+        lines.append(f"oracle (planted model) held-out AUC {oracle['auc']:.4f}, "
+                     f"logloss {oracle['logloss']:.4f}")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        label = f"{r['workers']} worker(s), staleness {r['staleness']}"
+        ax_loss.plot(range(len(r["losses"])), r["losses"], label=label, linewidth=0.8)
+        ax_auc.plot([h["step"] for h in r["history"]], [h["auc"] for h in r["history"]], marker="o",
+                    label=label)
+    ax_loss.set(xlabel="step", ylabel="training loss", title="loss")
+    ax_auc.set(xlabel="step", ylabel="held-out AUC", title="AUC")
+    ax_loss.legend()
+    ax_auc.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def train(args: argparse.Namespace) -> int:
+    cache = Path(args.cache_dir) if args.cache_dir else Path(tempfile.mkdtemp(prefix="rvz-pipeline-"))
+    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        train_dir, eval_dir, oracle = prepare(args, cache)
+        ps = PSConfig(dim=args.dim, optimizer=args.optimizer, lr=args.lr, seed=args.seed, mode=args.mode,
+                      loop=args.loop)
+        n = len(Columns.open(train_dir))
+        print(f"embedding_pipeline: {n} training samples, global batch {args.batch_size}, dim {args.dim}, "
+              f"MLP {26 * args.dim + 13}-{'-'.join(map(str, args.hidden))}-1, {args.shards} PS shard "
+              f"processes (bsp), mode={args.mode}, rvz {rvz.implementation()}, "
+              f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
+        runs: list[dict[str, Any]] = []
+        for workers, k in settings(args):
+            for _ in range(args.repeat):
+                cfg = TrainConfig(staleness=k, num_workers=workers, global_batch=args.batch_size,
+                                  hidden=tuple(args.hidden), dense_lr=args.dense_lr, seed=args.seed,
+                                  eval_every=args.eval_every, timeout=args.timeout, max_steps=args.max_steps)
+                spec = JobSpec(train_dir, eval_dir, cfg, ps, shards=args.shards, timeout=args.run_timeout,
+                               kill_worker=args.kill_worker, switch_interval=args.switch_interval)
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                result = run_job(spec)
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                # CPU of every process of the run (PS shards and workers, start-up included):
+                # when it is close to wall time x free cores, no core was left for overlap.
+                result["cpu_seconds"] = (after.ru_utime + after.ru_stime
+                                         - before.ru_utime - before.ru_stime)
+                print(summary_line(result), flush=True)
+                runs.append(result)
+        ok = True
+        if len(runs) > 1:
+            print(table(runs, oracle))
+            for workers, k in dict.fromkeys(settings(args)):
+                mine = [r for r in runs if (r["workers"], r["staleness"]) == (workers, k)]
+                same = {r["loss_digest"] for r in mine}
+                if len(mine) > 1:
+                    print(f"workers {workers} staleness {k}: {len(mine)} runs "
+                          + ("bit-identical" if len(same) == 1 else f"DIFFER ({sorted(same)})"))
+                    ok &= len(same) == 1
+        if args.reference:
+            from .reference import sequential
+            cfg = TrainConfig(global_batch=args.batch_size, hidden=tuple(args.hidden), dense_lr=args.dense_lr,
+                              seed=args.seed, max_steps=args.max_steps)
+            ref = sequential(Columns.open(train_dir), cfg, ps)
+            mine = [r for r in runs if (r["workers"], r["staleness"]) == (1, 0)]
+            same = all(r["loss_digest"] == ref.loss_digest() for r in mine)
+            verdict = ("no run with 1 worker and staleness 0 to compare" if not mine else
+                       "bit-identical" if same else "DIFFERENT")
+            print(f"sequential reference: {ref.steps} steps, losses {ref.loss_digest()}: {verdict}")
+            ok &= verdict != "DIFFERENT"
+        if args.json:
+            keep = ("auc", "logloss", "steps_per_s", "samples_per_s", "staleness", "workers", "history",
+                    "steps", "samples", "seconds", "eval_seconds", "mg_waiting", "mg_compute", "eg_ps",
+                    "cpu_seconds", "loss_digest", "losses")
+            reports = [{k: r[k] for k in keep} for r in runs]
+            doc: dict[str, Any] = dict(reports[0]) if len(reports) == 1 else {"runs": reports}
+            doc["oracle"] = oracle
+            Path(args.json).write_text(json.dumps(doc, indent=1))
+        if args.plot:
+            plot(runs, args.plot)
+        return 0 if ok else 1
+    finally:
+        if not args.cache_dir:
+            shutil.rmtree(cache, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ps_cfg = PSConfig(dim=args.dim, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
-                      num_workers=1, mode=args.mode, loop=args.loop)
-    print(f"embedding_pipeline: {args.batches} batches of {args.batch_size} x {args.fields} fields x "
-          f"{args.bag} ids, dim {args.dim}, MLP {args.fields * args.dim}-{args.hidden}-1, "
-          f"{args.shards} PS shard processes, mode={args.mode}, rvz {rvz.implementation()}", flush=True)
-    # Generated up front so that both runs read the same batches and neither run's time
-    # includes making them.
-    spec = TaskSpec(batch_size=args.batch_size, fields=args.fields, bag=args.bag, vocab=args.vocab,
-                    seed=args.seed)
-    batches = list(synthetic_batches(spec, args.batches))
-    results: dict[int, RunResult] = {}
-    for prefetch in args.prefetch:
-        cluster = local_cluster(args.shards, 1)
-        with Processes() as procs:
-            start_shards(procs, cluster, ps_cfg)
-            result = rvz.run(run_trainer(cluster, args, prefetch, batches), loop=args.loop)
-            shards = procs.wait(args.timeout)
-        first, last = result.loss_drop()
-        live = sum(s["live"] for s in shards.values())
-        print(f"prefetch {prefetch}: {result.batches} batches in {result.seconds:.2f} s = "
-              f"{result.batches_per_s:.1f} batches/s; loss {first:.4f} -> {last:.4f}; "
-              f"MG waited {100 * result.mg_waiting / result.seconds:.0f}% of the time for embeddings; "
-              f"max lookahead {result.max_lookahead}; {live} rows on the PS; "
-              f"exchange freed {result.exchange.freed if result.exchange else 0} batches", flush=True)
-        results[prefetch] = result
-    if len(results) > 1:
-        base = min(results)
-        for prefetch, result in sorted(results.items()):
-            if prefetch != base:
-                ratio = result.batches_per_s / results[base].batches_per_s
-                print(f"throughput prefetch {prefetch} / prefetch {base}: {ratio:.2f}x")
-    return 0
+    if args.command == "generate":
+        return generate(args)
+    try:
+        return train(args)
+    except JobFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (RuntimeError, TimeoutError) as exc:  # a child failed or the run overran: say so, briefly
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(main())

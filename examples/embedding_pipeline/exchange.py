@@ -5,11 +5,13 @@ registers it with the ``ExchangeManager`` and hands out two iterators (one for E
 MG) that yield the same ids in the same order, each at its consumer's own pace.
 
 ``ExchangeManager`` owns everything that crosses between EG and MG for a batch: the samples
-and the unique-id index (read by either side while the batch lives) and the two hand-offs
-(embedding vectors EG -> MG, embedding gradients MG -> EG). Each live batch has its own
-``rvz.Rendezvous``, as TensorFlow gives each step its own rendezvous: a hand-off may happen
-in either order, and when EG and MG have both called ``done`` the batch's record and its
-rendezvous (with anything left in it) are dropped together.
+and the unique-id index (read by either side while the batch lives) and the hand-offs
+(embedding vectors EG -> MG, their gradients MG -> EG, held-out embeddings EG -> MG). A
+hand-off is an rvz send/recv on the worker's own node, with keys from the worker's EG device
+to its MG device (or back) **in the rvz step of the batch** (``pipeline_step(batch_id)``):
+the dense all-reduce of that training step runs in the same rvz step, so ``abort`` (rvz step
+clean-up) fails every wait of that batch, here and on every other worker, with a message
+that names the step. A batch's record is dropped once EG and MG have both called ``done``.
 """
 
 from __future__ import annotations
@@ -23,19 +25,18 @@ import numpy as np
 import rvz
 
 SIDES = ("eg", "mg")
-EG_DEVICE = "/job:trainer/replica:0/task:0/device:EG:0"
-MG_DEVICE = "/job:trainer/replica:0/task:0/device:MG:0"
-EMBEDDINGS = "embeddings"
-GRADIENTS = "embedding_grads"
+EMBEDDINGS = "embeddings"            # EG -> MG: [batch, fields, dim]
+GRADIENTS = "embedding_grads"        # MG -> EG: [batch, fields, dim]
+EVAL_EMBEDDINGS = "eval_embeddings"  # EG -> MG: rows of the held-out set's unique ids
+TO_MG = (EMBEDDINGS, EVAL_EMBEDDINGS)
+
+# rvz step of training step t. The parameter server's own steps (per worker and clock)
+# stay below 2**50, so the two never meet.
+PIPELINE_STEP_BASE = 1 << 52
 
 
-def exchange_key(kind: str, batch_id: int) -> rvz.Key:
-    """The key of a hand-off: EG -> MG for embeddings, MG -> EG for their gradients."""
-    if kind == EMBEDDINGS:
-        return rvz.Key(src=EG_DEVICE, dst=MG_DEVICE, name=kind, iter=batch_id)
-    if kind == GRADIENTS:
-        return rvz.Key(src=MG_DEVICE, dst=EG_DEVICE, name=kind, iter=batch_id)
-    raise ValueError(f"unknown hand-off {kind!r}")
+def pipeline_step(batch_id: int) -> int:
+    return PIPELINE_STEP_BASE + batch_id
 
 
 @dataclass
@@ -43,21 +44,32 @@ class BatchRecord:
     """What the exchange holds for one live batch."""
 
     samples: Any
-    rendezvous: rvz.Rendezvous
     unique: np.ndarray | None = None    # the batch's unique ids (EG's lookup order)
     inverse: np.ndarray | None = None   # position of each id of the batch in ``unique``
     done: set[str] = field(default_factory=set)
 
 
 class ExchangeManager:
-    """Per-batch state between EG and MG; a batch is freed once both sides are done."""
+    """Per-batch state between EG and MG of one worker (``node``, a task of the worker job);
+    a batch is freed once both sides are done. ``timeout`` bounds every hand-off wait."""
 
-    def __init__(self) -> None:
+    def __init__(self, node: rvz.Node, timeout: float | None = 60.0) -> None:
+        self.node = node
+        self.timeout = timeout
+        prefix = f"/job:{node.job}/replica:0/task:{node.task}"
+        self.eg_device = f"{prefix}/device:EG:0"
+        self.mg_device = f"{prefix}/device:MG:0"
         self._batches: dict[int, BatchRecord] = {}
-        self._abort_cause: BaseException | None = None
         self.opened = 0
         self.freed = 0
-        self.leftovers = 0  # hand-offs still queued when their batch was freed
+
+    def key(self, kind: str, batch_id: int) -> rvz.Key:
+        """The key of a hand-off of ``batch_id``: EG -> MG or MG -> EG depending on ``kind``."""
+        if kind in TO_MG:
+            return rvz.Key(src=self.eg_device, dst=self.mg_device, name=kind, iter=batch_id)
+        if kind == GRADIENTS:
+            return rvz.Key(src=self.mg_device, dst=self.eg_device, name=kind, iter=batch_id)
+        raise ValueError(f"unknown hand-off {kind!r}")
 
     def _record(self, batch_id: int) -> BatchRecord:
         try:
@@ -70,10 +82,7 @@ class ExchangeManager:
     def open(self, batch_id: int, samples: Any) -> None:
         if batch_id in self._batches:
             raise ValueError(f"batch {batch_id} is already open")
-        record = BatchRecord(samples=samples, rendezvous=rvz.Rendezvous())
-        if self._abort_cause is not None:
-            record.rendezvous.abort(self._abort_cause)
-        self._batches[batch_id] = record
+        self._batches[batch_id] = BatchRecord(samples=samples)
         self.opened += 1
 
     def done(self, batch_id: int, side: str) -> bool:
@@ -85,8 +94,6 @@ class ExchangeManager:
         if len(record.done) < len(SIDES):
             return False
         del self._batches[batch_id]
-        for kind in (EMBEDDINGS, GRADIENTS):
-            self.leftovers += record.rendezvous.pending(exchange_key(kind, batch_id))[0]
         self.freed += 1
         return True
 
@@ -94,12 +101,10 @@ class ExchangeManager:
         """Ids of the batches not yet freed, in order."""
         return sorted(self._batches)
 
-    def abort(self, cause: BaseException) -> None:
-        """Fail every pending and later hand-off (EG or MG failed: the other must not hang)."""
-        if self._abort_cause is None:
-            self._abort_cause = cause
-        for record in self._batches.values():
-            record.rendezvous.abort(cause)
+    async def abort(self, batch_id: int, message: str) -> None:
+        """Abort the batch's step through rvz step clean-up: every wait in it fails, on this
+        node and on every node that took part, with ``message``."""
+        await self.node.step(pipeline_step(batch_id)).cleanup(message)
 
     # -- shared, read by either side ----------------------------------------------------------
 
@@ -118,18 +123,15 @@ class ExchangeManager:
 
     # -- hand-offs -------------------------------------------------------------------------------
 
-    def send(self, kind: str, batch_id: int, value: np.ndarray) -> None:
-        """Hand ``value`` over (never blocks); the receiver owns it from now on."""
-        self._record(batch_id).rendezvous.send(exchange_key(kind, batch_id), value)
+    async def send(self, kind: str, batch_id: int, value: np.ndarray) -> None:
+        """Hand ``value`` over; the receiver owns it from now on (do not modify it)."""
+        self._record(batch_id)
+        await self.node.send(self.key(kind, batch_id), value, step=pipeline_step(batch_id))
 
-    async def recv(self, kind: str, batch_id: int, timeout: float | None = None) -> np.ndarray:
-        record = self._record(batch_id)
-        value: np.ndarray = await record.rendezvous.recv(exchange_key(kind, batch_id), timeout=timeout)
+    async def recv(self, kind: str, batch_id: int) -> np.ndarray:
+        value: np.ndarray = await self.node.recv(self.key(kind, batch_id), step=pipeline_step(batch_id),
+                                                 timeout=self.timeout)
         return value
-
-    def pending(self, kind: str, batch_id: int) -> tuple[int, int]:
-        """``(queued values, waiting receivers)`` of a live batch's hand-off."""
-        return self._record(batch_id).rendezvous.pending(exchange_key(kind, batch_id))
 
 
 class PipelineDataset:

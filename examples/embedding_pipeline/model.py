@@ -1,64 +1,93 @@
-"""The Main Graph's dense model: pooled embeddings -> one hidden ReLU layer -> logistic output.
+"""The Main Graph's dense model: an MLP on [embeddings | dense features], logistic output.
 
-Plain numpy with a hand-written backward pass (checked against finite differences in the
-tests) and Adam on the dense parameters, which MG owns and updates itself. ``train_step``
-returns the loss and the gradient with respect to the embedding input: what MG hands back
-to EG.
+Plain numpy, float32, with a hand-written backward pass (checked against finite differences
+in the tests) and Adam on the dense parameters, which MG owns. ``forward_backward`` works on
+one worker's share of a global batch: its loss and gradients are *sums over its samples
+divided by the global batch size*, so summing them over the workers (the all-reduce) gives
+the gradient of the global batch's mean loss, and one worker with the whole batch computes
+exactly that too.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+BETA1, BETA2, EPSILON = 0.9, 0.999, 1e-8
 
-class DenseModel:
-    """``x [batch, fields, dim] -> relu(x W1 + b1) w2 + b2 -> sigmoid``, binary cross-entropy."""
 
-    def __init__(self, in_dim: int, hidden: int, *, lr: float = 1e-3, seed: int = 0,
-                 dtype: type = np.float32) -> None:
-        rng = np.random.default_rng(seed)
-        self.dtype = dtype
-        self.params = {
-            "W1": (rng.standard_normal((in_dim, hidden)) * np.sqrt(2.0 / in_dim)).astype(dtype),
-            "b1": np.zeros(hidden, dtype=dtype),
-            "w2": (rng.standard_normal(hidden) * np.sqrt(1.0 / hidden)).astype(dtype),
-            "b2": np.zeros((), dtype=dtype),
-        }
+class MLP:
+    """``x [n, in_dim] -> (relu(x W_i + b_i))... -> logit``; parameters in a fixed order."""
+
+    def __init__(self, in_dim: int, hidden: list[int], *, lr: float = 1e-3, seed: int = 0) -> None:
+        rng = np.random.default_rng([seed, 3])
+        sizes = [in_dim, *hidden, 1]
+        self.params: list[np.ndarray] = []
+        for fan_in, fan_out in zip(sizes[:-1], sizes[1:], strict=True):
+            scale = np.sqrt(2.0 / fan_in) if fan_out > 1 else np.sqrt(1.0 / fan_in)
+            self.params.append((rng.standard_normal((fan_in, fan_out)) * scale).astype(np.float32))
+            self.params.append(np.zeros(fan_out, dtype=np.float32))
         self.lr = lr
-        self.beta1, self.beta2, self.epsilon = 0.9, 0.999, 1e-8
-        self.m = {k: np.zeros_like(v) for k, v in self.params.items()}
-        self.v = {k: np.zeros_like(v) for k, v in self.params.items()}
+        self.m = [np.zeros_like(p) for p in self.params]
+        self.v = [np.zeros_like(p) for p in self.params]
         self.steps = 0
 
-    def loss_and_grads(self, x: np.ndarray,
-                       labels: np.ndarray) -> tuple[float, np.ndarray, dict[str, np.ndarray]]:
-        """Mean BCE loss, its gradient w.r.t. ``x`` (shape of ``x``), and the parameter gradients."""
-        p = self.params
-        batch = x.shape[0]
-        flat: np.ndarray = x.reshape(batch, -1).astype(self.dtype, copy=False)
-        pre = flat @ p["W1"] + p["b1"]
-        hidden = np.maximum(pre, 0)
-        logit = hidden @ p["w2"] + p["b2"]
-        # log(1 + e^z) - y z, written so large |z| neither overflows nor loses precision.
-        loss = float(np.mean(np.logaddexp(0, logit) - labels * logit))
-        dlogit = ((1.0 / (1.0 + np.exp(-logit))) - labels) / batch
-        dlogit = dlogit.astype(self.dtype, copy=False)
-        dpre = np.outer(dlogit, p["w2"]) * (pre > 0)
-        grads = {"W1": flat.T @ dpre, "b1": dpre.sum(axis=0), "w2": hidden.T @ dlogit,
-                 "b2": np.asarray(dlogit.sum(), dtype=self.dtype)}
-        dx = (dpre @ p["W1"].T).reshape(x.shape)
-        return loss, dx, grads
+    @property
+    def size(self) -> int:
+        return sum(p.size for p in self.params)
 
-    def train_step(self, x: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:
-        """Forward, backward and one Adam step on the dense parameters: ``(loss, dL/dx)``."""
-        loss, dx, grads = self.loss_and_grads(x, labels)
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """Forward only: ``[n]`` float32 logits."""
+        a = x
+        layers = len(self.params) // 2
+        for i in range(layers):
+            z = a @ self.params[2 * i] + self.params[2 * i + 1]
+            a = np.maximum(z, 0) if i < layers - 1 else z
+        return a.reshape(-1)
+
+    def forward_backward(self, x: np.ndarray, labels: np.ndarray,
+                         global_batch: int) -> tuple[float, np.ndarray, list[np.ndarray]]:
+        """``(loss share, dL/dx, parameter gradients)`` for these samples, where
+        ``L = sum of per-sample BCE over the global batch / global_batch``."""
+        layers = len(self.params) // 2
+        inputs = [x]
+        pre = []
+        a = x
+        for i in range(layers):
+            z = a @ self.params[2 * i] + self.params[2 * i + 1]
+            pre.append(z)
+            a = np.maximum(z, 0) if i < layers - 1 else z
+            inputs.append(a)
+        logit = a.reshape(-1)
+        # log(1 + e^z) - y z, written so large |z| neither overflows nor loses precision.
+        loss = float(np.sum(np.logaddexp(0, logit) - labels * logit, dtype=np.float64) / global_batch)
+        dz = ((1.0 / (1.0 + np.exp(-logit)) - labels) / global_batch).astype(logit.dtype).reshape(-1, 1)
+        grads: list[np.ndarray] = [np.empty(0)] * len(self.params)
+        for i in reversed(range(layers)):
+            grads[2 * i] = inputs[i].T @ dz
+            grads[2 * i + 1] = dz.sum(axis=0)
+            da = dz @ self.params[2 * i].T
+            dz = da * (pre[i - 1] > 0) if i > 0 else da
+        return loss, dz, grads
+
+    def apply(self, grads: list[np.ndarray]) -> None:
+        """One Adam step on every parameter (gradients in ``params`` order)."""
         self.steps += 1
-        correction = np.sqrt(1 - self.beta2 ** self.steps) / (1 - self.beta1 ** self.steps)
-        for name, g in grads.items():
-            m, v = self.m[name], self.v[name]
-            m *= self.beta1
-            m += (1 - self.beta1) * g
-            v *= self.beta2
-            v += (1 - self.beta2) * g * g
-            self.params[name] -= (self.lr * correction * m / (np.sqrt(v) + self.epsilon)).astype(self.dtype)
-        return loss, dx
+        correction = np.sqrt(1 - BETA2 ** self.steps) / (1 - BETA1 ** self.steps)
+        for p, m, v, g in zip(self.params, self.m, self.v, grads, strict=True):
+            m *= BETA1
+            m += (1 - BETA1) * g
+            v *= BETA2
+            v += (1 - BETA2) * g * g
+            p -= (self.lr * correction) * m / (np.sqrt(v) + EPSILON)
+
+    # The all-reduce moves one flat float32 vector: every gradient, then the loss share.
+
+    def flatten(self, grads: list[np.ndarray], loss: float) -> np.ndarray:
+        return np.concatenate([*(g.reshape(-1) for g in grads), np.array([loss], dtype=np.float32)])
+
+    def unflatten(self, flat: np.ndarray) -> tuple[list[np.ndarray], float]:
+        out, start = [], 0
+        for p in self.params:
+            out.append(flat[start:start + p.size].reshape(p.shape))
+            start += p.size
+        return out, float(flat[start])

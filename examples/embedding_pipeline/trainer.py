@@ -1,145 +1,345 @@
-"""The EG/MG training loop: Embedding Graph and Main Graph running concurrently.
+"""One data-parallel worker: its Embedding Graph and Main Graph, with deterministic staleness.
 
-EG (two coroutines):
-  * lookup stage: for each batch, make its ids unique (kept in the exchange as the
-    unique-id index), fetch those rows from the parameter server, mean-pool them per field
-    and hand the ``[batch, fields, dim]`` vectors to MG;
-  * update stage: take MG's gradients for the batch, spread them back over the bag and
-    sum them per unique id, push them to the parameter server (which applies Adagrad/Adam).
-MG (one coroutine): dense forward/backward and dense update; its numpy work runs in a
-thread so the event loop stays free for EG's traffic meanwhile.
+Data parallelism: training step t reads global batch t (``global_batch`` consecutive
+samples); worker w of N takes its w-th share. Every worker has its own EG and MG. Sparse
+updates go to the shared PS tables, run with the ``bsp`` consistency: the pushes of one
+clock are applied together, in worker order, once every worker's push of that clock is in,
+and only then acknowledged. Dense gradients (and the loss) are summed by a ring all-reduce
+(allreduce.py) every step, so every worker's dense copy stays bit-identical.
 
-Prefetch depth ``p``: the lookup of batch ``b`` may start once the updates of batches up to
-``b - p - 1`` are applied, so up to ``p`` batches are looked up ahead of the one MG works on.
-``p = 0`` is fully synchronous (lookup, dense step, update, next lookup); ``p = 2`` lets
-lookups overlap dense compute at the price of reading rows up to two updates stale.
+Staleness k, exactly: the embeddings used at step t are the rows after the sparse update
+of step t - k - 1 (the initial rows for t <= k), and nothing newer. EG's order of work:
+
+    pull rows for steps 0..k (one PS pull, their union)
+    for s = 0, 1, ...:  wait for MG's gradients of step s
+                        push step s, wait for its ack   (=> every worker's step s applied)
+                        pull rows for step s + k + 1     (=> sees steps <= s, and no later one:
+                                                             pushes of s + 1 go out after it)
+
+With k = 0 this is the sequential loop (lookup, dense step, update, next lookup); with
+k >= 1 the push of step t - 1 and the pull of step t + k run while MG computes step t, which
+is where the speed comes from. Every PS clock of EG is a PS step that other workers' pushes
+cannot interleave with, so for any k and any N two runs with the same seed give
+bit-identical losses; for N = 1 and k = 0 they are those of a plain sequential loop.
+
+Evaluation (worker 0): at every ``eval_every``-th step t, EG adds the held-out set's unique
+ids to the pull of step t, so the held-out embeddings are exactly those step t trains with;
+MG scores the held-out set before training step t (AUC by ranks, logloss). The final
+evaluation pulls after the last push is acknowledged.
+
+Failures: a failure in EG or MG at step t aborts step t through rvz step clean-up (the
+other side of this worker and the other workers waiting in step t's all-reduce fail with the
+same message), cleans up any PS clock in flight, and raises ``StepFailed`` naming the step.
+Every wait is bounded by ``timeout``; a lost worker surfaces as ``rvz.PeerLost``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
+import rvz
+
 from ..common import run_together
 from ..param_server.client import PSClient
-from ..param_server.sparse import segment_sum
-from .data import Batch
-from .exchange import EMBEDDINGS, GRADIENTS, ExchangeManager, PipelineDataset
-from .model import DenseModel
+from .allreduce import ring_allreduce
+from .criteo import NUM_CAT, Chunk
+from .exchange import (
+    EMBEDDINGS,
+    EVAL_EMBEDDINGS,
+    GRADIENTS,
+    ExchangeManager,
+    PipelineDataset,
+    pipeline_step,
+)
+from .metrics import auc, logloss
+from .model import MLP
+
+
+class StepFailed(RuntimeError):
+    """A training step failed; the message names the step, the worker and the cause."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    staleness: int = 0
+    num_workers: int = 1
+    global_batch: int = 1024
+    hidden: tuple[int, ...] = (512, 256)
+    dense_lr: float = 1e-3
+    seed: int = 0
+    eval_every: int = 0          # steps between held-out evaluations (0: only at the end)
+    timeout: float = 60.0        # bound on every wait
+    compute_in_thread: bool = True
+    max_steps: int | None = None
 
 
 @dataclass
 class RunResult:
-    prefetch: int
-    batches: int = 0
-    seconds: float = 0.0
+    worker: int
+    staleness: int
+    workers: int
+    steps: int = 0
+    samples: int = 0
     losses: list[float] = field(default_factory=list)
-    max_lookahead: int = 0   # most batches EG had looked up beyond the one MG was on
-    mg_waiting: float = 0.0  # seconds MG spent waiting for embeddings (not overlapped)
-    exchange: ExchangeManager | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+    auc: float | None = None
+    logloss: float | None = None
+    seconds: float = 0.0         # training wall time, evaluations excluded
+    eval_seconds: float = 0.0
+    mg_waiting: float = 0.0      # seconds MG waited for embeddings (lookups not overlapped)
+    mg_compute: float = 0.0      # seconds of MG's dense forward/backward and update
+    eg_ps: float = 0.0           # seconds EG spent in PS pulls and pushes
+    freed: int = 0
 
     @property
-    def batches_per_s(self) -> float:
-        return self.batches / self.seconds if self.seconds > 0 else 0.0
+    def steps_per_s(self) -> float:
+        return self.steps / self.seconds if self.seconds > 0 else 0.0
 
-    def loss_drop(self, fraction: float = 0.2) -> tuple[float, float]:
-        """Mean loss of the first and of the last ``fraction`` of the batches."""
-        n = max(1, int(len(self.losses) * fraction))
-        return float(np.mean(self.losses[:n])), float(np.mean(self.losses[-n:]))
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    def loss_digest(self) -> str:
+        """A hash of the float32 bits of every step's loss: equal digests, identical runs."""
+        return hashlib.sha256(np.asarray(self.losses, dtype=np.float32).tobytes()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(steps_per_s=self.steps_per_s, samples_per_s=self.samples_per_s,
+                   loss_digest=self.loss_digest())
+        return out
 
 
-class EmbeddingGraph:
-    """EG: lookups ahead (bounded by the prefetch window) and sparse updates, in batch order."""
+def num_steps(num_samples: int, cfg: TrainConfig) -> int:
+    steps = num_samples // cfg.global_batch
+    return steps if cfg.max_steps is None else min(steps, cfg.max_steps)
 
-    def __init__(self, ps: PSClient, exchange: ExchangeManager, result: RunResult, *,
-                 prefetch: int, timeout: float | None) -> None:
-        if prefetch < 0:
-            raise ValueError("prefetch must be >= 0")
+
+def worker_batches(data: Any, cfg: TrainConfig, worker: int) -> Iterator[Chunk]:
+    """Worker ``worker``'s share of each global batch of ``data`` (anything with ``rows``)."""
+    share = cfg.global_batch // cfg.num_workers
+    for t in range(num_steps(len(data), cfg)):
+        start = t * cfg.global_batch + worker * share
+        yield data.rows(start, start + share)
+
+
+class HeldOut:
+    """The held-out set as MG scores it: unique ids (what EG pulls) and how to expand them."""
+
+    def __init__(self, data: Chunk) -> None:
+        self.data = data
+        self.unique, inverse = np.unique(data.ids.reshape(-1), return_inverse=True)
+        self.inverse = inverse.reshape(data.ids.shape)
+
+    def evaluate(self, model: MLP, rows: np.ndarray, block: int = 16384) -> tuple[float, float]:
+        logits = np.empty(len(self.data), dtype=np.float32)
+        for start in range(0, len(self.data), block):
+            emb = rows[self.inverse[start:start + block]]
+            x = np.concatenate([emb.reshape(len(emb), -1), self.data.dense[start:start + block]], axis=1)
+            logits[start:start + block] = model.logits(x)
+        return auc(logits, self.data.labels), logloss(logits, self.data.labels)
+
+
+def sum_by_unique(grads: np.ndarray, inverse: np.ndarray, num_unique: int) -> np.ndarray:
+    """Per-id sums of ``grads`` rows: accumulated in float64 in sample order (deterministic,
+    and several times faster than ``np.add.at``), then rounded once to float32."""
+    dim = grads.shape[-1]
+    flat, index = grads.reshape(-1, dim), inverse.reshape(-1)
+    out = np.empty((num_unique, dim), dtype=np.float32)
+    for j in range(dim):
+        out[:, j] = np.bincount(index, weights=flat[:, j], minlength=num_unique)
+    return out
+
+
+class Worker:
+    """EG and MG of worker ``node.task``; ``run()`` trains and returns its ``RunResult``."""
+
+    def __init__(self, node: rvz.Node, ps: PSClient, data: Any, cfg: TrainConfig,
+                 held_out: HeldOut | None = None, model: MLP | None = None) -> None:
+        if cfg.global_batch % cfg.num_workers:
+            raise ValueError(f"the global batch {cfg.global_batch} does not split into "
+                             f"{cfg.num_workers} equal shares")
+        if cfg.staleness < 0:
+            raise ValueError("staleness must be >= 0")
+        self.node = node
         self.ps = ps
-        self.exchange = exchange
-        self.result = result
-        self.timeout = timeout
-        # One permit per batch between "lookup started" and "update applied".
-        self.window = asyncio.Semaphore(prefetch + 1)
-        self.to_update: asyncio.Queue[int | None] = asyncio.Queue()
-        self.mg_finished = 0  # batches MG is done with (MG updates it)
-        # The PS numbers each channel's steps; batch ids continue from where they are.
-        self.first_lookup_step = ps.next_step["lookup"]
-        self.first_push_step = ps.next_step["push"]
+        self.cfg = cfg
+        self.w = node.task
+        self.dim = ps.dim
+        self.steps = num_steps(len(data), cfg)
+        self.share = cfg.global_batch // cfg.num_workers
+        self.held_out = held_out if self.w == 0 else None
+        self.model = model or MLP(NUM_CAT * self.dim + data.dense.shape[1], list(cfg.hidden),
+                                  lr=cfg.dense_lr, seed=cfg.seed)
+        self.exchange = ExchangeManager(node, timeout=cfg.timeout)
+        self.dataset = PipelineDataset(worker_batches(data, cfg, self.w), self.exchange)
+        self.result = RunResult(worker=self.w, staleness=cfg.staleness, workers=cfg.num_workers)
+        self.inflight: dict[str, int] = {}    # PS channel -> clock of a call not finished
+        self._train_losses: list[float] = []
 
-    async def lookups(self, batch_ids: Iterable[int]) -> None:
+    def eval_step(self, t: int) -> bool:
+        return self.held_out is not None and self.cfg.eval_every > 0 and 0 < t < self.steps \
+            and t % self.cfg.eval_every == 0
+
+    # -- the parameter server, with the clocks in flight remembered ----------------------------
+
+    async def _ps_call(self, channel: str, call: Any) -> Any:
+        self.inflight[channel] = self.ps.next_step[channel]
+        started = time.perf_counter()
+        result = await call
+        self.result.eg_ps += time.perf_counter() - started
+        del self.inflight[channel]
+        return result
+
+    async def _abandon_ps_clocks(self) -> None:
+        """Clean up the PS clocks a failure left half-done, so no shard waits for them."""
+        for clock in sorted(set(self.inflight.values())):
+            try:
+                await self.ps.abort_step(clock)
+            except rvz.RvzError:
+                pass
+        self.inflight.clear()
+
+    # -- EG -------------------------------------------------------------------------------------
+
+    async def _pull(self, batch_ids: list[int]) -> None:
+        """One PS pull for ``batch_ids`` (and the held-out ids at an evaluation step); hands
+        each batch's embeddings (and the held-out rows) to MG."""
+        uniques = []
+        for b in batch_ids:
+            ids = self.exchange.samples(b).ids
+            unique, inverse = np.unique(ids.reshape(-1), return_inverse=True)
+            self.exchange.set_index(b, unique, inverse.reshape(ids.shape))
+            uniques.append(unique)
+        evals = [b for b in batch_ids if self.eval_step(b)]
+        wanted = uniques + ([self.held_out.unique] if evals and self.held_out is not None else [])
+        union = wanted[0] if len(wanted) == 1 else np.unique(np.concatenate(wanted))
+        rows = await self._ps_call("lookup", self.ps.lookup_unique(union))
+        for b, unique in zip(batch_ids, uniques, strict=True):
+            _, inverse = self.exchange.index(b)
+            mine = rows if unique is union else rows[np.searchsorted(union, unique)]
+            await self.exchange.send(EMBEDDINGS, b, mine[inverse])
+        for b in evals:
+            assert self.held_out is not None
+            await self.exchange.send(EVAL_EMBEDDINGS, b, rows[np.searchsorted(union, self.held_out.unique)])
+
+    async def embedding_graph(self) -> None:
+        k = self.cfg.staleness
+        batches = self.dataset.iterator("eg")
+        current = 0
         try:
-            for batch_id in batch_ids:
-                await self.window.acquire()
-                batch: Batch = self.exchange.samples(batch_id)
-                unique, inverse = np.unique(batch.ids.reshape(-1), return_inverse=True)
-                inverse = inverse.reshape(-1)
-                self.exchange.set_index(batch_id, unique, inverse)
-                rows = await self.ps.lookup_unique(unique, step=self.first_lookup_step + batch_id)
-                size, fields, bag = batch.ids.shape
-                pooled = rows[inverse].reshape(size, fields, bag, -1).mean(axis=2)
-                self.exchange.send(EMBEDDINGS, batch_id, pooled)
-                self.result.max_lookahead = max(self.result.max_lookahead, batch_id - self.mg_finished)
-                self.to_update.put_nowait(batch_id)
-        finally:
-            self.to_update.put_nowait(None)  # no more batches: the update stage may finish
+            first = [next(batches) for _ in range(min(k + 1, self.steps))]
+            if first:
+                await self._pull(first)
+            for s in range(self.steps):
+                current = s
+                grads = await self.exchange.recv(GRADIENTS, s)
+                unique, inverse = self.exchange.index(s)
+                summed = sum_by_unique(grads, inverse, len(unique))
+                await self._ps_call("push", self.ps.push_unique(unique, summed))
+                self.exchange.done(s, "eg")
+                if s + k + 1 < self.steps:
+                    current = s + k + 1
+                    await self._pull([next(batches)])
+        except (asyncio.CancelledError, StepFailed):
+            raise
+        except BaseException as exc:
+            raise await self._fail("EG", current, exc) from exc
 
-    async def updates(self) -> None:
-        while (batch_id := await self.to_update.get()) is not None:
-            grads = await self.exchange.recv(GRADIENTS, batch_id, timeout=self.timeout)
-            unique, inverse = self.exchange.index(batch_id)
-            size, fields, bag = self.exchange.samples(batch_id).ids.shape
-            # Mean pooling: each id of a bag gets the bag's gradient divided by the bag size.
-            per_id = np.broadcast_to((grads / bag)[:, :, None, :], (size, fields, bag, grads.shape[-1]))
-            summed = segment_sum(per_id.reshape(-1, grads.shape[-1]), inverse, len(unique))
-            await self.ps.push_unique(unique, summed, step=self.first_push_step + batch_id)
-            self.window.release()
-            self.exchange.done(batch_id, "eg")
+    # -- MG -------------------------------------------------------------------------------------
 
+    async def _compute(self, fn: Any, *args: Any) -> Any:
+        if self.cfg.compute_in_thread:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
 
-async def main_graph(model: DenseModel, exchange: ExchangeManager, batch_ids: Iterable[int],
-                     eg: EmbeddingGraph, result: RunResult, *, timeout: float | None,
-                     compute_in_thread: bool) -> None:
-    """MG: dense step per batch, gradients back to EG."""
-    for batch_id in batch_ids:
-        waited = time.perf_counter()
-        x = await exchange.recv(EMBEDDINGS, batch_id, timeout=timeout)
-        result.mg_waiting += time.perf_counter() - waited
-        labels = exchange.samples(batch_id).labels
-        if compute_in_thread:
-            loss, dx = await asyncio.to_thread(model.train_step, x, labels)
+    async def _evaluate(self, t: int, rows: np.ndarray) -> None:
+        assert self.held_out is not None
+        started = time.perf_counter()
+        score, loss = await self._compute(self.held_out.evaluate, self.model, rows)
+        self.result.eval_seconds += time.perf_counter() - started
+        train_loss = float(np.mean(self._train_losses)) if self._train_losses else float("nan")
+        self._train_losses = []
+        self.result.history.append({"step": t, "samples": t * self.cfg.global_batch, "train_loss": train_loss,
+                                    "auc": score, "logloss": loss})
+
+    async def main_graph(self) -> None:
+        n = self.cfg.num_workers
+        t = 0
+        try:
+            for t in self.dataset.iterator("mg"):
+                if self.eval_step(t):
+                    await self._evaluate(t, await self.exchange.recv(EVAL_EMBEDDINGS, t))
+                waited = time.perf_counter()
+                emb = await self.exchange.recv(EMBEDDINGS, t)
+                self.result.mg_waiting += time.perf_counter() - waited
+                batch: Chunk = self.exchange.samples(t)
+                x = np.concatenate([emb.reshape(len(emb), -1), batch.dense], axis=1)
+                started = time.perf_counter()
+                loss, dx, grads = await self._compute(self.model.forward_backward, x, batch.labels,
+                                                      self.cfg.global_batch)
+                self.result.mg_compute += time.perf_counter() - started
+                demb = np.ascontiguousarray(dx[:, :emb.shape[1] * self.dim]).reshape(emb.shape)
+                await self.exchange.send(GRADIENTS, t, demb)
+                total = await ring_allreduce(self.node, self.model.flatten(grads, loss), n,
+                                             step=pipeline_step(t), tag=t, timeout=self.cfg.timeout)
+                grads, loss = self.model.unflatten(total)
+                started = time.perf_counter()
+                await self._compute(self.model.apply, grads)
+                self.result.mg_compute += time.perf_counter() - started
+                self.result.losses.append(loss)
+                self._train_losses.append(loss)
+                self.exchange.done(t, "mg")
+        except (asyncio.CancelledError, StepFailed):
+            raise
+        except BaseException as exc:
+            raise await self._fail("MG", t, exc) from exc
+
+    # -- failures -------------------------------------------------------------------------------
+
+    async def _fail(self, side: str, step: int, exc: BaseException) -> StepFailed:
+        """Clean step ``step`` up everywhere; the error to raise, naming the step."""
+        if isinstance(exc, rvz.Aborted) and f"step {step} " in str(exc):
+            message = f"worker {self.w}: step {step} was aborted elsewhere: {exc}"
+        elif isinstance(exc, rvz.PeerLost):
+            message = f"step {step} aborted: worker {self.w} lost a peer in {side}: {exc}"
         else:
-            loss, dx = model.train_step(x, labels)
-        exchange.send(GRADIENTS, batch_id, dx)
-        exchange.done(batch_id, "mg")
-        result.losses.append(loss)
-        eg.mg_finished += 1
+            message = f"step {step} aborted: {side} of worker {self.w} failed: {type(exc).__name__}: {exc}"
+        try:
+            await self.exchange.abort(step, message)
+        except rvz.RvzError:
+            pass  # the node is closing: nobody is left to tell
+        return StepFailed(message, step)
 
+    # -- the whole run --------------------------------------------------------------------------
 
-async def train(ps: PSClient, batches: Iterable[Batch], model: DenseModel, *, prefetch: int = 2,
-                timeout: float | None = 30.0, compute_in_thread: bool = True) -> RunResult:
-    """Train on ``batches`` with EG and MG running concurrently; returns losses and timing.
-
-    Global batch ids start at 0; the PS steps continue from where ``ps`` left off.
-    """
-    exchange = ExchangeManager()
-    dataset = PipelineDataset(batches, exchange)
-    result = RunResult(prefetch=prefetch, exchange=exchange)
-    eg = EmbeddingGraph(ps, exchange, result, prefetch=prefetch, timeout=timeout)
-    started = time.perf_counter()
-    try:
-        await run_together(
-            eg.lookups(dataset.iterator("eg")),
-            eg.updates(),
-            main_graph(model, exchange, dataset.iterator("mg"), eg, result, timeout=timeout,
-                       compute_in_thread=compute_in_thread))
-    except BaseException as exc:
-        exchange.abort(exc)
-        raise
-    result.seconds = time.perf_counter() - started
-    result.batches = len(result.losses)
-    return result
+    async def run(self) -> RunResult:
+        await self.ps.connect()
+        started = time.perf_counter()
+        try:
+            await run_together(self.embedding_graph(), self.main_graph())
+        except BaseException:
+            await self._abandon_ps_clocks()
+            raise
+        self.result.seconds = time.perf_counter() - started - self.result.eval_seconds
+        self.result.steps = len(self.result.losses)
+        self.result.samples = self.result.steps * self.cfg.global_batch
+        self.result.freed = self.exchange.freed
+        if self.held_out is not None:
+            # Every worker's last push was applied before ours was acknowledged (bsp).
+            rows = await self._ps_call("lookup", self.ps.lookup_unique(self.held_out.unique))
+            await self._evaluate(self.steps, rows)
+            self.result.auc = self.result.history[-1]["auc"]
+            self.result.logloss = self.result.history[-1]["logloss"]
+        return self.result

@@ -23,17 +23,22 @@ cdef class Decoder:
     cdef int _state
     cdef object _failed
     cdef object _pool
+    cdef Py_ssize_t _full_size
+    cdef public object admit
+    cdef public bint stop_at_handshake
     cdef public Py_ssize_t frames
     cdef public object bytes_in
 
     cpdef object get_buffer(self, Py_ssize_t sizehint=*)
     cpdef list buffer_updated(self, Py_ssize_t nbytes)
+    cpdef list more(self)
     cdef _compact(self)
+    cdef _grow(self)
     cdef _fail(self, str message)
     @cython.locals(buf=bytearray, pos=Py_ssize_t, end=Py_ssize_t, need=Py_ssize_t,
                    mstart=Py_ssize_t, kstart=Py_ssize_t, pstart=Py_ssize_t, pend=Py_ssize_t,
                    avail=Py_ssize_t, meta_len=Py_ssize_t, klen=Py_ssize_t, ndim=Py_ssize_t,
-                   code=Py_ssize_t, ftype=int, version=int, flags=int)
+                   code=Py_ssize_t, ftype=int, version=int, flags=int, handshake=bint)
     cdef list _parse(self)
     cdef str _key(self, bytearray buf, Py_ssize_t start, Py_ssize_t length)
     cdef _requests(self, bytearray buf, object view, Py_ssize_t start, Py_ssize_t length, list events)

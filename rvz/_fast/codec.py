@@ -223,15 +223,19 @@ class Decoder:
 
     __slots__ = ("_buf", "_view", "_size", "_start", "_end", "_direct_min", "_max_payload",
                  "_dest", "_dest_filled", "_dest_len", "_pending", "_state", "_failed",
-                 "_pool", "frames", "bytes_in")
+                 "_pool", "frames", "bytes_in", "_full_size", "admit",
+                 "stop_at_handshake")
 
     def __init__(self, buffer_size: int = 262144, direct_min: int = 65536,
                  max_payload: int = DEFAULT_MAX_PAYLOAD, pool: Any = None) -> None:
         if buffer_size < HEADER_SIZE + MAX_META + direct_min:
             buffer_size = HEADER_SIZE + MAX_META + direct_min
-        self._buf = bytearray(buffer_size)
+        # Until HELLO only a HELLO can come: a connection that never says it costs a buffer
+        # of that size, not the full one (grown in _parse once HELLO is read).
+        self._full_size = buffer_size
+        self._size = HEADER_SIZE + MAX_META
+        self._buf = bytearray(self._size)
         self._view = memoryview(self._buf)
-        self._size = buffer_size
         self._start = 0
         self._end = 0
         # A payload at least this large is received straight into its array.
@@ -244,6 +248,12 @@ class Decoder:
         self._state = 0  # 0: expect HELLO, 1: open, 2: BYE received
         self._failed: Any = None
         self._pool = pool  # a RecvPool for large arrays, or None
+        # Called with (step, request_id, key, payload_len) at a large DATA frame's header,
+        # before memory is allocated for it; raises ProtocolError to refuse the frame.
+        self.admit: Any = None
+        # Stop parsing after HELLO and AUTH, so the owner learns who the peer is before the
+        # frames that follow are parsed (and admitted); more() goes on from there.
+        self.stop_at_handshake = False
         self.frames = 0
         self.bytes_in = 0
 
@@ -278,6 +288,18 @@ class Decoder:
             self._failed = str(exc)
             raise
 
+    def more(self) -> list:
+        """Parse what is already buffered (after a handshake frame stopped the parse)."""
+        if self._failed is not None:
+            raise ProtocolError(self._failed)
+        if self._dest is not None or self._end == self._start:
+            return _EMPTY_LIST
+        try:
+            return self._parse()
+        except ProtocolError as exc:
+            self._failed = str(exc)
+            raise
+
     def _compact(self) -> None:
         """Move the unparsed tail to the front; the buffer holds any whole small frame."""
         start = self._start
@@ -294,6 +316,7 @@ class Decoder:
 
     def _parse(self) -> list:
         events: list[Any] = []
+        handshake = False
         buf = self._buf
         view = self._view
         pos = self._start
@@ -390,17 +413,24 @@ class Decoder:
                 if payload_len < self._direct_min:
                     need = HEADER_SIZE + meta_len + payload_len
                     break
-                # Large payload: receive the rest straight into the destination array.
-                if dtype is None:
-                    arr = np.empty(payload_len, _U8)
-                    value = None
-                else:
-                    block = self._pool.take(payload_len) if self._pool is not None else None
-                    if block is None:
-                        arr = np.empty(shape, dtype)
+                # Large payload: receive the rest straight into the destination array, once
+                # the owner agreed to the frame (its route, its window).
+                if self.admit is not None:
+                    self.admit(step, request_id, key, payload_len)
+                try:
+                    if dtype is None:
+                        arr = np.empty(payload_len, _U8)
+                        value = None
                     else:
-                        arr = np.frombuffer(block, dtype).reshape(shape)
-                    value = arr
+                        block = self._pool.take(payload_len) if self._pool is not None else None
+                        if block is None:
+                            arr = np.empty(shape, dtype)
+                        else:
+                            arr = np.frombuffer(block, dtype).reshape(shape)
+                        value = arr
+                except (MemoryError, ValueError) as exc:
+                    self._fail(f"DATA frame for key {key}: cannot allocate {payload_len} "
+                               f"bytes: {exc!r}")
                 dest = payload_view(arr)
                 if avail:
                     dest[:avail] = view[pstart:end]
@@ -442,8 +472,11 @@ class Decoder:
                         self._fail("second HELLO on one connection")
                     self._state = 1
                 events.append((ftype, fields))
+                if ftype == HELLO:
+                    handshake = self.stop_at_handshake
             elif ftype == AUTH:
                 events.append((AUTH, self._map(view, mstart, meta_len, ftype)))
+                handshake = self.stop_at_handshake
             elif ftype == ONESIDED:
                 events.append((ONESIDED, self._map(view, mstart, meta_len, ftype)))
             elif ftype == BYE:
@@ -455,6 +488,10 @@ class Decoder:
                 self._fail(f"unknown frame type {ftype}")
             self.frames += 1
             pos = mstart + meta_len
+            if handshake:
+                # The owner acts on a handshake frame (who the peer is, whether it proved
+                # the secret) before the frames after it are even parsed: see more().
+                break
         if pos == end:
             self._start = 0
             self._end = 0
@@ -462,7 +499,19 @@ class Decoder:
             self._start = pos
             if pos + need > self._size:
                 self._compact()
+        if self._state != 0 and self._size < self._full_size and self._dest is None:
+            self._grow()
         return events
+
+    def _grow(self) -> None:
+        """HELLO was read: the full staging buffer, with the unparsed bytes moved over."""
+        tail = bytes(self._view[self._start:self._end])
+        self._buf = bytearray(self._full_size)
+        self._view = memoryview(self._buf)
+        self._size = self._full_size
+        self._buf[0:len(tail)] = tail
+        self._start = 0
+        self._end = len(tail)
 
     def _requests(self, buf: bytearray, view: memoryview, start: int, length: int,
                   events: list) -> None:

@@ -33,6 +33,8 @@ cdef class Peer:
     cdef public bint owed_scheduled
     cdef public bint owe_now
     cdef public object joined_step
+    cdef public Py_ssize_t window
+    cdef public Py_ssize_t unreturned
     cdef object __weakref__
 
     cpdef list live_connections(self)
@@ -70,6 +72,8 @@ cdef class Wire:
     cdef public object dataplane
     cdef public object bytes_out
     cdef public Py_ssize_t frames_out
+    cdef public Py_ssize_t data_out
+    cdef public list deferred
     cdef public bytearray _out
     cdef public bint _flush_scheduled
     cdef object _call_soon
@@ -105,11 +109,17 @@ cdef class Core:
     cdef public dict devices
     cdef public dict requests
     cdef public dict outstanding
+    cdef public dict cancelled
+    cdef public object cancel_order
+    cdef public dict asked
     cdef object _request_ids
     cdef public Py_ssize_t held_bytes
     cdef public Py_ssize_t held_count
     cdef public object hold_waiters
     cdef public object claims
+    cdef public Py_ssize_t max_parked
+    cdef public Py_ssize_t max_steps
+    cdef public Py_ssize_t answer_backlog
     cdef public Py_ssize_t waits_producer
     cdef public Py_ssize_t waits_consumer
 
@@ -120,6 +130,10 @@ cdef class Core:
     cpdef Route own_route(self, object key, bint sending)
     cpdef Peer peer(self, tuple task_id)
     cpdef Table table(self, object step)
+    cpdef object remote_table(self, object step, Wire conn)
+    @cython.locals(route=Route, peer=Peer)
+    cpdef admit(self, Wire conn, object step, object request_id, str key, object nbytes)
+    cpdef check_window(self, Peer peer, object cost)
     cpdef joined(self, object step, Peer peer)
     cpdef str _check_mode(self, object mode)
     @cython.locals(route=Route, table=Table, peer=Peer)
@@ -134,6 +148,8 @@ cdef class Core:
     @cython.locals(conn=Wire)
     cpdef pump(self, Peer peer)
     cpdef answer(self, Wire conn, object step, object request_id, Route route, object value)
+    cpdef answer_deferred(self, Wire conn)
+    cpdef undefer(self, Wire conn)
     cpdef released_held(self, Py_ssize_t nbytes)
     @cython.locals(route=Route, table=Table)
     cpdef object take(self, object key, object step)

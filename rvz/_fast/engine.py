@@ -99,7 +99,7 @@ class Peer:
 
     __slots__ = ("id", "name", "address", "out", "dialling", "inbound", "incarnation", "mode",
                  "link", "credit", "asked", "queue", "owed", "owed_scheduled", "owe_now",
-                 "joined_step", "__weakref__")
+                 "joined_step", "window", "unreturned", "__weakref__")
 
     def __init__(self, task_id: tuple, address: str, window: int) -> None:
         self.id = task_id
@@ -114,7 +114,15 @@ class Peer:
         # dialled, so both directions share one socket (an answer and the next request leave
         # in one write).  It only changes when it dies, which keeps pushes in order.
         self.link: Any = None
+        # The push window between us: the smaller of the two nodes' push_window options
+        # (each says its own in HELLO).  Both sides use it, the producer to wait for credit,
+        # the consumer to refuse a producer that does not.
+        self.window = window
         self.credit = window                        # bytes we may still push to it
+        # As its consumer: bytes (payload + MESSAGE_COST each) of DATA it sent us that we
+        # have not credited back yet.  It survives reconnects (a producer cannot reset it by
+        # reconnecting); only a new incarnation of the peer does.
+        self.unreturned = 0
         self.asked = False                          # we asked it for credit it holds back
         # Pushes waiting for the link, credit or the socket, in call order:
         # (done future, step, route, value, dtype code, shape, nbytes).
@@ -206,9 +214,14 @@ class Wire:
         self.dataplane: Any = None
         self.bytes_out = 0
         self.frames_out = 0
+        self.data_out = 0                 # cost (payload + MESSAGE_COST) of the DATA written
+        self.deferred: list = []          # answers held back while the output is backlogged
         self._out = bytearray()
         self._flush_scheduled = False
         self._call_soon = core.loop.call_soon
+        if decoder is not None:
+            decoder.admit = self.admit
+            decoder.stop_at_handshake = True
 
     # -- reading --------------------------------------------------------------------------
 
@@ -219,22 +232,31 @@ class Wire:
         except ProtocolError as exc:
             self.fail(exc)
             return
-        if events:
+        while events:
             if not self.ready:
-                # The handshake (HELLO, then AUTH with a secret) goes frame by frame: it may
-                # attach a dataplane, and the frames after it in the same read must already
-                # go through that dataplane.
+                # The handshake (HELLO, then AUTH with a secret) goes frame by frame: it says
+                # who the peer is, may attach a dataplane, and the frames after it must
+                # already be checked against the peer and go through that dataplane.  The
+                # decoder stops after each handshake frame; more() parses the rest.
                 i = 0
                 n = len(events)
                 while i < n and not self.ready and not self.closed:
                     self.core.dispatch(self, events[i:i + 1])
                     i += 1
-                if self.closed or i == n:
+                if self.closed:
                     return
                 events = events[i:]
-            if self.dataplane is not None:
-                events = self.dataplane.on_frames(events)
-            self.core.dispatch(self, events)
+            if events:
+                if self.dataplane is not None:
+                    events = self.dataplane.on_frames(events)
+                self.core.dispatch(self, events)
+            if self.closed:
+                return
+            try:
+                events = self.decoder.more()
+            except ProtocolError as exc:
+                self.fail(exc)
+                return
 
     def deliver(self, events: list) -> None:
         """Frames that arrived another way (a one-sided channel's completions)."""
@@ -256,6 +278,7 @@ class Wire:
         if self.closed:
             raise self.lost_error()
         self.frames_out += 1
+        self.data_out += nbytes + MESSAGE_COST
         if self.dataplane is not None:  # shm / verbs: the payload goes one-sided
             self.dataplane.write_value(step, request_id, key, value, code, shape, nbytes)
             return
@@ -295,6 +318,14 @@ class Wire:
     def _write(self, data: bytearray, payload: Any) -> None:
         raise NotImplementedError  # the transport's: where bytes hit the socket
 
+    def backlog(self) -> int:
+        """Bytes written but not yet sent (the transport's buffer)."""
+        return 0
+
+    def admit(self, step: Any, request_id: Any, key: str, nbytes: Any) -> None:
+        """The decoder's check of a large DATA frame at its header (see ``Core.admit``)."""
+        self.core.admit(self, step, request_id, key, nbytes)
+
     def fail(self, reason: BaseException) -> None:
         raise NotImplementedError  # the transport's: close at once
 
@@ -310,7 +341,9 @@ class Core:
     """The node's protocol state and its per-message work (see the module docstring)."""
 
     def __init__(self, shell: Any, cluster: Any, task_id: tuple, name: str, mode: str,
-                 loop: Any, push_window: int, hold_limit: int, claim_timeout: Any) -> None:
+                 loop: Any, push_window: int, hold_limit: int, claim_timeout: Any,
+                 max_parked: int = 65536, max_steps: int = 65536,
+                 answer_backlog: int = 32 << 20) -> None:
         self.shell = shell                 # the rvz.node.Node that owns this core
         self.cluster = cluster
         self.id = task_id
@@ -330,11 +363,21 @@ class Core:
         self.devices: dict = {}            # device name -> (job, task)
         self.requests: dict = {}           # request id -> Request
         self.outstanding: dict = {}        # (step, key) -> deque of request ids, oldest first
+        # Requests we cancelled recently: the producer may have answered before the CANCEL
+        # reached it, and such an answer is still one we asked for (not a push).
+        self.cancelled: dict = {}
+        self.cancel_order: deque = deque()
+        # (step, key) -> loop time of the last request for it, so a value a consumer is
+        # pulling is not pushed at claim_timeout (that would reorder it).
+        self.asked: dict = {}
         self._request_ids = itertools.count(1)
         self.held_bytes = 0                # Recv-Driven values waiting for remote consumers
         self.held_count = 0
         self.hold_waiters: deque = deque()
         self.claims: deque = deque()       # (deadline, step, key) of held values
+        self.max_parked = max_parked       # a peer's parked requests on one connection
+        self.max_steps = max_steps         # tables at once
+        self.answer_backlog = answer_backlog  # unsent output beyond which answers wait
         self.waits_producer = 0            # how often a send had to wait (window, hold limit)
         self.waits_consumer = 0            # how often a recv had to wait for its value
 
@@ -409,6 +452,48 @@ class Core:
             self.tables[step] = table
         return table
 
+    def remote_table(self, step: Any, conn: Wire) -> Any:
+        """The table of ``step`` for a frame from a peer: None if the step was cleaned up; a
+        new table only while fewer than ``max_steps`` exist."""
+        table = self.tables.get(step)
+        if table is None:
+            if step in self.dead_steps:
+                return None
+            if len(self.tables) >= self.max_steps:
+                raise ProtocolError(f"{_peer_name(conn)} opened more than {self.max_steps} steps "
+                                    "(max_steps)")
+            table = Table()
+            self.tables[step] = table
+        return table
+
+    def admit(self, conn: Wire, step: Any, request_id: Any, key: str, nbytes: Any) -> None:
+        """Check a DATA frame at its header, before memory is allocated for its payload:
+        its route, and for a push the window its producer must respect."""
+        peer = conn.peer
+        if peer is None or not conn.ready:
+            raise ProtocolError("DATA before the handshake")
+        try:
+            route = self.route(key)
+        except (KeyFormatError, WrongEndpoint) as exc:
+            raise ProtocolError(f"{peer.name} sent a key we cannot route: {exc}") from None
+        if not route.to_me or route.peer is not peer:
+            raise ProtocolError(f"{peer.name} sent key {key}, which does not route from it to "
+                                f"{self.name}")
+        if not (request_id and (request_id in self.requests or request_id in self.cancelled)):
+            self.check_window(peer, nbytes + MESSAGE_COST)  # not asked for: a push
+
+    def check_window(self, peer: Peer, cost: Any) -> None:
+        """A push of ``cost`` arrives: refuse a producer that ignores the window we granted.
+
+        The producer may push while its credit covers the message, or one message of any
+        size when it has nothing unreturned.  What it cannot know when it reconnects (what
+        we still had not credited) is allowed for: the limit is twice the window.
+        """
+        before = peer.unreturned
+        if before > 0 and before + cost > 2 * peer.window:
+            raise ProtocolError(f"{peer.name} pushed beyond the push window: {before} bytes "
+                                f"unreturned, {cost} more, window {peer.window}")
+
     def joined(self, step: Any, peer: Peer) -> None:
         """Remember that ``peer`` took part in ``step`` (its clean-up must reach it)."""
         if peer.joined_step is not None and peer.joined_step == step:
@@ -479,7 +564,7 @@ class Core:
         conn = peer.link
         cost = nbytes + MESSAGE_COST
         if (conn is not None and not peer.queue and conn.ready and not conn.closed
-                and not conn.paused and (peer.credit >= cost or peer.credit >= self.push_window)):
+                and not conn.paused and (peer.credit >= cost or peer.credit >= peer.window)):
             peer.credit -= cost
             conn.write_value(step, 0, route.wire, value, code, shape, nbytes)
             return None
@@ -511,7 +596,7 @@ class Core:
                 return
             nbytes = item[6]
             cost = nbytes + MESSAGE_COST
-            if not (peer.credit >= cost or peer.credit >= self.push_window):
+            if not (peer.credit >= cost or peer.credit >= peer.window):
                 if not peer.asked:  # the consumer may be holding back a batch: ask for it
                     peer.asked = True
                     conn.write_frame(encode_credit(0))
@@ -537,12 +622,44 @@ class Core:
         value, code, shape, nbytes = describe(value)
         peer = conn.peer
         if peer is not None:
-            peer.credit -= nbytes + MESSAGE_COST  # answers are asked for: they never wait for credit
             link = peer.link
             if (conn.dataplane is None and link is not None and link is not conn and link.ready
                     and not link.closed and link.dataplane is None):
                 conn = link
+        if conn.deferred or conn.backlog() > self.answer_backlog:
+            # The peer does not read what we send: its requests are answered once it has
+            # (reading goes on, so nothing it sends can make us buffer without bound).
+            conn.deferred.append((step, request_id, route, value))
+            return
+        if peer is not None:
+            peer.credit -= nbytes + MESSAGE_COST  # answers are asked for: they never wait for credit
         conn.write_value(step, request_id, route.wire, value, code, shape, nbytes)
+
+    def undefer(self, conn: Wire) -> None:
+        """The connection died with answers held back: their values go back to their keys
+        (to the next request, or held again)."""
+        deferred = conn.deferred
+        conn.deferred = []
+        for step, _, route, value in reversed(deferred):
+            if step in self.dead_steps:
+                continue
+            table = self.table(step)
+            if not table.put_front(route.text, value):
+                if table.queued(route.text):
+                    self.held_bytes += nbytes_of(value)
+                    self.held_count += 1
+
+    def answer_deferred(self, conn: Wire) -> None:
+        """The connection drained: answer what waited for it, in order."""
+        deferred = conn.deferred
+        conn.deferred = []
+        for i in range(len(deferred)):
+            if conn.closed:  # the rest go back to their keys
+                conn.deferred = deferred[i:] + conn.deferred
+                self.undefer(conn)
+                return
+            step, request_id, route, value = deferred[i]
+            self.answer(conn, step, request_id, route, value)
 
     def released_held(self, nbytes: int) -> None:
         self.held_bytes -= nbytes
@@ -663,6 +780,10 @@ class Core:
                 conn = request.conn
                 if conn is not None and not conn.closed:
                     conn.write_frame(encode_cancel(request.id))
+                    self.cancelled[request.id] = True
+                    self.cancel_order.append(request.id)
+                    if len(self.cancel_order) > 65536:
+                        self.cancelled.pop(self.cancel_order.popleft(), None)
         if not pending:
             del self.outstanding[(step, key)]
 
@@ -676,7 +797,7 @@ class Core:
         peer.owed += nbytes_of(value) + MESSAGE_COST
         # Credit goes back in batches of a quarter window (one frame per many messages),
         # or at once when the producer said it is waiting for it.
-        if (peer.owe_now or peer.owed >= self.push_window >> 2) and not peer.owed_scheduled:
+        if (peer.owe_now or peer.owed >= peer.window >> 2) and not peer.owed_scheduled:
             peer.owed_scheduled = True
             self.loop.call_soon(self.flush_credit, peer)
 
@@ -700,6 +821,7 @@ class Core:
                 conns[0].dataplane.send_credit(peer.owed)
             else:
                 conns[0].write_frame(encode_credit(peer.owed))
+            peer.unreturned -= peer.owed
             peer.owed = 0
 
     # -- batches ------------------------------------------------------------------------
@@ -797,47 +919,62 @@ class Core:
         peer = conn.peer
         if peer is None:
             raise ProtocolError("DATA before HELLO")
+        asked = False
         if request_id:
             request = self.requests.pop(request_id, None)
             if request is not None:
+                asked = True
                 self.forget_request(request_id, step, key)
+            elif self.cancelled.pop(request_id, None) is not None:
+                asked = True
         route = self.route(key)
         if not route.to_me or route.peer is not peer:
             raise ProtocolError(f"{peer.name} sent key {key} to {self.name}; the key routes from "
                                 f"/job:{route.src[0]}/task:{route.src[1]} to "
                                 f"/job:{route.dst[0]}/task:{route.dst[1]} (cluster specs differ?)")
-        table = self.tables.get(step)
+        cost = nbytes_of(value) + MESSAGE_COST
+        if not asked:
+            self.check_window(peer, cost)
+        peer.unreturned += cost
+        table = self.remote_table(step, conn)
         if table is None:
-            if step in self.dead_steps:
-                self.consumed_from(peer, value)  # dropped: the step is gone
-                return
-            table = Table()
-            self.tables[step] = table
+            self.consumed_from(peer, value)  # dropped: the step is gone
+            return
         self.joined(step, peer)
         if table.put(route.text, value):
             self.consumed_from(peer, value)
 
     def on_request(self, conn: Wire, step: Any, request_id: Any, key: str) -> None:
         route = self.route(key)
-        if not route.from_me:
+        peer = conn.peer
+        if peer is None:
+            raise ProtocolError("REQUEST before HELLO")
+        if not route.from_me or route.peer is not peer:
+            # Only the key's destination may fetch it, and never a key local to this node.
+            if conn.backlog() > self.answer_backlog:
+                raise ProtocolError(f"{peer.name} sends requests and does not read the replies")
             conn.write_frame(encode_error(
                 request_id, step, key, "WrongEndpoint",
-                f"{self.name} cannot answer a request for key {key}: its source is "
-                f"/job:{route.src[0]}/task:{route.src[1]}"))
+                f"{self.name} cannot answer {peer.name}'s request for key {key}: it routes "
+                f"from /job:{route.src[0]}/task:{route.src[1]} to "
+                f"/job:{route.dst[0]}/task:{route.dst[1]}"))
             return
         dead = self.dead_steps.get(step)
         if dead is not None or self.closed:
             conn.write_frame(encode_error(request_id, step, key, "aborted",
                                           dead or f"node {self.name} closed"))
             return
-        peer = conn.peer
-        if peer is None:
-            raise ProtocolError("REQUEST before HELLO")
-        table = self.table(step)
+        table = self.remote_table(step, conn)
         self.joined(step, peer)
+        if self.claim_timeout is not None:
+            self.asked[(step, route.text)] = self.loop.time()
         waiter = RemoteWaiter(self, conn, step, request_id, route)
-        value = table.take_or_wait(key, waiter)
+        value = table.take_or_wait(route.text, waiter)
         if value is EMPTY:
+            if len(conn.parked) >= self.max_parked:
+                table.remove_waiter(route.text, waiter)
+                raise ProtocolError(f"{peer.name} has more than {self.max_parked} requests "
+                                    "parked (max_parked)")
             conn.parked[request_id] = waiter
         else:
             self.released_held(nbytes_of(value))
@@ -851,7 +988,7 @@ class Core:
             peer.owe_now = True
             self.flush_credit_now(peer)
             return
-        peer.credit = min(peer.credit + nbytes, self.push_window)
+        peer.credit = min(peer.credit + nbytes, peer.window)
         peer.asked = False
         if peer.queue:
             self.pump(peer)

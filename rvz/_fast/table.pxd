@@ -5,6 +5,7 @@ cdef class Table:
     cdef object _abort_message
     cdef dict _back
     cdef public long long stamp
+    cdef public long long puts
 
     cpdef object aborted_error(self, str key)
     cpdef bint put(self, str key, object value) except -1

@@ -29,7 +29,8 @@ EMPTY = object()  # what take() returns when no value is queued
 class Table:
     """Per-key FIFO of values or waiters, with abort (TF LocalRendezvous)."""
 
-    __slots__ = ("_values", "_waiters", "_abort_cause", "_abort_message", "_back", "stamp")
+    __slots__ = ("_values", "_waiters", "_abort_cause", "_abort_message", "_back", "stamp",
+                 "puts")
 
     def __init__(self) -> None:
         self._values: dict[str, deque[Any]] = {}   # key -> values nobody received yet
@@ -39,6 +40,7 @@ class Table:
         # key -> stamps of the values at the head of its queue that came back (ascending)
         self._back: dict[str, list] = {}
         self.stamp = 0  # the stamp of the last take or queued waiter
+        self.puts = 0   # values put (with ``stamp``, a mark of activity)
 
     def aborted_error(self, key: str) -> Aborted:
         """A fresh ``Aborted`` for ``key`` carrying the abort's original cause."""
@@ -54,6 +56,7 @@ class Table:
         """Give ``value`` to the oldest live waiter, else queue it.  True if it was taken."""
         if self._abort_message is not None:
             raise self.aborted_error(key)
+        self.puts += 1
         waiters = self._waiters.get(key)
         if waiters is not None:
             while waiters:

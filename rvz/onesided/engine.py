@@ -8,12 +8,23 @@ that TCP connection, in order with its REQUEST/CANCEL/ERROR frames; payloads tra
 one-sided.  Everything a channel delivers enters the node exactly like a TCP DATA frame:
 ``Wire.deliver([(DATA, step, request_id, key, value)])``.
 
+Isolation: the memory a peer may write is a *region per peer* (``Channel.arena``), carved
+only into that peer's slots and destinations; the consumer's own pool (``Engine.pool``), which
+holds the arrays handed to the application, is never described to any peer.  A completed
+write is copied out of the peer's region into the pool before the application sees it, so a
+peer can never touch an array it already delivered.  Regions left empty are unregistered
+and the peer is told to unmap them (``unmap``).
+
 Send-Driven (``request_id == 0``): the consumer grants the producer *slots* per key
 (``want`` -> ``slots``); the producer caches them per (peer, key) and writes header and
 tensor into one slot with the slot's id as the immediate.  The consumer's completion
-handler turns the slot into the numpy array it hands to the table (no copy) and grants a
-fresh slot of the same size: slots are the credits, so a producer never overruns.
-Values without a slot wait in the producer's per-key queue, in order.
+handler copies the slot into the array it hands to the table and grants a fresh slot of
+the same size: slots are the credits, so a producer never overruns.  Values without a slot
+wait in the producer's per-key queue, in order.  Granted, unfilled slots never exceed
+``slot_budget`` bytes per channel: a ``want`` that does not fit waits until slots come
+back, and slots of keys idle for ``slot_idle`` seconds (or wanted elsewhere) are revoked
+(``revoke`` -> ``rel``).  A value larger than the consumer's budget (advertised in HELLO)
+goes in pieces through slots that fit it, and the consumer assembles it.
 
 Recv-Driven (``request_id != 0``): before its REQUEST the consumer sends ``dest``: the
 address of a destination array it allocated from its pool for the dtype/shape it saw last
@@ -69,9 +80,14 @@ _WAITING = object()      # remote_dests marker: we sent META and wait for the re
 _IMM_MAX = (1 << 32) - 1
 _REMOTE_DESTS_MAX = 1 << 16
 _META_MAX = 1 << 16
+_WANTED_MAX = 1 << 16      # keys waiting for slots per channel (a legit producer has fewer)
+ARENA_STEP = 1 << 20       # a peer's region grows by what it needs, rounded to 1 MiB
+# Slot header flags: a whole value, the first piece of a larger one, a later piece.
+WHOLE, FIRST, PIECE = 0, 1, 2
 
 SLOT = 1
 DEST = 2
+ALIGN_HDR = align(SLOT_HDR.size)   # the header of a later piece (no shape)
 
 
 def slot_header_size(ndim: int) -> int:
@@ -95,7 +111,7 @@ class Options:
 
     KNOWN = {"chunk_size", "pool_limit", "cqs", "max_slots", "slot_budget", "inline_max",
              "pipe_size", "device", "port", "gid_index", "recv_depth", "send_depth",
-             "grant_timeout"}
+             "grant_timeout", "slot_idle"}
 
     def __init__(self, values: dict[str, Any] | None = None) -> None:
         values = dict(values or {})
@@ -115,8 +131,9 @@ class Options:
         self.recv_depth = int(values.get("recv_depth", 256))
         self.send_depth = int(values.get("send_depth", 256))
         self.grant_timeout = values.get("grant_timeout")
-        if self.cqs < 1 or self.max_slots < 1 or self.slot_budget < 1:
-            raise ValueError("onesided cqs, max_slots and slot_budget must be positive")
+        self.slot_idle = float(values.get("slot_idle", 5.0))
+        if self.cqs < 1 or self.max_slots < 1 or self.slot_budget < 1 or self.slot_idle <= 0:
+            raise ValueError("onesided cqs, max_slots, slot_budget and slot_idle must be positive")
 
 
 class _Target:
@@ -175,9 +192,10 @@ class Engine:
         self._next_cq += 1
         return self.provider.create_endpoint(cq, next(self._ep_ids))
 
-    def attach(self, conn: Connection, ep: Any, remote: dict[str, Any]) -> Channel:
+    def attach(self, conn: Connection, ep: Any, remote: dict[str, Any],
+               peer_budget: Any = None) -> Channel:
         ep.connect(remote)
-        channel = Channel(self, conn, ep)
+        channel = Channel(self, conn, ep, peer_budget)
         self.channels[ep.ep_id] = channel
         return channel
 
@@ -247,12 +265,19 @@ class Engine:
 class Channel:
     """The one-sided side of one TCP connection: both the producer's and the consumer's state."""
 
-    def __init__(self, engine: Engine, conn: Connection, ep: Any) -> None:
+    def __init__(self, engine: Engine, conn: Connection, ep: Any, peer_budget: Any = None) -> None:
         self.engine = engine
         self.name = engine.name
         self.conn = conn
         self.ep = ep
-        self.pool = engine.pool
+        self.pool = engine.pool            # ours alone: the arrays handed to the application
+        options = engine.options
+        # The only memory this peer may write: its slots and destinations, nothing else.
+        self.arena = Pool(engine.provider, ARENA_STEP, options.pool_limit)
+        self._arena_used = False
+        self.budget = options.slot_budget
+        self.max_slots = options.max_slots
+        self.slot_idle = options.slot_idle
         self.inline_limit = engine.inline_limit
         ep.on_error = self.fail
         self.failed: BaseException | None = None
@@ -266,6 +291,10 @@ class Channel:
         self.granted = 0
         self.refill: dict[str, list[int]] = {}        # key -> [count, size] to grant again
         self._refill_scheduled = False
+        self.wanted: dict[str, int] = {}               # key -> slot size, waiting for budget
+        self.last_use: dict[str, float] = {}           # key -> when its slots last moved
+        self.revoking: set[str] = set()                # keys asked to give their slots back
+        self.partial: dict[str, list[Any]] = {}        # key -> a value arriving in pieces
         self.dests: dict[int, int] = {}                # request id -> imm of its destination
         self.asks: dict[int, tuple[int, str]] = {}     # request id -> (step, key)
         self.regions_sent: set[int] = set()
@@ -278,6 +307,15 @@ class Channel:
         self.asked: dict[str, float] = {}              # key -> deadline of our want
         self.remote_dests: dict[int, Any] = {}
         self.answers: dict[str, deque[tuple[Any, ...]]] = {}
+        self.progress: dict[str, int] = {}             # key -> bytes of its head value written
+        try:  # the slot budget the consumer advertised: larger values go in pieces
+            self.peer_budget = int(peer_budget) if peer_budget is not None else 1 << 62
+        except (TypeError, ValueError):
+            raise TransportError(f"{self.name}: malformed slot budget {peer_budget!r} from "
+                                 f"{self.peer_name}") from None
+        if self.peer_budget < 1:
+            raise TransportError(f"{self.name}: {self.peer_name} advertises a slot budget of "
+                                 f"{self.peer_budget}")
         self.inflight: dict[int, Any] = {}             # wr_id -> what must live until done
         self._wr_ids = itertools.count(1)
         timeout = engine.options.grant_timeout
@@ -318,15 +356,23 @@ class Channel:
         self.engine.channels.pop(self.ep.ep_id, None)
         pool = self.pool
         for target in self.targets.values():
-            pool.free(target.block)
+            self.arena.free(target.block)
         self.targets.clear()
         self.slot_imms.clear()
         self.dests.clear()
         self.asks.clear()
+        for part in self.partial.values():
+            pool.free(part[0])
+        self.partial.clear()
+        self.wanted.clear()
+        self.last_use.clear()
+        self.revoking.clear()
+        self.progress.clear()
         for keep in self.inflight.values():
             if keep[1] is not None:
                 pool.free(keep[1])
         self.inflight.clear()
+        self.arena.close()
         self.out_pending.clear()
         self.answers.clear()
         self.remote_slots.clear()
@@ -334,12 +380,29 @@ class Channel:
         self.ep.close()
 
     def check_deadlines(self, now: float) -> None:
+        """The engine's watchdog (every second): grant deadlines, idle slots, empty regions."""
+        if self.failed is not None or self.closed:
+            return
         for key, deadline in self.asked.items():
             if now > deadline:
                 self.fail(TransportError(
                     f"{self.name}: {self.peer_name} granted no slot for key {key} within "
                     f"{self.grant_timeout}s"))
                 return
+        idle = now - self.slot_idle
+        for key, used in list(self.last_use.items()):
+            if used < idle:
+                self._revoke(key)
+        if not self._arena_used:
+            self._trim()
+        self._arena_used = False
+
+    def _trim(self) -> None:
+        """Unregister the peer's regions that hold nothing; the peer unmaps them."""
+        dropped = self.arena.trim()
+        if dropped:
+            self.regions_sent.difference_update(dropped)
+            self._control({"op": "unmap", "rk": dropped})
 
     def _control(self, fields: dict[str, Any]) -> None:
         self.conn.write_frame(_codec.encode_onesided(fields))
@@ -406,16 +469,57 @@ class Channel:
             self._send_inline(item)
             return True
         need = slot_header_size(len(shape)) + nbytes
+        if need > self.peer_budget:
+            return self._push_pieces(item)
         slots = self.remote_slots.get(key)
         if slots:
             if slots[0][3] >= need:
                 self._write_slot(slots.popleft(), item)
+                if not slots:
+                    del self.remote_slots[key]
                 return True
             released = [s[0] for s in slots]   # too small now: give them back, ask anew
-            slots.clear()
+            del self.remote_slots[key]
             self._want(key, need, released)
         elif key not in self.asked:
             self._want(key, need, [])
+        return False
+
+    def _push_pieces(self, item: tuple[Any, ...]) -> bool:
+        """A value larger than the consumer's slot budget: one piece per slot, in order."""
+        step, _, key, value, code, shape, nbytes = item
+        ndim = len(shape)
+        first = slot_header_size(ndim)
+        size = self.peer_budget // 2   # two slots in flight keep the copy pipelined
+        if size < first + 4096:
+            size = self.peer_budget
+        if size <= first:
+            raise TransportError(f"{self.name}: {self.peer_name}'s slot budget of "
+                                 f"{self.peer_budget} bytes cannot hold a value of key {key}")
+        done = self.progress.get(key, 0)
+        slots = self.remote_slots.get(key)
+        while slots and done < nbytes:
+            imm, addr, rkey, room = slots.popleft()
+            head_size = first if done == 0 else ALIGN_HDR
+            if room <= head_size:
+                continue   # a stale tiny slot: the consumer takes it back when idle
+            n = min(nbytes - done, room - head_size)
+            if done == 0:
+                head = SLOT_HDR.pack(step, nbytes, code, ndim, FIRST) + _SHAPES[ndim].pack(*shape)
+            else:
+                head = SLOT_HDR.pack(step, nbytes, code, 0, PIECE)
+            head += bytes(head_size - len(head))
+            self._post_write([memoryview(head), payload_view(value)[done:done + n]],
+                             addr, rkey, imm, value)
+            done += n
+        if slots is not None and not slots:
+            del self.remote_slots[key]
+        if done >= nbytes:
+            self.progress.pop(key, None)
+            return True
+        self.progress[key] = done
+        if key not in self.asked and not self.remote_slots.get(key):
+            self._want(key, size, [])
         return False
 
     def _want(self, key: str, need: int, released: list[int]) -> None:
@@ -552,7 +656,8 @@ class Channel:
 
     def _send_dest(self, step: int, request_id: int, key: str, code: int, shape: tuple[int, ...],
                    nbytes: int, again: bool) -> None:
-        block = self.pool.alloc(nbytes)
+        block = self.arena.alloc(nbytes)
+        self._arena_used = True
         imm = self._new_imm()
         self.targets[imm] = _Target(DEST, block, key, step, request_id, code, shape, nbytes)
         self.dests[request_id] = imm
@@ -565,14 +670,16 @@ class Channel:
         if imm is not None:
             target = self.targets.pop(imm, None)
             if target is not None:
-                self.pool.free(target.block)
+                self.arena.free(target.block)
 
     def _grant(self, key: str, size: int, count: int) -> None:
         blocks = []
         slots = []
         imms = self.slot_imms.setdefault(key, set())
+        self.last_use[key] = self.engine.loop.time()
+        self._arena_used = True
         for _ in range(count):
-            block = self.pool.alloc(size)
+            block = self.arena.alloc(size)
             imm = self._new_imm()
             self.targets[imm] = _Target(SLOT, block, key)
             imms.add(imm)
@@ -590,10 +697,69 @@ class Channel:
         refill = self.refill
         self.refill = {}
         try:
+            self._serve()   # keys that wait for budget come before refills
             for key, (count, size) in refill.items():
-                self._grant(key, size, count)
+                count = min(count, self.max_slots - self._have(key, size), self._room(size))
+                if count > 0:
+                    self._grant(key, size, count)
         except TransportError as exc:
             self.fail(exc)
+
+    def _have(self, key: str, size: int) -> int:
+        """Slots of ``key`` granted and not filled yet that hold ``size`` bytes."""
+        targets = self.targets
+        return sum(1 for imm in self.slot_imms.get(key, ()) if targets[imm].block.size >= size)
+
+    def _room(self, size: int) -> int:
+        """How many more slots of ``size`` bytes the budget allows."""
+        return max(0, self.budget - self.granted) // size
+
+    def _free_slot(self, imm: int, key: str) -> None:
+        target = self.targets.get(imm)
+        if target is None or target.kind != SLOT or target.key != key:
+            return
+        del self.targets[imm]
+        imms = self.slot_imms.get(key)
+        if imms is not None:
+            imms.discard(imm)
+            if not imms:
+                del self.slot_imms[key]
+                self.last_use.pop(key, None)
+        self.granted -= target.block.size
+        self.arena.free(target.block)
+
+    def _serve(self) -> None:
+        """Grant the keys that wait for budget, in the order they asked."""
+        wanted = self.wanted
+        while wanted:
+            key = next(iter(wanted))
+            size = wanted[key]
+            have = self._have(key, size)
+            count = min(self.max_slots - have, self._room(size))
+            if count <= 0 and have == 0:
+                self._reclaim(size, key)
+                return
+            del wanted[key]
+            if count > 0:
+                self._grant(key, size, count)
+
+    def _reclaim(self, size: int, keep: str) -> None:
+        """Ask for the slots of the least recently used keys back until ``size`` would fit."""
+        short = size - max(0, self.budget - self.granted)
+        for key in sorted(self.last_use, key=self.last_use.__getitem__):
+            if short <= 0:
+                return
+            if key == keep or key in self.revoking:
+                continue
+            short -= sum(self.targets[imm].block.size for imm in self.slot_imms.get(key, ()))
+            self._revoke(key)
+
+    def _revoke(self, key: str) -> None:
+        imms = self.slot_imms.get(key)
+        if not imms or key in self.revoking:
+            return
+        self.revoking.add(key)
+        self._control({"op": "revoke", "k": key, "s": sorted(imms)})
 
     # -- control frames from the peer -----------------------------------------------------------
 
@@ -639,6 +805,33 @@ class Channel:
             for imm, addr, rkey, size in f["s"]:
                 slots.append((int(imm), int(addr), int(rkey), int(size)))
             self._drain_pending(key)
+            if key not in self.out_pending and self.remote_slots.get(key) == deque():
+                del self.remote_slots[key]
+        elif op == "revoke":   # the consumer wants unused slots of a key back
+            key = str(f["k"])
+            slots = self.remote_slots.get(key)
+            asked = {int(imm) for imm in f["s"]}
+            released: list[tuple[int, int, int, int]] = []
+            if slots:
+                keep: deque[tuple[int, int, int, int]] = deque()
+                for slot in slots:
+                    (released if slot[0] in asked else keep).append(slot)
+                if keep:
+                    self.remote_slots[key] = keep
+                else:
+                    del self.remote_slots[key]
+            self._control({"op": "rel", "k": key, "s": [s[0] for s in released]})
+            if key in self.out_pending and not self.remote_slots.get(key) and key not in self.asked:
+                self._drain_pending(key)   # still needed: ask again, behind the others
+        elif op == "rel":   # slots given back (the answer to revoke)
+            key = str(f["k"])
+            for imm in f["s"]:
+                self._free_slot(int(imm), key)
+            self.revoking.discard(key)
+            self._serve()
+        elif op == "unmap":   # regions of the consumer that hold nothing of ours any more
+            for rkey in f["rk"]:
+                self.ep.remove_region(int(rkey))
         elif op == "dest":
             request_id = int(f["r"])
             for desc in f.get("m", ()):
@@ -651,33 +844,30 @@ class Channel:
                 self._drain_answers(str(f["k"]))
         elif op == "want":
             key = str(f["k"])
-            imms = self.slot_imms.get(key)
             for imm in f.get("rel", ()):
-                target = self.targets.get(imm)
-                if target is not None and target.kind == SLOT and target.key == key:
-                    del self.targets[imm]
-                    if imms is not None:
-                        imms.discard(imm)
-                    self.granted -= target.block.size
-                    self.pool.free(target.block)
+                self._free_slot(int(imm), key)
             size = int(f["n"])
-            if size <= 0 or size > self.engine.node.max_payload + 4096:
-                raise TransportError(f"slot of {size} bytes asked for key {key}")
+            if size <= 0 or size > self.budget:
+                raise TransportError(f"slot of {size} bytes asked for key {key}: the slot budget "
+                                     f"is {self.budget} bytes (larger values come in pieces)")
             # Slots already granted (maybe still on their way) or about to be re-granted count
             # against max_slots: the producer asks when it runs dry, which races our refills.
-            targets = self.targets
-            have = sum(1 for imm in self.slot_imms.get(key, ()) if targets[imm].block.size >= size)
+            have = self._have(key, size)
             refill = self.refill.get(key)
             if refill is not None and refill[1] >= size:
                 have += refill[0]
-            room = (self.engine.options.slot_budget - self.granted) // size
-            count = min(self.engine.options.max_slots - have, room)
-            if have == 0:
-                count = max(1, count)
-            if count > 0:
+            count = min(self.max_slots - have, self._room(size))
+            if count > 0 and not self.wanted:
                 self._grant(key, size, count)
+            elif have == 0:   # no room now: wait, in order, for slots to come back
+                if key not in self.wanted and len(self.wanted) >= _WANTED_MAX:
+                    raise TransportError(f"more than {_WANTED_MAX} keys wait for slots")
+                self.wanted[key] = max(size, self.wanted.get(key, 0))
+                self._serve()
         elif op == "meta":
             request_id = int(f["r"])
+            if request_id not in self.asks:
+                return   # not a request of ours (or one already answered or cancelled)
             self._drop_dest(request_id)
             key = str(f["k"])
             step = int(f["st"])
@@ -741,59 +931,110 @@ class Channel:
         if target is None:
             raise TransportError(f"write with unknown immediate {imm}")
         block = target.block
-        pool = self.pool
         key = target.key
         if target.kind == SLOT:
             imms = self.slot_imms.get(key)
             if imms is not None:
                 imms.discard(imm)
+                if not imms:
+                    del self.slot_imms[key]
+            self.last_use[key] = self.engine.loop.time()
             self.granted -= block.size
-            view = block.view()
-            step, size, code, ndim, _ = SLOT_HDR.unpack_from(view, 0)
-            if ndim > _codec.MAX_NDIM:
-                pool.free(block)
-                raise TransportError(f"slot of key {key} holds {ndim} dims")
-            shape = _SHAPES[ndim].unpack_from(view, SLOT_HDR.size)
-            start = slot_header_size(ndim)
+            self._schedule_refill(key, block.size)
             try:
-                self._check_meta(key, code, shape, size)
-                if start + size > block.size or nbytes != start + size:
-                    raise TransportError(f"write of {nbytes} bytes into a slot of {block.size} "
-                                         f"does not match its header ({size} bytes)")
-            except TransportError:
-                pool.free(block)
-                raise
-            value = self._value(block, code, shape, size, start)
-            request_id = 0
-            refill = self.refill.get(key)
-            if refill is None:
-                self.refill[key] = [1, block.size]
-            else:
-                refill[0] += 1
-                refill[1] = max(refill[1], block.size)
-            if not self._refill_scheduled:
-                self._refill_scheduled = True
-                self.engine.loop.call_soon(self._flush_refill)
+                event = self._on_slot(block, key, nbytes)
+            finally:
+                self.arena.free(block)   # copied out (or refused): the slot's memory is free
+            if event is None:
+                return
         else:
-            if nbytes != target.nbytes:
-                pool.free(block)
-                raise TransportError(f"write of {nbytes} bytes into a destination of "
-                                     f"{target.nbytes} for key {key}")
-            request_id = target.request_id
-            self.dests.pop(request_id, None)
-            self.asks.pop(request_id, None)
-            step, code, shape, size = target.step, target.code, target.shape, target.nbytes
-            value = self._value(block, code, shape, size, 0)
+            try:
+                if nbytes != target.nbytes:
+                    raise TransportError(f"write of {nbytes} bytes into a destination of "
+                                         f"{target.nbytes} for key {key}")
+                request_id = target.request_id
+                self.dests.pop(request_id, None)
+                self.asks.pop(request_id, None)
+                code, shape, size = target.code, target.shape, target.nbytes
+                event = (target.step, request_id, code, shape, size,
+                         self._copy_out(block, 0, code, shape, size))
+            finally:
+                self.arena.free(block)
+        step, request_id, code, shape, size, value = event
         self._remember(key, code, shape, size)
         self._events.append((_codec.DATA, step, request_id, key, value))
 
-    def _value(self, block: Block, code: int, shape: tuple[int, ...], nbytes: int, start: int) -> Any:
+    def _schedule_refill(self, key: str, size: int) -> None:
+        refill = self.refill.get(key)
+        if refill is None:
+            self.refill[key] = [1, size]
+        else:
+            refill[0] += 1
+            refill[1] = max(refill[1], size)
+        if not self._refill_scheduled:
+            self._refill_scheduled = True
+            self.engine.loop.call_soon(self._flush_refill)
+
+    def _on_slot(self, block: Block, key: str, nbytes: int) -> tuple[Any, ...] | None:
+        """A filled slot: the whole value, or one piece of a larger one (then ``None``
+        until its last piece)."""
+        view = block.view()
+        if nbytes > block.size:
+            raise TransportError(f"write of {nbytes} bytes into a slot of {block.size}")
+        step, size, code, ndim, flags = SLOT_HDR.unpack_from(view, 0)
+        if ndim > _codec.MAX_NDIM or flags > PIECE:
+            raise TransportError(f"slot of key {key} holds {ndim} dims, flags {flags}")
+        shape = _SHAPES[ndim].unpack_from(view, SLOT_HDR.size)
+        start = slot_header_size(ndim)
+        part = self.partial.get(key)
+        if flags == PIECE:
+            if part is None or ndim != 0 or (step, code, size) != (part[1], part[2], part[4]):
+                raise TransportError(f"a piece of key {key} that continues no value")
+        elif part is not None:
+            raise TransportError(f"key {key}: a new value before the last piece of the previous one")
+        if flags != PIECE:
+            self._check_meta(key, code, shape, size)
+        if flags == WHOLE:
+            if nbytes != start + size:
+                raise TransportError(f"write of {nbytes} bytes into a slot of {block.size} "
+                                     f"does not match its header ({size} bytes)")
+            return step, 0, code, shape, size, self._copy_out(block, start, code, shape, size)
+        n = nbytes - start
+        done = 0 if part is None else part[5]
+        if n <= 0 or done + n > size or (flags == FIRST and n >= size):
+            raise TransportError(f"a piece of {n} bytes of key {key} at {done} of {size}")
+        if part is None:
+            whole = self.pool.alloc(size)
+            part = self.partial[key] = [whole, step, code, shape, size, 0]
+        whole = part[0]
+        whole.view(done, n)[:] = block.view(start, n)
+        part[5] = done + n
+        if part[5] < size:
+            return None
+        del self.partial[key]
+        _, step, code, shape, size, _ = part
+        return step, 0, code, shape, size, self._value(whole, code, shape, size)
+
+    def _copy_out(self, block: Block, start: int, code: int, shape: tuple[int, ...],
+                  nbytes: int) -> Any:
+        """The value a peer wrote into its region, moved into memory only we can reach."""
         dtype = DTYPES[code]
         if dtype is None:
-            data = bytes(block.view(start, nbytes))
+            return bytes(block.view(start, nbytes))
+        if nbytes == 0:
+            return np.empty(shape, dtype)
+        mine = self.pool.alloc(nbytes)
+        mine.view(0, nbytes)[:] = block.view(start, nbytes)
+        return self.pool.array(mine, dtype, shape)
+
+    def _value(self, block: Block, code: int, shape: tuple[int, ...], nbytes: int) -> Any:
+        """An array over a block of our pool (``bytes`` are copied out of it)."""
+        dtype = DTYPES[code]
+        if dtype is None:
+            data = bytes(block.view(0, nbytes))
             self.pool.free(block)
             return data
-        return self.pool.array(block, dtype, shape, start)
+        return self.pool.array(block, dtype, shape)
 
     def _on_message(self, data: bytes) -> None:
         kind, code, ndim, _, klen, step, request_id, nbytes = MSG_HDR.unpack_from(data, 0)

@@ -138,7 +138,7 @@ class Hub:
         self._offers[conn] = endpoints
         return {"os": {"want": self.want, "host": self.host,
                        "ep": {name: ep.info() for name, ep in endpoints.items()},
-                       "no": self.unavailable}}
+                       "no": self.unavailable, "sb": self.options.slot_budget}}
 
     def on_hello(self, conn: Connection, fields: dict[str, Any]) -> None:
         """Agree on the connection's transport; attach its channel (or raise)."""
@@ -151,7 +151,8 @@ class Hub:
             if name != "tcp":
                 ep = endpoints.pop(name)
                 try:
-                    conn.dataplane = self.engines[name].attach(conn, ep, remote["ep"][name])
+                    conn.dataplane = self.engines[name].attach(conn, ep, remote["ep"][name],
+                                                               remote.get("sb"))
                 except TransportError:
                     ep.close()
                     raise

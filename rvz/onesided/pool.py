@@ -204,9 +204,21 @@ class Pool:
             if chunk.live == 0:
                 self._drop(chunk)
 
+    def trim(self) -> list[int]:
+        """Unregister the chunks nothing is carved from; their rkeys."""
+        if self._released:
+            self.reclaim()
+        empty = [chunk for chunk in self.chunks if chunk.live == 0]
+        for chunk in empty:
+            self._drop(chunk)
+        return [chunk.region.rkey for chunk in empty]
+
     def _drop(self, chunk: _Chunk) -> None:
         if chunk in self.chunks:
             self.chunks.remove(chunk)
+            i = self._addr_chunks.index(chunk)
+            del self._addr_chunks[i]
+            del self._by_addr[i]
             self.registered -= chunk.region.length
             try:
                 self.provider.deregister(chunk.region)

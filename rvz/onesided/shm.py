@@ -244,6 +244,13 @@ class ShmEndpoint:
             os.close(fd)
         self._maps[rkey] = (mm, memoryview(mm), int(desc["a"]), length)
 
+    def remove_region(self, rkey: int) -> None:
+        """The peer unregistered a region: unmap it (its memory goes once nobody maps it)."""
+        mapping = self._maps.pop(rkey, None)
+        if mapping is not None:
+            mapping[1].release()
+            mapping[0].close()
+
     def write(self, sources: list[Source], remote_addr: int, rkey: int, imm: int, wr_id: int) -> bool:
         if self.closed:
             raise TransportError("shm endpoint is closed")

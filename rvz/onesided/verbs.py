@@ -411,6 +411,9 @@ class VerbsEndpoint:
     def add_region(self, desc: dict[str, Any]) -> None:
         int(desc["rk"])  # nothing to map: the address and rkey travel with each slot
 
+    def remove_region(self, rkey: int) -> None:
+        """The peer deregistered a region: nothing to unmap here (its rkey is dead)."""
+
     # -- posting -----------------------------------------------------------------------------
 
     def _post_recv(self, i: int) -> None:

@@ -1,0 +1,201 @@
+"""Processes of one training run: PS shards and N workers, each in its own process.
+
+``run_job(spec)`` starts fresh PS shard processes (``run_shard`` of the parameter server,
+``bsp`` consistency) and ``spec.workers`` worker processes (``spawn``: fresh interpreters),
+waits for all of them within ``spec.timeout`` and returns worker 0's result. Whatever
+happens, no child outlives the call. If a worker fails or dies, the others' reports (each
+names the step that was aborted) and every exit code are gathered into one ``JobFailed``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import rvz
+
+from ..common import free_ports
+from ..param_server.client import PSClient
+from ..param_server.launch import PSConfig, run_shard
+from ..param_server.protocol import PS_JOB, WORKER_JOB
+from .criteo import Columns
+from .trainer import HeldOut, TrainConfig, Worker
+
+
+class JobFailed(RuntimeError):
+    """A run failed: the message gathers every process's report."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    train_dir: str
+    eval_dir: str | None
+    train: TrainConfig
+    ps: PSConfig
+    shards: int = 2
+    timeout: float = 600.0
+    node_options: dict[str, Any] = field(default_factory=dict)
+    kill_worker: tuple[int, int] | None = None   # (worker, step): that worker kills itself (tests, demo)
+    switch_interval: float = 0.0005              # seconds, in the worker processes (see worker_process)
+
+    @property
+    def workers(self) -> int:
+        return self.train.num_workers
+
+
+def local_cluster(shards: int, workers: int) -> dict[str, list[str]]:
+    ports = free_ports(shards + workers)
+    return {PS_JOB: [f"127.0.0.1:{p}" for p in ports[:shards]],
+            WORKER_JOB: [f"127.0.0.1:{p}" for p in ports[shards:]]}
+
+
+def ps_config(base: PSConfig, workers: int) -> PSConfig:
+    """The PS settings a pipeline run needs: bsp (deterministic, worker-ordered updates)."""
+    return PSConfig(**{**base.__dict__, "num_workers": workers, "consistency": "bsp", "staleness": 0})
+
+
+async def train_worker(cluster: dict[str, list[str]], w: int, spec: JobSpec) -> dict[str, Any]:
+    """Worker ``w``'s whole life: its node, its PS client, its EG and MG."""
+    data = Columns.open(spec.train_dir)
+    held_out = None
+    if w == 0 and spec.eval_dir is not None:
+        ev = Columns.open(spec.eval_dir)
+        held_out = HeldOut(ev.rows(0, len(ev)))
+    error: BaseException | None = None
+    result = None
+    # Leave the node's ``async with`` normally even on failure: a graceful close delivers
+    # the step clean-up and END messages to the others before the connections go.
+    async with rvz.Node(cluster, WORKER_JOB, w, mode=spec.ps.mode, **spec.node_options) as node:
+        ps = PSClient(node, spec.shards, spec.ps.dim, timeout=spec.train.timeout)
+        try:
+            worker = Worker(node, ps, data, spec.train, held_out)
+            if spec.kill_worker is not None and spec.kill_worker[0] == w:
+                arm_kill(worker, spec.kill_worker[1])
+            result = await worker.run()
+        except Exception as exc:  # reported below, once the node is closed
+            error = exc
+        finally:
+            await ps.close()
+    if error is not None:
+        raise error
+    assert result is not None
+    return result.to_dict()
+
+
+def arm_kill(worker: Worker, step: int) -> None:
+    """Make this process die by SIGKILL when MG starts ``step`` (a crash, not an error)."""
+    import os
+
+    original = worker.model.forward_backward
+
+    def forward_backward(*args: Any) -> Any:
+        if worker.model.steps == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args)
+
+    worker.model.forward_backward = forward_backward  # type: ignore[method-assign]
+
+
+def worker_process(cluster: dict[str, list[str]], w: int, spec: JobSpec, results: Any) -> None:
+    # MG's numpy calls run in a thread and release the GIL, but need it back between calls;
+    # while EG's event loop holds it, the default 5 ms switch interval would be added to
+    # many of those calls. A short interval keeps MG's thread moving.
+    sys.setswitchinterval(spec.switch_interval)
+    try:
+        out = rvz.run(train_worker(cluster, w, spec), loop=spec.ps.loop)
+    except BaseException as exc:
+        results.put(("worker", w, {"error": f"{type(exc).__name__}: {exc}"}))
+        raise SystemExit(1) from None
+    results.put(("worker", w, out))
+
+
+def shard_process(cluster: dict[str, list[str]], shard: int, cfg: PSConfig, results: Any) -> None:
+    summary = rvz.run(run_shard(cluster, shard, cfg), loop=cfg.loop)
+    results.put(("ps", shard, summary))
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def run_job(spec: JobSpec) -> dict[str, Any]:
+    """Run one training job in child processes; worker 0's result (plus the shards' summaries)."""
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    cluster = local_cluster(spec.shards, spec.workers)
+    cfg = ps_config(spec.ps, spec.workers)
+    procs: dict[tuple[str, int], Any] = {}
+    reports: dict[tuple[str, int], Any] = {}
+    try:
+        for s in range(spec.shards):
+            procs[("ps", s)] = ctx.Process(target=shard_process, args=(cluster, s, cfg, results),
+                                           name=f"ps{s}", daemon=True)
+        for w in range(spec.workers):
+            procs[("worker", w)] = ctx.Process(target=worker_process, args=(cluster, w, spec, results),
+                                               name=f"worker{w}", daemon=True)
+        for p in procs.values():
+            p.start()
+        deadline = time.monotonic() + spec.timeout
+        workers = [procs[("worker", w)] for w in range(spec.workers)]
+        while True:
+            try:
+                while True:
+                    job, task, report = results.get(timeout=0.05)
+                    reports[(job, task)] = report
+            except queue.Empty:
+                pass
+            if all(p.exitcode is not None for p in workers):
+                break
+            if time.monotonic() > deadline:
+                break
+        # The shards finish once every worker left; give them (and the queue) a moment.
+        end = time.monotonic() + 10
+        while time.monotonic() < end and any(p.exitcode is None for p in procs.values()):
+            try:
+                job, task, report = results.get(timeout=0.05)
+                reports[(job, task)] = report
+            except queue.Empty:
+                pass
+        try:
+            while True:
+                job, task, report = results.get(timeout=0.1)
+                reports[(job, task)] = report
+        except queue.Empty:
+            pass
+        problems = []
+        for (job, task), p in procs.items():
+            report = reports.get((job, task))
+            if isinstance(report, dict) and "error" in report:
+                problems.append(f"{job} {task}: {report['error']}")
+            elif p.exitcode != 0:
+                problems.append(f"{job} {task}: {describe_exit(p.exitcode)}"
+                                + (f" (no report after {spec.timeout:.0f} s)" if p.exitcode is None else ""))
+        if problems:
+            raise JobFailed("training failed:\n  " + "\n  ".join(problems))
+        out = dict(reports[("worker", 0)])
+        out["shards"] = [reports.get(("ps", s)) for s in range(spec.shards)]
+        return out
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.terminate()
+        for p in procs.values():
+            if p.pid is not None:
+                p.join(timeout=3)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=3)
+        results.close()
+        results.join_thread()

@@ -1,0 +1,619 @@
+"""The embedding pipeline (examples/embedding_pipeline): data, metrics, model, exchange,
+all-reduce, deterministic staleness with 1-3 workers, failures, and the CLI.
+
+Data, metric and model checks are plain numpy. Everything that moves data runs on real rvz
+Nodes over loopback, on both loops: in-process (PS shards, served by the parameter server's
+``run_shard``, and workers as Nodes of one loop) for exactness, and as real processes for
+the CLI and for a worker killed mid-run. The sequential references the pipeline must match
+bit for bit are written here, from the definitions, not taken from the example.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import rvz
+from examples.embedding_pipeline import criteo
+from examples.embedding_pipeline.__main__ import parse_args
+from examples.embedding_pipeline.allreduce import ring_allreduce
+from examples.embedding_pipeline.criteo import (
+    Columns,
+    CriteoFormatError,
+    LoadStats,
+    read_batches,
+    read_chunks,
+)
+from examples.embedding_pipeline.exchange import EMBEDDINGS, GRADIENTS, ExchangeManager, PipelineDataset
+from examples.embedding_pipeline.launch import JobFailed, JobSpec, local_cluster, ps_config, run_job
+from examples.embedding_pipeline.metrics import auc, logloss
+from examples.embedding_pipeline.model import MLP
+from examples.embedding_pipeline.synthetic import Planted
+from examples.embedding_pipeline.trainer import HeldOut, RunResult, StepFailed, TrainConfig, Worker
+from examples.param_server import Adagrad, Adam, EmbeddingTable
+from examples.param_server.client import PSClient
+from examples.param_server.launch import PSConfig, run_shard
+from examples.param_server.protocol import WORKER_JOB
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parent.parent
+DIM = 4
+HIDDEN = (24, 12)
+BATCH = 48          # global batch: splits over 1, 2 and 3 workers
+SPARSE_LR = {"adagrad": 0.2, "adam": 0.01}   # the PS's optimizer and its learning rate
+DENSE_LR = 3e-3
+FAST_NODE = dict(heartbeat=0.2, peer_timeout=5.0, linger=1.0, connect_timeout=5.0)
+
+
+# -- hand-written Criteo lines ------------------------------------------------------------------------
+
+def line(label: str = "1", ints: list[str] | None = None, cats: list[str] | None = None) -> str:
+    ints = ints if ints is not None else [str(i) for i in range(13)]
+    cats = cats if cats is not None else [f"{i:08x}" for i in range(26)]
+    return "\t".join([label, *ints, *cats])
+
+
+def write(path: Path, lines: list[str], *, gz: bool = False, newline: str = "\n") -> Path:
+    data = "".join(x + newline for x in lines).encode()
+    path.write_bytes(gzip.compress(data) if gz else data)
+    return path
+
+
+def test_loader_encodes_integers_categoricals_and_empty_fields(tmp_path: Path) -> None:
+    ints = ["", "-3", "0", "7", *["1"] * 9]
+    cats = ["", "68fd1e64", *["0000000a"] * 24]
+    path = write(tmp_path / "a.tsv", [line("0", ints, cats), line("1", ints, ["68fd1e64", *cats[1:]])])
+    (chunk,) = list(read_chunks(path))
+    assert chunk.labels.tolist() == [0.0, 1.0]
+    assert chunk.dense.dtype == np.float32 and chunk.ids.dtype == np.int64
+    # Empty -> 0; negatives -> -log(1 - x); others log(1 + x).
+    np.testing.assert_allclose(chunk.dense[0, :4], [0.0, -np.log(4.0), 0.0, np.log(8.0)], rtol=1e-6)
+    ids = chunk.ids
+    assert (ids >= 0).all()
+    # The same value in two fields gets two ids; the same value in one field, one id.
+    assert ids[0, 1] != ids[1, 0]
+    assert ids[0, 1] == ids[1, 1] and ids[0, 2] == ids[1, 2] and ids[0, 2] != ids[0, 3]
+    # An empty field is its field's own id, different from every value seen.
+    assert ids[0, 0] not in set(ids[:, 1:].reshape(-1).tolist()) and ids[0, 0] != ids[1, 0]
+    # Hashing is a pure function of (field, value): another file, the same ids.
+    again = list(read_chunks(write(tmp_path / "b.tsv", [line("0", ints, cats)])))[0]
+    assert np.array_equal(again.ids[0], ids[0])
+
+
+def test_loader_skips_and_counts_bad_lines_or_names_them_in_strict_mode(tmp_path: Path) -> None:
+    good = line()
+    bad = {
+        2: "1\t2\t3",                                       # too few fields
+        4: line(label="2"),                                 # label not 0/1
+        5: line(ints=["x1", *["1"] * 12]),                  # not an integer
+        6: line(cats=["zz", *["00000001"] * 25]),           # not hex
+        7: "",                                              # blank line
+        9: line() + "\textra",                              # too many fields
+    }
+    lines = [bad.get(n, good) for n in range(1, 11)]
+    path = write(tmp_path / "bad.tsv", lines, newline="\r\n")   # CRLF line ends are fine
+    stats = LoadStats()
+    chunks = list(read_chunks(path, chunk_size=3, stats=stats))
+    assert [len(c) for c in chunks] == [3, 1]
+    assert stats.lines == 10 and stats.samples == 4 and stats.bad == 6
+    assert [n for n, _ in stats.bad_examples] == [2, 4, 5, 6, 7, 9]
+    reasons = dict(stats.bad_examples)
+    assert "fields" in reasons[2] and "label" in reasons[4] and "I1" in reasons[5]
+    assert "C1" in reasons[6] and "empty" in reasons[7]
+    with pytest.raises(CriteoFormatError, match=r"bad\.tsv:2: bad line: 3 fields"):
+        list(read_chunks(path, strict=True))
+
+
+def test_loader_reads_gzip_like_plain_and_batches_exactly(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    lines = [line(str(i % 2), [str(x) for x in rng.integers(0, 50, 13)],
+                  [f"{x:08x}" for x in rng.integers(0, 1 << 32, 26)]) for i in range(103)]
+    plain = list(read_chunks(write(tmp_path / "p.tsv", lines)))[0]
+    zipped = list(read_chunks(write(tmp_path / "p.gz", lines, gz=True)))[0]
+    for name in ("labels", "dense", "ids"):
+        assert np.array_equal(getattr(plain, name), getattr(zipped, name))
+    sizes = [len(b) for b in read_batches(tmp_path / "p.gz", 25)]
+    assert sizes == [25, 25, 25, 25, 3]
+    assert [len(b) for b in read_batches(tmp_path / "p.gz", 25, drop_last=True)] == [25] * 4
+    # The column cache holds the same samples, memory-mapped.
+    stats = criteo.encode(tmp_path / "p.gz", tmp_path / "cache")
+    cols = Columns.open(tmp_path / "cache")
+    assert stats.samples == len(cols) == 103 and cols.meta["bad"] == 0
+    assert np.array_equal(cols.rows(10, 20).ids, plain.ids[10:20])
+    assert np.array_equal(cols.rows(0, 103).dense, plain.dense)
+
+
+def test_synthetic_data_is_criteo_format_deterministic_and_calibrated(tmp_path: Path) -> None:
+    planted = Planted(seed=3)
+    oracle = planted.write(tmp_path / "s.tsv.gz", 4000, sample_seed=1)
+    again = Planted(seed=3).write(tmp_path / "t.tsv.gz", 4000, sample_seed=1)
+    assert gzip.decompress((tmp_path / "s.tsv.gz").read_bytes()) == gzip.decompress(
+        (tmp_path / "t.tsv.gz").read_bytes())
+    assert oracle == again
+    stats = LoadStats()
+    chunk = criteo.concat(list(read_chunks(tmp_path / "s.tsv.gz", strict=True, stats=stats)))
+    assert len(chunk) == 4000 and stats.bad == 0
+    assert int(chunk.labels.sum()) == oracle.positives
+    lines = gzip.decompress((tmp_path / "s.tsv.gz").read_bytes()).decode().splitlines()
+    fields = [x.split("\t") for x in lines]
+    assert {len(f) for f in fields} == {40}
+    assert any(f[3] == "" for f in fields) and any(f[14 + 3] == "" for f in fields)  # empties
+    assert any(f[2].startswith("-") for f in fields)  # the negative column
+    # The labels are drawn from the planted probabilities: the oracle ranks far better
+    # than chance, and its probabilities are calibrated on average.
+    _, _, p, labels = planted.sample(20000, sample_seed=9)
+    assert auc(p, labels) > 0.85 and oracle.auc > 0.85
+    assert abs(p.mean() - labels.mean()) < 0.01
+
+
+# -- metrics --------------------------------------------------------------------------------------------
+
+def test_auc_counts_pairs_exactly_with_ties() -> None:
+    rng = np.random.default_rng(1)
+    scores = rng.integers(0, 6, 300).astype(np.float64)   # many ties
+    labels = (rng.random(300) < 0.4).astype(np.int64)
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    brute = ((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (
+        len(pos) * len(neg))
+    assert auc(scores, labels) == pytest.approx(brute, abs=1e-12)
+    assert auc(np.array([0.1, 0.4, 0.35, 0.8]), np.array([0, 0, 1, 1])) == 0.75
+    assert auc(np.ones(4), np.array([0, 1, 0, 1])) == 0.5
+    with pytest.raises(ValueError):
+        auc(np.ones(3), np.ones(3))
+    z = np.array([-3.0, 0.0, 2.0, 5.0])
+    y = np.array([0.0, 1.0, 0.0, 1.0])
+    p = 1 / (1 + np.exp(-z))
+    direct = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
+    assert logloss(z, y) == pytest.approx(direct, rel=1e-9)
+    # Confident predictions stay finite: right ones cost ~0, wrong ones their margin.
+    assert logloss(np.array([800.0]), np.array([1.0])) == 0.0
+    assert logloss(np.array([-800.0]), np.array([1.0])) == 800.0
+
+
+# -- the dense model ---------------------------------------------------------------------------------
+
+def test_mlp_gradients_match_finite_differences() -> None:
+    model = MLP(6, [5, 4], seed=3)
+    model.params = [p.astype(np.float64) + 0.1 for p in model.params]
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((7, 6))
+    labels = (rng.random(7) > 0.5).astype(np.float64)
+
+    def loss_at() -> float:
+        return model.forward_backward(x, labels, 10)[0]
+
+    _, dx, grads = model.forward_backward(x, labels, 10)
+    eps = 1e-6
+
+    def numeric(array: np.ndarray) -> np.ndarray:
+        out = np.zeros_like(array)
+        for i in np.ndindex(array.shape):
+            old = array[i]
+            array[i] = old + eps
+            up = loss_at()
+            array[i] = old - eps
+            down = loss_at()
+            array[i] = old
+            out[i] = (up - down) / (2 * eps)
+        return out
+
+    np.testing.assert_allclose(dx, numeric(x), rtol=1e-5, atol=1e-9)
+    for p, g in zip(model.params, grads, strict=True):
+        np.testing.assert_allclose(g.reshape(p.shape), numeric(p), rtol=1e-5, atol=1e-9)
+
+
+def test_mlp_shares_of_a_batch_sum_to_the_whole_batch() -> None:
+    model = MLP(10, [8], seed=0)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((12, 10)).astype(np.float32)
+    y = (rng.random(12) > 0.5).astype(np.float32)
+    loss, _, grads = model.forward_backward(x, y, 12)
+    a = model.forward_backward(x[:5], y[:5], 12)
+    b = model.forward_backward(x[5:], y[5:], 12)
+    assert a[0] + b[0] == pytest.approx(loss, rel=1e-6)
+    for g, ga, gb in zip(grads, a[2], b[2], strict=True):
+        np.testing.assert_allclose(ga + gb, g, rtol=1e-5, atol=1e-7)
+
+
+# -- the sequential references (written from the definitions) -------------------------------------------
+
+class RefMLP:
+    """The dense model, forward/backward and Adam, written out again."""
+
+    def __init__(self, params: list[np.ndarray], lr: float) -> None:
+        self.params = [p.copy() for p in params]
+        self.m = [np.zeros_like(p) for p in params]
+        self.v = [np.zeros_like(p) for p in params]
+        self.lr = lr
+        self.t = 0
+
+    def grads(self, x: np.ndarray, y: np.ndarray,
+              batch: int) -> tuple[np.float32, np.ndarray, list[np.ndarray]]:
+        acts, pres = [x], []
+        n = len(self.params) // 2
+        for i in range(n):
+            pre = acts[-1] @ self.params[2 * i] + self.params[2 * i + 1]
+            pres.append(pre)
+            acts.append(np.maximum(pre, 0) if i < n - 1 else pre)
+        z = acts[-1].reshape(-1)
+        loss = np.float32(np.sum(np.logaddexp(0, z) - y * z, dtype=np.float64) / batch)
+        delta = ((1.0 / (1.0 + np.exp(-z)) - y) / batch).astype(np.float32).reshape(-1, 1)
+        out: list[np.ndarray] = [np.empty(0)] * len(self.params)
+        for i in range(n - 1, -1, -1):
+            out[2 * i] = acts[i].T @ delta
+            out[2 * i + 1] = delta.sum(axis=0)
+            back = delta @ self.params[2 * i].T
+            delta = back * (pres[i - 1] > 0) if i else back
+        return loss, delta, out
+
+    def adam(self, grads: list[np.ndarray]) -> None:
+        self.t += 1
+        c = np.sqrt(1 - 0.999 ** self.t) / (1 - 0.9 ** self.t)
+        for p, m, v, g in zip(self.params, self.m, self.v, grads, strict=True):
+            m *= 0.9
+            m += (1 - 0.9) * g
+            v *= 0.999
+            v += (1 - 0.999) * g * g
+            p -= (self.lr * c) * m / (np.sqrt(v) + 1e-8)
+
+
+def reference_run(cols: Columns, staleness: int, workers: int, steps: int, seed: int = 0,
+                  optimizer: str = "adagrad") -> list[float]:
+    """Sequential training, by definition: the rows used at step t are read right after the
+    sparse update of step t - k - 1; with N workers each takes its share of the global batch,
+    their dense gradients are added (g0 + g1: exact in either order) and their sparse
+    updates (each worker's per-id sums) applied as one update, worker 0's first."""
+    opt = Adagrad(lr=SPARSE_LR["adagrad"]) if optimizer == "adagrad" else Adam(lr=SPARSE_LR["adam"])
+    table = EmbeddingTable(DIM, opt, "normal", seed, init_std=0.01)
+    init = MLP(26 * DIM + 13, list(HIDDEN), lr=DENSE_LR, seed=seed).params
+    model = RefMLP(init, DENSE_LR)
+    share = BATCH // workers
+
+    def part(t: int, w: int) -> Any:
+        return cols.rows(t * BATCH + w * share, t * BATCH + (w + 1) * share)
+
+    def read(t: int) -> list[np.ndarray]:
+        return [table.lookup(part(t, w).ids.reshape(-1)).reshape(share, 26, DIM) for w in range(workers)]
+
+    looked_up = {t: read(t) for t in range(min(staleness + 1, steps))}
+    losses = []
+    for t in range(steps):
+        rows = looked_up.pop(t)
+        total_grads, ids, sparse = None, [], []
+        for w in range(workers):
+            b = part(t, w)
+            x = np.concatenate([rows[w].reshape(share, -1), b.dense], axis=1)
+            loss, dx, grads = model.grads(x, b.labels, BATCH)
+            flat = np.concatenate([*(g.reshape(-1) for g in grads), [loss]]).astype(np.float32)
+            total_grads = flat if total_grads is None else total_grads + flat
+            uniq, inv = np.unique(b.ids.reshape(-1), return_inverse=True)
+            per_id = np.zeros((len(uniq), DIM), dtype=np.float64)   # summed in float64, in order
+            np.add.at(per_id, inv, dx[:, :26 * DIM].reshape(-1, DIM).astype(np.float64))
+            ids.append(uniq)
+            sparse.append(per_id.astype(np.float32))
+        assert total_grads is not None
+        split, start = [], 0
+        for p in model.params:
+            split.append(total_grads[start:start + p.size].reshape(p.shape))
+            start += p.size
+        model.adam(split)
+        losses.append(float(total_grads[-1]))
+        table.apply_gradients(np.concatenate(ids), np.concatenate(sparse))
+        if t + staleness + 1 < steps:
+            looked_up[t + staleness + 1] = read(t + staleness + 1)
+    return losses
+
+
+# -- in-process runs on real Nodes ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Columns, Columns]:
+    root = tmp_path_factory.mktemp("planted")
+    Planted(seed=5).write(root / "train.tsv", 40 * BATCH, sample_seed=1)
+    Planted(seed=5).write(root / "eval.tsv.gz", 600, sample_seed=2)
+    criteo.encode(root / "train.tsv", root / "train")
+    criteo.encode(root / "eval.tsv.gz", root / "eval")
+    return Columns.open(root / "train"), Columns.open(root / "eval")
+
+
+def train_config(staleness: int, workers: int, steps: int, **kw: Any) -> TrainConfig:
+    return TrainConfig(staleness=staleness, num_workers=workers, global_batch=BATCH, hidden=HIDDEN,
+                       dense_lr=DENSE_LR, seed=0, timeout=10.0, compute_in_thread=False, max_steps=steps,
+                       **kw)
+
+
+async def in_process(cols: Columns, cfg: TrainConfig, *, mode: str = "send", shards: int = 2,
+                     held_out: HeldOut | None = None, optimizer: str = "adagrad",
+                     patch: Callable[[Worker], None] | None = None) -> list[RunResult | BaseException]:
+    """PS shards and workers as Nodes of this loop; one result (or error) per worker."""
+    cluster = local_cluster(shards, cfg.num_workers)
+    ps = ps_config(PSConfig(dim=DIM, optimizer=optimizer, lr=SPARSE_LR[optimizer], seed=0, mode=mode,
+                            node_options=FAST_NODE), cfg.num_workers)
+    serving = [asyncio.ensure_future(run_shard(cluster, s, ps)) for s in range(shards)]
+
+    async def worker(w: int) -> RunResult:
+        async with rvz.Node(cluster, WORKER_JOB, w, mode=mode, **FAST_NODE) as node:
+            client = PSClient(node, shards, DIM, timeout=10.0)
+            try:
+                me = Worker(node, client, cols, cfg, held_out)
+                if patch is not None:
+                    patch(me)
+                return await me.run()
+            finally:
+                await client.close()
+
+    try:
+        results = await asyncio.gather(*(worker(w) for w in range(cfg.num_workers)), return_exceptions=True)
+        await asyncio.wait_for(asyncio.gather(*serving), 10)
+        return list(results)
+    finally:
+        for task in serving:
+            task.cancel()
+        await asyncio.gather(*serving, return_exceptions=True)
+
+
+def ok(results: list[RunResult | BaseException]) -> list[RunResult]:
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("mode", ["send", "recv"])
+def test_staleness_0_one_worker_is_bit_identical_to_the_sequential_loop(run, planted, mode) -> None:  # type: ignore[no-untyped-def]
+    cols, ev = planted
+    steps = 16
+    expected = reference_run(cols, 0, 1, steps)
+    held_out = HeldOut(ev.rows(0, len(ev)))
+    results = ok(run(in_process(cols, train_config(0, 1, steps, eval_every=5), mode=mode,
+                                held_out=held_out), timeout=40))
+    result = results[0]
+    assert result.losses == expected          # every bit of every step's loss
+    assert result.steps == steps and result.freed == steps
+    # The held-out evaluations (piggybacked on pulls) did not disturb training; they were
+    # taken at steps 5, 10, 15 and at the end, and the last one scores the final state.
+    assert [h["step"] for h in result.history] == [5, 10, 15, 16]
+    assert result.auc == result.history[-1]["auc"] and 0.5 < result.auc <= 1.0
+    assert result.logloss is not None and result.logloss < 0.69
+
+
+@pytest.mark.parametrize(("staleness", "optimizer"), [(1, "adagrad"), (2, "adam")])
+def test_staleness_k_uses_the_rows_after_step_t_minus_k_minus_1(run, planted, staleness, optimizer) -> None:  # type: ignore[no-untyped-def]
+    cols, _ = planted
+    steps = 14
+    result = ok(run(in_process(cols, train_config(staleness, 1, steps), optimizer=optimizer), timeout=40))[0]
+    assert result.losses == reference_run(cols, staleness, 1, steps, optimizer=optimizer)
+    # Staleness changed something: the definition is what is checked, not a no-op.
+    assert result.losses != reference_run(cols, 0, 1, steps, optimizer=optimizer)
+
+
+def test_two_workers_are_bit_identical_to_the_reference_at_staleness_0_and_2(run, planted) -> None:  # type: ignore[no-untyped-def]
+    cols, _ = planted
+    steps = 12
+    for staleness in (0, 2):
+        results = ok(run(in_process(cols, train_config(staleness, 2, steps)), timeout=40))
+        expected = reference_run(cols, staleness, 2, steps)
+        # Both workers saw the same all-reduced losses, equal to the sequential reference.
+        assert results[0].losses == results[1].losses == expected
+
+
+def test_three_workers_reproduce_bit_for_bit_and_match_one_worker_closely(run, planted) -> None:  # type: ignore[no-untyped-def]
+    cols, _ = planted
+    steps = 10
+    first = ok(run(in_process(cols, train_config(1, 3, steps), shards=1), timeout=40))
+    second = ok(run(in_process(cols, train_config(1, 3, steps), shards=1), timeout=40))
+    assert first[0].losses == first[1].losses == first[2].losses
+    assert first[0].losses == second[0].losses
+    # The same samples per step as one worker: the sums only differ in rounding order.
+    np.testing.assert_allclose(first[0].losses, reference_run(cols, 1, 1, steps), rtol=1e-4)
+
+
+# -- failures ---------------------------------------------------------------------------------------
+
+def test_a_failure_in_mg_aborts_its_step_on_every_worker(run, planted) -> None:  # type: ignore[no-untyped-def]
+    cols, _ = planted
+
+    def break_worker_1(worker: Worker) -> None:
+        if worker.w != 1:
+            return
+        original = worker.model.forward_backward
+
+        def forward_backward(*args: Any) -> Any:
+            if worker.model.steps == 3:
+                raise FloatingPointError("dense step diverged")
+            return original(*args)
+        worker.model.forward_backward = forward_backward  # type: ignore[method-assign]
+
+    results = run(in_process(cols, train_config(1, 2, 12), patch=break_worker_1), timeout=40)
+    assert all(isinstance(r, StepFailed) and r.step == 3 for r in results), results
+    assert "step 3 aborted: MG of worker 1 failed: FloatingPointError: dense step diverged" in str(results[1])
+    assert str(results[0]).startswith(
+        "worker 0: step 3 was aborted elsewhere: step 3 aborted: MG of worker 1")
+
+
+def test_a_failure_in_eg_aborts_the_step_and_mg_hears_which(run, planted) -> None:  # type: ignore[no-untyped-def]
+    cols, _ = planted
+
+    def break_push(worker: Worker) -> None:
+        original = worker.ps.push_unique
+        pushes = []
+
+        async def push_unique(*args: Any, **kw: Any) -> Any:
+            pushes.append(1)
+            if len(pushes) == 3:
+                raise ConnectionError("PS unreachable")
+            return await original(*args, **kw)
+        worker.ps.push_unique = push_unique  # type: ignore[method-assign]
+
+    results = run(in_process(cols, train_config(0, 1, 12), patch=break_push), timeout=40)
+    (error,) = results
+    assert isinstance(error, StepFailed) and error.step == 2
+    assert "step 2 aborted: EG of worker 0 failed: ConnectionError: PS unreachable" in str(error)
+
+
+def test_exchange_hands_off_in_either_order_and_aborts_by_step(run) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        cluster = local_cluster(0, 1)
+        async with rvz.Node(cluster, WORKER_JOB, 0, mode="send", **FAST_NODE) as node:
+            ex = ExchangeManager(node, timeout=5)
+            ex.open(0, "batch-0")
+            ex.open(1, "batch-1")
+            waiting = asyncio.ensure_future(ex.recv(EMBEDDINGS, 0))   # MG first
+            await asyncio.sleep(0.01)
+            emb = np.ones((2, 3), dtype=np.float32)
+            await ex.send(EMBEDDINGS, 0, emb)
+            assert (await waiting).tolist() == emb.tolist()
+            await ex.send(GRADIENTS, 0, emb * 2)                      # MG first the other way
+            assert (await ex.recv(GRADIENTS, 0)).tolist() == (emb * 2).tolist()
+            assert ex.done(0, "mg") is False and ex.live() == [0, 1]
+            assert ex.done(0, "eg") is True and ex.live() == [1] and ex.freed == 1
+            with pytest.raises(KeyError):
+                ex.samples(0)
+            blocked = asyncio.ensure_future(ex.recv(GRADIENTS, 1))
+            await asyncio.sleep(0.01)
+            await ex.abort(1, "step 1 aborted: test")
+            with pytest.raises(rvz.Aborted, match="step 1 aborted: test"):
+                await blocked
+            with pytest.raises(rvz.Aborted, match="step 1 aborted"):      # and later waits too
+                await ex.send(EMBEDDINGS, 1, emb)
+
+    run(main(), timeout=15)
+
+
+def test_pipeline_dataset_gives_both_sides_the_same_batches(run) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        read: list[int] = []
+
+        def source():  # type: ignore[no-untyped-def]
+            for i in range(5):
+                read.append(i)
+                yield f"batch-{i}"
+
+        async with rvz.Node(local_cluster(0, 1), WORKER_JOB, 0, **FAST_NODE) as node:
+            exchange = ExchangeManager(node)
+            dataset = PipelineDataset(source(), exchange, first_id=100)
+            eg, mg = dataset.iterator("eg"), dataset.iterator("mg")
+            with pytest.raises(ValueError):
+                dataset.iterator("eg")
+            assert [next(eg), next(eg), next(eg)] == [100, 101, 102]  # EG runs ahead
+            assert next(mg) == 100 and read == [0, 1, 2]  # the same batch, not a new read
+            assert exchange.samples(102) == "batch-2"
+            assert list(mg) == [101, 102, 103, 104] and list(eg) == [103, 104]
+            assert read == [0, 1, 2, 3, 4] and exchange.opened == 5
+
+    run(main(), timeout=15)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_ring_allreduce_sums_identically_everywhere(run, workers) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        cluster = local_cluster(0, workers)
+        rng = np.random.default_rng(workers)
+        vectors = [rng.standard_normal(1001).astype(np.float32) for _ in range(workers)]
+        async with contextlib.AsyncExitStack() as stack:
+            nodes = [await stack.enter_async_context(
+                rvz.Node(cluster, WORKER_JOB, w, mode="send", **FAST_NODE)) for w in range(workers)]
+            out = await asyncio.gather(*(ring_allreduce(n, v, workers, step=7, tag=7, timeout=5)
+                                         for n, v in zip(nodes, vectors, strict=True)))
+            assert all(np.array_equal(o, out[0]) for o in out)
+            np.testing.assert_allclose(out[0], np.sum(vectors, axis=0), rtol=1e-5, atol=1e-6)
+            if workers == 2:
+                assert np.array_equal(out[0], vectors[0] + vectors[1])
+            # One worker gives up the step: the others' waits in it fail, naming it.
+            waits = [asyncio.ensure_future(ring_allreduce(n, v, workers, step=8, tag=8, timeout=5))
+                     for n, v in zip(nodes[1:], vectors[1:], strict=True)]
+            await asyncio.sleep(0.05)
+            await nodes[0].step(8).cleanup("step 8 aborted: worker 0 gave up")
+            for wait in waits:
+                with pytest.raises(rvz.Aborted, match="step 8 aborted: worker 0 gave up"):
+                    await wait
+
+    run(main(), timeout=20)
+
+
+# -- real processes: a killed worker, the CLI ----------------------------------------------------------
+
+def test_a_killed_worker_gets_a_clear_report_not_a_hang(planted, loop_name) -> None:  # type: ignore[no-untyped-def]
+    cols, _ = planted
+    root = Path(cols.labels.filename).parent  # type: ignore[attr-defined]
+    cfg = TrainConfig(staleness=1, num_workers=2, global_batch=BATCH, hidden=HIDDEN, timeout=10.0,
+                      max_steps=30)
+    ps = PSConfig(dim=DIM, lr=SPARSE_LR["adagrad"], mode="send", loop=loop_name)
+    spec = JobSpec(str(root), None, cfg, ps, shards=1, timeout=40, kill_worker=(1, 4),
+                   node_options=dict(FAST_NODE))
+    with pytest.raises(JobFailed) as info:
+        run_job(spec)
+    text = str(info.value)
+    assert "worker 1: killed by SIGKILL" in text
+    assert "worker 0: StepFailed: step 4 aborted: worker 0 lost a peer in MG" in text, text
+
+
+def run_cli(*args: str, timeout: float = 50) -> subprocess.CompletedProcess[str]:
+    """The CLI in its own process group, which is killed whatever happens (with the PS and
+    worker processes it started, should it be killed itself)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "examples.embedding_pipeline", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_cli_compares_staleness_and_workers_and_writes_json(tmp_path: Path, loop_name: str) -> None:
+    out = tmp_path / "out.json"
+    proc = run_cli("train", "--samples", "2400", "--eval-samples", "400", "--batch-size", "96", "--dim", "4",
+                   "--hidden", "16", "--shards", "2", "--compare-workers", "1,2",
+                   "--compare-staleness", "0,1", "--eval-every", "10", "--reference", "--loop", loop_name,
+                   "--timeout", "10", "--run-timeout", "40", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = proc.stdout
+    assert "oracle held-out AUC" in text and "train: 2400 samples from 2400 lines" in text
+    for w in (1, 2):
+        for k in (0, 1):
+            assert f"workers {w} staleness {k}: 25 steps" in text
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert [(r["workers"], r["staleness"]) for r in runs] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    # The reference ran in the CLI's own process, without rvz: same bits as staleness 0.
+    assert f"sequential reference: 25 steps, losses {runs[0]['loss_digest']}: bit-identical" in text
+    for r in runs:
+        assert set(r) >= {"auc", "logloss", "steps_per_s", "samples_per_s", "history"}
+        assert [h["step"] for h in r["history"]] == [10, 20, 25]
+        assert r["history"][-1]["auc"] == r["auc"] and r["steps"] == 25 and len(r["losses"]) == 25
+        # 25 small steps learn something, and stay below the planted model's own ranking.
+        assert 0.5 < r["auc"] < report["oracle"]["auc"]
+
+
+def test_cli_generate_and_the_plot_option(tmp_path: Path) -> None:
+    proc = run_cli("generate", "--samples", "300", "--eval-samples", "100", "--out", str(tmp_path), "--plain")
+    assert proc.returncode == 0, proc.stderr
+    assert "oracle AUC" in proc.stdout
+    assert len((tmp_path / "train.tsv").read_text().splitlines()) == 300
+    assert json.loads((tmp_path / "oracle.json").read_text())["samples"] == 100
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(SystemExit) as info:
+            parse_args(["train", "--plot", str(tmp_path / "p.png")])
+        assert info.value.code == 2
+    else:
+        assert parse_args(["train", "--plot", str(tmp_path / "p.png")]).plot
+    with pytest.raises(SystemExit):
+        parse_args(["train", "--data", "x.tsv"])   # needs --eval-data

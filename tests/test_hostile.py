@@ -1,0 +1,604 @@
+"""Issue 8, bounds: a hostile or buggy peer can neither rob a node nor make it grow.
+
+Each test is one finding of the issue, played by ``tests.hostile.Hostile`` (a raw protocol
+client) against a node: the node must survive and its legitimate traffic must still flow.
+Memory attacks run against a victim node in its own process (``tests.hostile.victim``), so its
+peak RSS and virtual size are measured apart from the test's and printed (run with ``-s``).
+The cluster: worker:0 (a real node), worker:1 (the identity the raw client uses), ps:0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+import rvz
+from rvz import _impl
+
+from .conftest import FAST, free_ports, key, pair
+from .hostile import GiB, Hostile, MiB, data_frame, data_header, hello_fields, key_text, victim
+
+codec = _impl.codec
+W0 = ("worker", 0)
+W1 = ("worker", 1)
+PS0 = ("ps", 0)
+W1_NAME = "/job:worker/replica:0/task:1"
+U8 = codec.dtype_code(np.dtype(np.uint8))
+COST = 64  # what one message costs in the push window beyond its payload
+VICTIM = {"heartbeat": 0.05, "linger": 0.5, "peer_timeout": 30.0}
+
+
+def three_tasks() -> rvz.ClusterSpec:
+    w0, w1, p0 = free_ports(3)
+    return rvz.ClusterSpec({"worker": [f"127.0.0.1:{w0}", f"127.0.0.1:{w1}"],
+                            "ps": [f"127.0.0.1:{p0}"]})
+
+
+def mib(n: int) -> str:
+    return f"{n / MiB:.0f} MiB"
+
+
+def report(attack: str, before: dict[str, int], after: dict[str, int], extra: str = "") -> None:
+    """One line per memory attack: the victim's RSS before and its peak during the attack."""
+    print(f"\n[{rvz.loop_name()}/{rvz.implementation()}] {attack}: victim RSS {mib(before['VmRSS'])}"
+          f" -> peak {mib(after['VmHWM'])}, VmSize {mib(before['VmSize'])} -> peak "
+          f"{mib(after['VmPeak'])} {extra}")
+
+
+async def legit_traffic_flows(cluster: rvz.ClusterSpec, v: Any, mode: str = "send") -> None:
+    """The real worker:0 sends the victim ps:0 a value, and the victim receives it."""
+    async with rvz.Node(cluster, "worker", 0, mode, **FAST) as w:
+        await w.send(key("legit"), np.full(1000, 9, np.uint8), timeout=10)
+        got = await v.call("recv", key=str(key("legit")), timeout=10)
+        assert got.get("values") == [[1000, 9, True]], got
+
+
+def step_stats(stats: dict[str, Any], step: int = 0) -> dict[str, int]:
+    steps = stats["stats"]["steps"]
+    return dict(steps.get(str(step), steps.get(step, {})))
+
+
+def peer_stats(stats: dict[str, Any], name: str = W1_NAME) -> dict[str, Any]:
+    return dict(stats["stats"]["peers"].get(name, {}))
+
+
+# -- identity: who may take what ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("secret", [None, "s3cret"], ids=["no-secret", "secret"])
+def test_a_request_for_another_tasks_value_gets_wrong_endpoint(run, secret) -> None:  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        cluster = three_tasks()
+        async with pair(cluster, "recv", secret=secret, claim_timeout=None) as (w, p):
+            mine = key_text("for_worker0", PS0, W0)
+            value = np.arange(6)
+            await p.send(mine, value)                 # ps:0 holds it for worker:0
+            h = await Hostile.connect(p.address)
+            try:
+                await h.hello("worker", 1, secret=secret)
+                await h.send(codec.encode_request(0, 41, mine.encode()))
+                event = await h.read_event()
+                while event is not None and event[0] in ("AUTH", codec.PING, codec.CREDIT):
+                    event = await h.read_event()
+                assert event is not None and event[0] == codec.ERROR, event
+                assert event[1]["req"] == 41 and event[1]["code"] == "WrongEndpoint", event
+            finally:
+                h.close()
+            assert p.stats()["held"]["values"] == 1       # the value stayed
+            got = await w.recv(mine, timeout=5)           # and the real worker:0 gets it
+            assert got.tolist() == value.tolist()
+            assert p.stats()["held"] == {"values": 0, "bytes": 0}
+
+    run(body(), timeout=20)
+
+
+def test_remote_frames_never_touch_a_nodes_local_keys(run) -> None:  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        cluster = three_tasks()
+        # A long linger: close() must not wait for a hold count gone wrong.
+        p = rvz.Node(cluster, "ps", 0, "recv", **{**FAST, "linger": 60.0, "claim_timeout": None})
+        await p.start()
+        try:
+            local = key_text("to_myself", PS0, PS0)
+            await p.send(local, np.arange(3))
+            h = await Hostile.connect(p.address)
+            try:
+                await h.hello("worker", 1)
+                await h.send(codec.encode_request(0, 9, local.encode()))
+                event = await h.read_event()
+                assert event is not None and event[0] == codec.ERROR, event
+                assert event[1]["code"] == "WrongEndpoint", event
+            finally:
+                h.close()
+            # A value pushed for the local key is refused: that connection is closed.
+            h = await Hostile.connect(p.address)
+            try:
+                await h.hello("worker", 1)
+                await h.send(data_frame(0, 0, local, np.full(3, 99)))
+                got = await h.events_until_closed(5)
+                assert not any(e[0] == codec.DATA for e in got), got
+            finally:
+                h.close()
+            assert (await p.recv(local, timeout=5)).tolist() == [0, 1, 2]
+            stats = p.stats()
+            assert stats["steps"].get(0, {}).get("queued_values", 0) == 0, stats["steps"]
+            assert stats["held"] == {"values": 0, "bytes": 0}
+            assert p._held_count == 0
+        finally:
+            await asyncio.wait_for(p.close(), 10)  # well within the linger of 60 s
+
+    run(body(), timeout=20)
+
+
+# -- memory: credit ------------------------------------------------------------------------------
+
+
+def test_a_producer_that_ignores_credit_is_closed_and_its_accepted_values_kept(run) -> None:  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        cluster = three_tasks()
+        window = 1 * MiB
+        size = 64 << 10
+        async with victim(cluster, "ps", 0, "send", push_window=window, **VICTIM) as v:
+            before = v.mem()
+            k = key_text("flood", W1, PS0)
+            h = await Hostile.connect(v_address(cluster))
+            try:
+                node_hello = await h.hello("worker", 1)
+                assert node_hello.get("win") == window, node_hello
+                await eventually_async(v, lambda s: peer_stats(s).get("state") == "connected",
+                                       "the victim read our HELLO")
+                total = 1280  # 80 MiB against a window of 1 MiB
+                frames = (data_frame(0, 0, k, np.full(size, i % 256, np.uint8)) for i in range(total))
+                written = await h.flood(frames)
+                await h.events_until_closed(10)
+            finally:
+                h.close()
+            assert written < total, "the victim took 80 MiB against a 1 MiB window"
+            stats = await v.call("stats")
+            report("producer ignoring credit (80 MiB at a 1 MiB window)", before, v.mem())
+            queued = step_stats(stats).get("queued_values", 0)
+            # The documented bound: twice the window (what a producer that reconnected
+            # cannot know it still owes is allowed for), and one message more.
+            assert 1 <= queued and queued * (size + COST) <= 2 * window + size + COST, (queued, stats)
+            unreturned = peer_stats(stats).get("unreturned")
+            assert unreturned is not None and unreturned <= 2 * window + size + COST, stats
+            assert stats["unhandled"] == []
+            # The values accepted before the overrun are kept, in order.
+            got = await v.call("recv", key=k, count=queued, timeout=5)
+            assert got.get("values") == [[size, i % 256, True] for i in range(queued)], got
+            await legit_traffic_flows(cluster, v)
+
+    run(body(), timeout=40)
+
+
+@pytest.mark.parametrize("size", [100, 64 << 10, 1 << 20], ids=["small", "64KiB", "1MiB"])
+def test_a_value_in_the_same_write_as_hello_is_accepted(run, size) -> None:  # type: ignore[no-untyped-def]
+    # A producer may push as soon as it read the node's HELLO, so its HELLO and its first
+    # value can reach the node in one read: that is no violation.
+    async def body() -> None:
+        cluster = three_tasks()
+        async with pair(cluster, "send") as (w, p):
+            h = await Hostile.connect(p.address)
+            try:
+                k = key_text("eager", W1, PS0)
+                value = np.full(size, 5, np.uint8)
+                assert await h.send(codec.encode_hello(hello_fields("worker", 1, 7, mode="send"))
+                                    + data_frame(0, 0, k, value))
+                got = await p.recv(k, timeout=3)
+                assert got.nbytes == size and (got == 5).all()
+            finally:
+                h.close()
+            await w.send(key("after"), np.arange(2))
+            assert (await p.recv(key("after"), timeout=5)).tolist() == [0, 1]
+
+    run(body(), timeout=20)
+
+
+def v_address(cluster: rvz.ClusterSpec) -> str:
+    return cluster.address("ps", 0)
+
+
+def test_the_push_window_survives_reconnects(run) -> None:  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        cluster = three_tasks()
+        window = 1 * MiB
+        size = 64 << 10
+        fits = window // (size + COST)        # what one window holds: 15 messages
+        async with victim(cluster, "ps", 0, "send", push_window=window, **VICTIM) as v:
+            before = v.mem()
+            k = key_text("again", W1, PS0)
+            most = 0
+            for drop in range(4):             # a first connection and 3 reconnects
+                h = await Hostile.connect(v_address(cluster))
+                try:
+                    await h.hello("worker", 1, 7)  # the same process: the same incarnation
+                    await eventually_async(v, lambda s: peer_stats(s).get("state") == "connected",
+                                           "the victim read our HELLO")
+                    await h.flood(data_frame(0, 0, k, np.full(size, drop, np.uint8))
+                                  for _ in range(fits))
+                    await asyncio.sleep(0.1)
+                finally:
+                    h.close()
+                stats = await v.call("stats")
+                queued = step_stats(stats).get("queued_values", 0)
+                most = max(most, queued)
+                assert queued * (size + COST) <= 2 * window + size + COST, (drop, queued, stats)
+            report("credit reset by reconnecting (4 connections)", before, v.mem(),
+                   f"most values held {most} ({mib(most * size)})")
+            assert most >= 1
+            got = await v.call("recv", key=k, count=most, timeout=5)
+            assert len(got.get("values", [])) == most, got
+            await legit_traffic_flows(cluster, v)
+
+    run(body(), timeout=40)
+
+
+# -- memory: parked requests and steps -----------------------------------------------------------
+
+
+def requests_frames(first: int, count: int, steps: int, name: str, src: tuple[str, int],
+                    per_frame: int = 500) -> list[bytes]:
+    """REQUESTS frames for ``count`` distinct never-sent keys, spread over ``steps`` steps."""
+    frames = []
+    for start in range(first, first + count, per_frame):
+        n = min(per_frame, first + count - start)
+        entries = [(i + 1, key_text(f"{name}_{i}", src, W1).encode()) for i in range(start, start + n)]
+        frames.append(codec.encode_requests(1 + (start // per_frame) % steps, entries))
+    return frames
+
+
+def test_parked_requests_are_capped_and_gone_when_the_requester_leaves(run) -> None:  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        cluster = three_tasks()
+        cap = 5000
+        async with victim(cluster, "ps", 0, "recv", max_parked=cap, **VICTIM) as v:
+            before = v.mem()
+            h = await Hostile.connect(v_address(cluster))
+            try:
+                await h.hello("worker", 1)
+                # Up to the cap: parked, the connection stays.
+                assert await h.flood(requests_frames(0, cap, 50, "never", PS0))
+                await eventually_async(v, lambda s: peer_stats(s).get("parked_requests") == cap,
+                                       "the victim parked exactly max_parked requests")
+                # 125k more: that connection is closed.
+                written = await h.flood(requests_frames(cap, 125_000, 50, "never", PS0))
+                await h.events_until_closed(10)
+            finally:
+                h.close()
+            assert written < 250, "130k requests were all taken"
+            # Once the requester left, nothing of it stays in the tables.
+            stats = await eventually_async(
+                v, lambda s: not s["stats"]["steps"] and not peer_stats(s).get("parked_requests"),
+                "the requests and their tables are gone")
+            report("130k requests for keys never sent", before, v.mem())
+            assert stats["unhandled"] == []
+            await legit_traffic_flows(cluster, v)
+
+    run(body(), timeout=50)
+
+
+async def eventually_async(v: Any, predicate: Any, what: str, within: float = 8.0) -> dict[str, Any]:
+    """Poll the victim's stats until ``predicate(stats)`` holds; fail naming ``what``."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within
+    while True:
+        stats = await v.call("stats")
+        if predicate(stats):
+            return dict(stats)
+        if loop.time() > end:
+            raise AssertionError(f"never happened: {what}: {stats['stats']['peers']} "
+                                 f"steps={list(stats['stats']['steps'])[:20]}")
+        await asyncio.sleep(0.05)
+
+
+def test_steps_made_by_a_peer_are_capped_and_expire_when_idle(run) -> None:  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        cluster = three_tasks()
+        cap = 200
+        async with victim(cluster, "ps", 0, "send", max_steps=cap, step_idle=1.0, **VICTIM) as v:
+            before = v.mem()
+            k = key_text("stepper", W1, PS0)
+            h = await Hostile.connect(v_address(cluster))
+            try:
+                await h.hello("worker", 1)
+                batches = (b"".join(data_frame(s, 0, k, b"x") for s in range(start, start + 1000))
+                           for start in range(1, 50_001, 1000))
+                written = await h.flood(batches)
+                await h.events_until_closed(10)
+            finally:
+                h.close()
+            assert written < 50, "50k steps were all taken"
+            stats = await v.call("stats")
+            assert len(stats["stats"]["steps"]) <= cap, len(stats["stats"]["steps"])
+            # step_idle: the tables nothing touches any more are dropped.
+            await eventually_async(v, lambda s: not s["stats"]["steps"],
+                                   "idle steps were dropped", within=10)
+            report("50k steps never cleaned up", before, v.mem())
+            await legit_traffic_flows(cluster, v)
+
+    run(body(), timeout=50)
+
+
+def test_a_step_idle_for_step_idle_seconds_fails_its_waiters(run) -> None:  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        cluster = three_tasks()
+        async with pair(cluster, "send", ps={"step_idle": 0.3}) as (w, p):
+            with pytest.raises(rvz.Aborted) as info:
+                await p.recv(key("never"), step=77, timeout=10)
+            assert "77" in str(info.value), str(info.value)
+            await w.send(key("later"), np.arange(2))
+            assert (await p.recv(key("later"), timeout=5)).tolist() == [0, 1]
+
+    run(body(), timeout=20)
+
+
+# -- memory: connections -------------------------------------------------------------------------
+
+
+def test_unidentified_connections_are_capped_and_timed_out(run) -> None:  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        cluster = three_tasks()
+        cap = 16
+        async with victim(cluster, "ps", 0, "send", max_unidentified=cap, hello_timeout=2.0,
+                          **VICTIM) as v:
+            before = v.mem()
+            silent = [await Hostile.connect(v_address(cluster)) for _ in range(100)]
+            try:
+                await asyncio.sleep(0.1)  # the refused ones' close callbacks run
+                stats = await v.call("stats")
+                assert 1 <= stats["stats"]["unidentified"] <= cap, stats["stats"]["unidentified"]
+                # Every one of them is closed: at once beyond the cap, the rest at hello_timeout.
+                await asyncio.gather(*(h.events_until_closed(10) for h in silent))
+            finally:
+                for h in silent:
+                    h.close()
+            await eventually_async(v, lambda s: s["stats"]["unidentified"] == 0,
+                                   "no unidentified connection left")
+            report("100 connections that never say HELLO", before, v.mem())
+            await legit_traffic_flows(cluster, v)
+
+    run(body(), timeout=40)
+
+
+def test_six_hundred_identified_connections_that_only_ping(run) -> None:  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        cluster = three_tasks()
+        async with victim(cluster, "ps", 0, "send", **VICTIM) as v:
+            await v.call("reset_peak")
+            before = v.mem()
+            conns: list[Hostile] = []
+
+            async def one() -> Hostile:
+                h = await Hostile.connect(v_address(cluster))
+                conns.append(h)
+                await h.hello("worker", 1, 7)
+                await h.send(codec.encode_ping())
+                return h
+
+            try:
+                for _ in range(75):   # 600, 8 at a time: never more than 8 unidentified
+                    await asyncio.gather(*(one() for _ in range(8)))
+                stats = await v.call("stats")
+                after = v.mem()
+                report("600 connections that say HELLO then only ping", before, after,
+                       f"({(after['VmHWM'] - before['VmRSS']) / 600 / 1024:.0f} KiB each)")
+                assert stats["stats"]["unidentified"] == 0
+                assert stats["unhandled"] == []
+                await legit_traffic_flows(cluster, v)
+            finally:
+                for h in conns:
+                    h.close()
+
+    run(body(), timeout=50)
+
+
+# -- memory: headers and backlog -----------------------------------------------------------------
+
+
+HUGE = 15 * GiB
+
+
+@pytest.mark.parametrize("variant", ["push", "unknown-answer", "bytes"])
+def test_a_15_gib_header_is_refused_before_any_allocation(run, variant) -> None:  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        cluster = three_tasks()
+        async with victim(cluster, "ps", 0, "send", **VICTIM) as v:
+            before = v.mem()
+            k = key_text("huge", W1, PS0)
+            if variant == "bytes":
+                header = data_header(0, 0, k, codec.BYTES_CODE, (), HUGE)
+            else:
+                header = data_header(0, 0 if variant == "push" else 4242, k, U8, (HUGE,), HUGE)
+            for _ in range(8):
+                h = await Hostile.connect(v_address(cluster))
+                try:
+                    await h.hello("worker", 1, 7)
+                    await h.send(header + bytes(MiB))
+                    await h.events_until_closed(3)
+                finally:
+                    h.close()
+            after = v.mem()
+            report(f"8 DATA headers of 15 GiB ({variant})", before, after)
+            assert after["VmPeak"] < max(before["VmPeak"], before["VmSize"]) + GiB, (before, after)
+            stats = await v.call("stats")
+            assert step_stats(stats).get("queued_values", 0) == 0
+            await legit_traffic_flows(cluster, v)
+
+    run(body(), timeout=40)
+
+
+def wmem_max() -> int:
+    """The most a TCP socket's kernel send buffer holds here (tcp_wmem's maximum)."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+            return int(f.read().split()[2])
+    except (OSError, ValueError, IndexError):
+        return 4 * MiB
+
+
+def test_answers_to_a_requester_that_never_reads_wait_beyond_the_backlog(run) -> None:  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        cluster = three_tasks()
+        backlog = 4 * MiB
+        count = 40
+        async with victim(cluster, "ps", 0, "recv", answer_backlog=backlog,
+                          claim_timeout=None, **VICTIM) as v:
+            held = key_text("held", PS0, W1)
+            await v.call("send", key=held, size=MiB, count=count)   # 40 MiB held for worker:1
+            await v.call("reset_peak")
+            before = v.mem()
+            h = await Hostile.connect(v_address(cluster), rcvbuf=4096)
+            try:
+                await h.hello("worker", 1)
+                asks = [codec.encode_request(0, 1 + i, held.encode()) for i in range(count)]
+                assert await h.send(b"".join(asks))
+                await asyncio.sleep(0.5)   # the victim answers what it may, then waits
+                after = v.mem()
+            finally:
+                h.close()
+            # Beyond the backlog (plus one answer, the kernel's send buffer and ours) the
+            # answers waited: once the requester is gone their values are held again.
+            most = (backlog + MiB + wmem_max() + MiB) // MiB
+            stats = await eventually_async(v, lambda s: peer_stats(s).get("state") != "connected",
+                                           "the requester left")
+            report(f"a requester that never reads ({count} x 1 MiB asked)", before, after,
+                   f"{count - stats['held']} answered, {stats['held']} held back")
+            assert stats["held"] >= count - most, (stats["held"], most)
+            assert stats["unhandled"] == []
+            await legit_traffic_flows(cluster, v, "recv")
+
+    run(body(), timeout=40)
+
+
+def test_a_requester_that_never_reads_cannot_make_the_victim_buffer_errors(run) -> None:  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        cluster = three_tasks()
+        async with victim(cluster, "ps", 0, "recv", answer_backlog=4 * MiB, max_parked=2000,
+                          **VICTIM) as v:
+            await v.call("reset_peak")
+            before = v.mem()
+            h = await Hostile.connect(v_address(cluster), rcvbuf=4096)
+            try:
+                await h.hello("worker", 1)
+                # 200k requests whose key the victim is not the source of: each would cost it
+                # an ERROR frame about three times the request's size.
+                wrong = requests_frames(0, 200_000, 1, "wrong", W0)
+                written = await h.flood(wrong)
+                await asyncio.sleep(0.3)
+                stats = await v.call("stats")
+                after = v.mem()
+            finally:
+                h.close()
+            growth = after["VmHWM"] - before["VmRSS"]
+            report("a requester that never reads (200k requests answered by ERROR)", before, after,
+                   f"growth {mib(growth)}; {written} of {len(wrong)} frames written")
+            assert growth < 48 * MiB, (before, after)
+            assert stats["unhandled"] == []
+            await legit_traffic_flows(cluster, v)
+
+    run(body(), timeout=40)
+
+
+# -- errors that escape --------------------------------------------------------------------------
+
+
+def hello(**fields: Any) -> bytes:
+    return codec.encode_hello({**hello_fields("worker", 1, 7), **fields})
+
+
+GOOD_HELLO = hello()
+PS_KEY = key_text("x", W1, PS0)
+
+# The connection must be closed (a ProtocolError on it).
+MUST_CLOSE = {
+    "hello-task-inf": hello(task=float("inf")),
+    "hello-task-nan": hello(task=float("nan")),
+    "hello-task-huge": hello(task=(1 << 64) - 1),
+    "hello-task-negative": hello(task=-(1 << 63)),
+    "hello-inc-inf": hello(inc=float("inf")),
+    "hello-inc-negative": hello(inc=-1),
+    "hello-win-inf": hello(win=float("inf")),
+    "hello-job-map": hello(job={"a": 1}),
+    "data-1-pib": GOOD_HELLO + data_header(0, 0, PS_KEY, U8, (1 << 50,), 1 << 50),
+    "data-shape-overflow": GOOD_HELLO + data_header(0, 0, PS_KEY, codec.dtype_code(np.dtype(np.float64)),
+                                                    (1 << 40, 1 << 40), 8),
+    "data-empty-overflow": GOOD_HELLO + data_header(0, 0, PS_KEY, codec.dtype_code(np.dtype(np.float64)),
+                                                    (0, 1 << 62, 1 << 62), 0),
+}
+# Either refused or harmless: no exception may escape, and the node keeps serving.
+MAY_STAY = {
+    "hello-win-huge": hello(win=(1 << 64) - 1),
+    "hello-win-negative": hello(win=-5),
+    "credit-huge": GOOD_HELLO + codec.encode_credit((1 << 64) - 1),
+    "cancel-huge": GOOD_HELLO + codec.encode_cancel((1 << 64) - 1),
+    "request-huge-ids": GOOD_HELLO + codec.encode_request(
+        (1 << 64) - 1, (1 << 64) - 1, key_text("y", PS0, W1).encode()),
+    "error-req-huge": GOOD_HELLO + codec.encode_error((1 << 64) - 1, (1 << 64) - 1, "k", "x", "m"),
+    "error-req-negative": GOOD_HELLO + codec._encode_map(codec.ERROR, {"req": -(1 << 63), "step": -1}),
+    "abort-step-huge": GOOD_HELLO + codec.encode_abort_step((1 << 64) - 1, "x"),
+    "onesided-on-tcp": GOOD_HELLO + codec.encode_onesided({"op": (1 << 64) - 1, "len": -1}),
+    "data-huge-step": GOOD_HELLO + data_frame((1 << 64) - 1, 0, PS_KEY, np.arange(3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUST_CLOSE) + sorted(MAY_STAY))
+def test_overflowing_fields_close_only_that_connection(run, name) -> None:  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        cluster = three_tasks()
+        loop = asyncio.get_running_loop()
+        unhandled: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _loop, context: unhandled.append(context))
+        async with pair(cluster, "recv") as (w, p):
+            waiting = asyncio.ensure_future(p.recv(key("healthy"), timeout=10))
+            h = await Hostile.connect(p.address)
+            try:
+                await h.send(MUST_CLOSE.get(name) or MAY_STAY[name])
+                if name in MUST_CLOSE:
+                    got = await h.events_until_closed(5)
+                    assert all(e[0] == codec.HELLO for e in got), got
+                else:
+                    await h.is_open_after(0.2)
+            finally:
+                h.close()
+            await w.send(key("healthy"), np.arange(2))
+            assert (await waiting).tolist() == [0, 1]
+            await w.send(key("healthy"), np.arange(3))
+            assert (await p.recv(key("healthy"), timeout=5)).tolist() == [0, 1, 2]
+        assert unhandled == [], [c.get("message") for c in unhandled]
+
+    run(body(), timeout=20)
+
+
+def test_an_answer_too_large_to_allocate_fails_only_that_connection(run) -> None:  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        cluster = three_tasks()
+        loop = asyncio.get_running_loop()
+        unhandled: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _loop, context: unhandled.append(context))
+        # The consumer allows any payload size, so only the allocation itself can fail.
+        async with pair(cluster, "recv", ps={"max_payload": 1 << 60, "connect_timeout": 1.0}) as (w, p):
+            h = await Hostile.connect(p.address)
+            try:
+                await h.hello("worker", 1, 7)
+                k = key_text("impossible", W1, PS0)
+                waiting = asyncio.ensure_future(p.recv(k, timeout=10))
+                event = await h.read_event()
+                while event is not None and event[0] != codec.REQUEST:
+                    event = await h.read_event()
+                assert event is not None, "the consumer never asked"
+                _, step, request_id, _ = event
+                # 1 PiB: more than any address space; np.empty raises MemoryError.
+                await h.send(data_header(step, request_id, k, U8, (1 << 50,), 1 << 50) + bytes(4096))
+                await h.events_until_closed(5)
+            finally:
+                h.close()
+            with pytest.raises(rvz.RvzError):
+                await waiting
+            await w.send(key("healthy"), np.arange(2))
+            assert (await p.recv(key("healthy"), timeout=5)).tolist() == [0, 1]
+        assert unhandled == [], [c.get("message") for c in unhandled]
+
+    run(body(), timeout=25)
