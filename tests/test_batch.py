@@ -20,10 +20,8 @@ import asyncio
 import contextlib
 import json
 import os
-import select
-import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -32,6 +30,7 @@ import pytest
 import rvz
 
 from .conftest import FAST, PS, WORKER, key, pair, pending, settle
+from .procs import ready_process
 
 MODES = ["recv", "send"]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -369,26 +368,10 @@ async def test_step_cleanup_mid_batch(cluster, mode, by) -> None:  # type: ignor
         assert ints(await p.recv_many([a], timeout=5)) == [80]
 
 
-@contextlib.contextmanager
-def peer_process(cluster: rvz.ClusterSpec, job: str, task: int, mode: str) -> Iterator[subprocess.Popen]:
+def peer_process(cluster: rvz.ClusterSpec, job: str, task: int, mode: str) -> Any:
     """tests/peer_node.py in its own process, killed and reaped on the way out."""
-    proc = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "peer_node.py"), json.dumps(cluster.as_dict()), job,
-         str(task), mode],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 20)
-        line = proc.stdout.readline().decode() if ready else ""
-        assert line.startswith("ready"), f"peer process did not start: {line!r}"
-        assert line.split()[1] == rvz.implementation()
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-        for pipe in (proc.stdin, proc.stdout, proc.stderr):
-            if pipe is not None:
-                pipe.close()
+    return ready_process([sys.executable, os.path.join(HERE, "peer_node.py"),
+                          json.dumps(cluster.as_dict()), job, str(task), mode])
 
 
 @pytest.mark.loop_timeout(20)

@@ -15,12 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
@@ -29,6 +27,7 @@ import pytest
 import rvz
 
 from .faultproxy import FaultProxy
+from .procs import ready_process
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -183,31 +182,11 @@ async def peer_main(spec: dict[str, Any], role: str, mode: str) -> None:
             i += 1
 
 
-@contextmanager
-def peer_process(spec: rvz.ClusterSpec, role: str, mode: str) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen([sys.executable, "-m", "tests.test_faults", "peer",
-                             json.dumps(spec.as_dict()), role, mode],
-                            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 20)
-        line = proc.stdout.readline().decode() if ready else ""
-        if not line.startswith("ready"):
-            proc.kill()
-            _, err = proc.communicate(timeout=10)
-            raise AssertionError(f"peer did not start: {line!r} {err.decode()[-2000:]}")
-        yield proc
-    finally:
-        try:
-            proc.send_signal(signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        proc.kill()
-        proc.wait(timeout=10)
-        for pipe in (proc.stdout, proc.stderr):
-            if pipe is not None:
-                pipe.close()
+def peer_process(spec: rvz.ClusterSpec, role: str, mode: str) -> Any:
+    return ready_process([sys.executable, "-m", "tests.test_faults", "peer",
+                          json.dumps(spec.as_dict()), role, mode],
+                         cwd=ROOT, stdin=subprocess.DEVNULL)
+
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -8,12 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import select
 import signal
-import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -23,39 +19,17 @@ import rvz
 from rvz import _impl
 
 from .conftest import FAST, eventually, free_ports, key, pair, pending
+from .procs import ready_process
 
 MODES = ["recv", "send"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER_ID = ("worker", 0)
 
 
-@contextmanager
-def peer_process(cluster: rvz.ClusterSpec, job: str, task: int, mode: str) -> Iterator[subprocess.Popen]:
+def peer_process(cluster: rvz.ClusterSpec, job: str, task: int, mode: str) -> Any:
     """Run tests/peer_node.py; always killed and reaped on the way out."""
-    proc = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "peer_node.py"), json.dumps(cluster.as_dict()), job,
-         str(task), mode],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 20)
-        line = proc.stdout.readline().decode() if ready else ""
-        if not line.startswith("ready"):
-            proc.kill()
-            _, err = proc.communicate(timeout=10)
-            raise AssertionError(f"peer process did not start: {line!r} {err.decode()[-2000:]}")
-        assert line.split()[1] == rvz.implementation()  # the child runs the same hot paths
-        yield proc
-    finally:
-        try:
-            proc.send_signal(signal.SIGCONT)  # resume a stopped peer, then kill it
-        except ProcessLookupError:
-            pass
-        proc.kill()
-        proc.wait(timeout=10)
-        for pipe in (proc.stdin, proc.stdout, proc.stderr):
-            if pipe is not None:
-                pipe.close()
+    return ready_process([sys.executable, os.path.join(HERE, "peer_node.py"),
+                          json.dumps(cluster.as_dict()), job, str(task), mode])
 
 
 def connected(node: rvz.Node, task_id: tuple = WORKER_ID) -> bool:

@@ -1,0 +1,43 @@
+"""Test peers in their own processes: started, waited for, and always killed and reaped."""
+
+from __future__ import annotations
+
+import select
+import signal
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import rvz
+
+
+@contextmanager
+def ready_process(argv: list[str], cwd: str | None = None,
+                  stdin: Any = subprocess.PIPE) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``argv``, which prints ``ready <implementation>`` once it serves; yields the
+    process, then resumes it (if stopped), kills and reaps it on the way out."""
+    proc = subprocess.Popen(argv, cwd=cwd, stdin=stdin, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 20)
+        line = proc.stdout.readline().decode() if ready else ""
+        if not line.startswith("ready"):
+            proc.kill()
+            _, err = proc.communicate(timeout=10)
+            raise AssertionError(f"peer process did not start: {line!r} {err.decode()[-2000:]}")
+        words = line.split()
+        if len(words) > 1:  # the child runs the same hot paths
+            assert words[1] == rvz.implementation(), line
+        yield proc
+    finally:
+        try:
+            proc.send_signal(signal.SIGCONT)  # resume a stopped peer, then kill it
+        except ProcessLookupError:
+            pass
+        proc.kill()
+        proc.wait(timeout=10)
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
