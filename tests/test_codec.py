@@ -450,3 +450,18 @@ async def test_fuzz_header_fields_decode_or_protocol_error() -> None:
             frame[rng.randrange(len(frame))] = rng.choice([0, 1, 32, 33, 255])
             frame = bytes(frame)
         _decode_or_protocol_error(HELLO + frame, random_chunks(i, 40))
+
+
+async def test_header_fields_with_high_bytes_read_exactly() -> None:
+    """u32/u64 fields whose top bytes are 0x80 or more (a 3 GiB payload, a step and a
+    request id near 2**64) are read as the same unsigned numbers on both implementations."""
+    step, request_id = (1 << 63) + 12345, (1 << 64) - 2
+    out = bytearray()
+    codec.append_data(out, step, request_id, KEYB, 3, (3,), 3, b"abc", True)
+    events = feed(codec.Decoder(), HELLO + bytes(out))
+    assert events[1][:4] == (codec.DATA, step, request_id, KEY)
+    # a header announcing 3 GiB (0xC0000000: the top byte of its low u32 is 0xC0)
+    meta = struct.pack("<QQHBB", 1, 1, len(KEYB), 3, 1) + struct.pack("<Q", 3 << 30) + KEYB
+    dec = codec.Decoder(max_payload=1 << 20)
+    with pytest.raises(rvz.ProtocolError, match=f"payload of {3 << 30} bytes exceeds"):
+        feed(dec, HELLO + header(codec.DATA, len(meta), 3 << 30) + meta)

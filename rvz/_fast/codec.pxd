@@ -2,6 +2,8 @@ cimport cython
 
 cdef bint COMPILED
 
+@cython.locals(b0="unsigned long long", b1="unsigned long long", b2="unsigned long long",
+               b3="unsigned long long")
 cdef unsigned long long _u32(bytearray buf, Py_ssize_t pos)
 cdef unsigned long long _u64(bytearray buf, Py_ssize_t pos)
 cpdef bytes encode_data(unsigned long long step, unsigned long long request_id, bytes key,

@@ -60,7 +60,9 @@ HEADER_SIZE = 16
 MAX_NDIM = 32
 MAX_KEY = 4096           # bytes of a key on the wire
 MAX_META = 65536         # bytes of any frame's metadata
-DEFAULT_MAX_PAYLOAD = 1 << 34
+# A larger value needs Node(max_payload=...): a header announcing a payload reserves its
+# array (virtual memory) before the payload arrives.
+DEFAULT_MAX_PAYLOAD = 1 << 32
 
 _HEADER = struct.Struct("<BBHIQ")
 _DATA_FIXED = struct.Struct("<QQHBB")   # 20 bytes after the header
@@ -148,8 +150,16 @@ def encode_requests(step: int, entries: list) -> bytes:
 
 
 def _u32(buf: bytearray, pos: int) -> int:
-    """A little-endian u32 at ``buf[pos]`` (used compiled, where indexing is a C read)."""
-    return buf[pos] | buf[pos + 1] << 8 | buf[pos + 2] << 16 | buf[pos + 3] << 24
+    """A little-endian u32 at ``buf[pos]`` (used compiled, where indexing is a C read).
+
+    The bytes go through unsigned 64-bit locals (see the .pxd): shifted as C ints, a top
+    byte of 0x80 or more would sign-extend.
+    """
+    b0 = buf[pos]
+    b1 = buf[pos + 1]
+    b2 = buf[pos + 2]
+    b3 = buf[pos + 3]
+    return b0 | b1 << 8 | b2 << 16 | b3 << 24
 
 
 def _u64(buf: bytearray, pos: int) -> int:
