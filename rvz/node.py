@@ -1144,6 +1144,10 @@ class Node:
         peer.incarnation = incarnation
         peer.mode = str(fields.get("mode", ""))
         conn.ready = True
+        if peer.link is None or peer.link.closed:
+            # The first ready connection either side dialled carries our traffic: a push
+            # to a consumer that dialled us need not wait for a dial of our own.
+            self._link_ready(peer, conn)
         waiter = conn.hello_waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
