@@ -1,0 +1,98 @@
+"""The protocol engine alone, in one process: ns per message to push, to decode and
+dispatch, and to take a queued value, for whichever implementation loads
+(``RVZ_NO_EXTENSIONS=1 python bench/engine.py`` for the pure-Python one).
+
+No sockets: the producer's wire discards what it would write, the consumer's decoder is fed
+64 encoded DATA frames at a time.  Compare the two implementations in the same session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+import rvz
+from rvz import _impl
+
+engine = _impl.engine
+codec = _impl.codec
+CLUSTER = rvz.ClusterSpec({"a": ["127.0.0.1:1"], "b": ["127.0.0.1:2"]})
+A = "/job:a/replica:0/task:0/device:CPU:0"
+B = "/job:b/replica:0/task:0/device:CPU:0"
+KEYS = [str(rvz.Key(src=A, dst=B, name=f"s{i}", incarnation=1)) for i in range(64)]
+
+
+class Shell:
+    """The node's side of the engine, reduced to what a running node answers."""
+
+    def _check_running(self, key: Any) -> None:
+        pass
+
+    def _start_link(self, peer: Any) -> None:
+        pass
+
+
+class NullWire(engine.Wire):  # type: ignore[misc,name-defined]
+    def _write(self, data: Any, payload: Any = None) -> None:
+        pass
+
+    def fail(self, reason: BaseException) -> None:
+        raise reason
+
+
+def core(job: str, peer: str, loop: Any) -> Any:
+    c = engine.Core(Shell(), CLUSTER, (job, 0), job, "send", loop, 64 << 20, 256 << 20, None)
+    c.running = True
+    return c
+
+
+async def main() -> None:
+    loop = asyncio.get_running_loop()
+    n = int(os.environ.get("N", "200000"))
+    value = np.zeros(64, np.uint8)
+    producer = core("a", "b", loop)
+    peer = producer.peer(("b", 0))
+    wire = NullWire(producer, True, peer, None)
+    wire.ready = True
+    peer.link = wire
+    t = time.perf_counter()
+    for i in range(n):
+        producer.send(KEYS[i & 63], value, None, 0)
+        if peer.credit < 1 << 20:
+            peer.credit = 64 << 20
+        if i & 63 == 63:
+            wire.flush()
+    print(f"send (push, 64 B):       {(time.perf_counter() - t) / n * 1e9:6.0f} ns/message")
+
+    frames = bytearray()
+    for k in KEYS:
+        codec.append_data(frames, 0, 0, k.encode(), 3, (64,), 64, value, True)
+    consumer = core("b", "a", loop)
+    decoder = codec.Decoder()
+    cwire = NullWire(consumer, False, consumer.peer(("a", 0)), decoder)
+    cwire.ready = True
+    hello = codec.encode_hello({"v": codec.VERSION})
+    decoder.get_buffer(-1)[:len(hello)] = hello
+    decoder.buffer_updated(len(hello))
+    rounds = max(1, n // 64)
+    fed = taken = 0.0
+    for _ in range(rounds):
+        decoder.get_buffer(-1)[:len(frames)] = frames
+        t = time.perf_counter()
+        cwire.feed(len(frames))
+        t2 = time.perf_counter()
+        for k in KEYS:
+            consumer.take(k, 0)
+        fed += t2 - t
+        taken += time.perf_counter() - t2
+    print(f"decode + dispatch:       {fed / (rounds * 64) * 1e9:6.0f} ns/message")
+    print(f"take a queued value:     {taken / (rounds * 64) * 1e9:6.0f} ns/message")
+
+
+if __name__ == "__main__":
+    print(f"rvz {rvz.implementation()} engine")
+    asyncio.run(main())
