@@ -61,7 +61,7 @@ async def test_large_payload_is_written_from_the_callers_memory(cluster) -> None
     async with pair(cluster, "send") as (w, p):
         await w.send(key(), np.arange(1))         # connected, window granted
         assert (await p.recv(key(), timeout=5)).tolist() == [0]
-        conn = w._peers[("ps", 0)].out
+        conn = w._peers[("ps", 0)].link  # the connection our traffic to it uses
         assert conn is not None
         written: list[Any] = []
         transport = conn._transport
@@ -112,11 +112,11 @@ def frame_types(data: bytes) -> list[int]:
 
 
 @pytest.mark.loop_timeout(15)
-async def test_small_frames_of_one_iteration_leave_in_one_write(cluster) -> None:  # type: ignore[no-untyped-def]
+async def test_small_frames_of_one_iteration_leave_in_at_most_two_writes(cluster) -> None:  # type: ignore[no-untyped-def]
     async with pair(cluster, "recv") as (w, p):
         await w.send(key("warmup"), np.arange(1))
-        await p.recv(key("warmup"), timeout=5)   # p dialled w: its requests go out here
-        conn = p._peers[("worker", 0)].out
+        await p.recv(key("warmup"), timeout=5)   # connected: its requests go out on its link
+        conn = p._peers[("worker", 0)].link  # the connection our traffic to it uses
         assert conn is not None
         written: list[bytes] = []
         transport = conn._transport

@@ -38,7 +38,7 @@ async def test_send_driven_backpressure_bounds_memory_and_loses_nothing(cluster)
         queued = p._tables[0].queued(str(k))
         assert 1 <= queued <= MIB // SIZE + 1, queued
         # ... and nothing is piled up in its socket buffer either.
-        conn = w._peers[("ps", 0)].out
+        conn = w._peers[("ps", 0)].link  # the connection our traffic to it uses
         assert conn is not None
         assert conn._transport.get_write_buffer_size() <= MIB + SIZE
         # Once the consumer drains, everything arrives, in order.
