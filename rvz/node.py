@@ -69,9 +69,6 @@ _keys = _impl.keys
 _table = _impl.table
 _engine = _impl.engine
 EMPTY = _table.EMPTY
-Peer = _engine.Peer
-Route = _engine.Route
-MESSAGE_COST = _engine.MESSAGE_COST
 nbytes_of = _engine.nbytes_of
 
 MODES = ("recv", "send")
@@ -633,17 +630,18 @@ class Node:
             else:
                 await asyncio.wait_for(done, timeout)
         except asyncio.TimeoutError:
-            item = next((i for i in self._queued_item(done)), None)
+            item = self._queued_item(done)
             what = f"send of {item}" if item else "send"
             raise TimeoutError(f"{what} timed out after {said}s "
                                "(connection, push window or socket)") from None
 
-    def _queued_item(self, done: Any) -> list[str]:
+    def _queued_item(self, done: Any) -> str | None:
+        """``"key to peer"`` of the queued push behind ``done``, for an error message."""
         for peer in self._core.peers.values():
             for item in peer.queue:
                 if item[0] is done:
-                    return [f"{item[2].text} to {peer.name}"]
-        return []
+                    return f"{item[2].text} to {peer.name}"
+        return None
 
     def _start_link(self, peer: Any) -> None:
         """Make sure a connection to ``peer`` is on its way (without waiting for it)."""

@@ -56,7 +56,6 @@ BYE = _codec.BYE
 PING = _codec.PING
 AUTH = _codec.AUTH
 
-MODES = ("recv", "send")
 # What one message costs in the push window beyond its payload: it bounds the count of tiny
 # (or empty) messages in flight, not only their bytes.  Both ends use the same figure.
 MESSAGE_COST = 64
