@@ -151,6 +151,8 @@ class Hostile:
 
     async def send(self, data: bytes, timeout: float = 10.0) -> bool:
         """Write ``data``; False if the node has closed the connection meanwhile."""
+        if self.writer.is_closing():  # uvloop raises on a write after the close, asyncio not
+            return False
         try:
             self.writer.write(data)
             await asyncio.wait_for(self.writer.drain(), timeout)
