@@ -24,6 +24,13 @@ else:
 WRITE_HIGH_WATER = 8 << 20
 WRITE_LOW_WATER = 2 << 20
 LARGE_READ = 65536  # a read this large means large payloads: the receive pool has work
+# While a large payload arrives, the socket's SO_RCVLOWAT is raised to what is left of it
+# (capped), so the loop wakes once per that many bytes instead of once per segment: each
+# wake-up costs a trip through the loop and the decoder, the blocking socket pays none.
+# The cap keeps reads (and so the peer's liveness as the heartbeat sees it) regular on a
+# slow link; a connection that still goes a heartbeat without a read stops using it.
+LOWAT_MIN = 32768
+LOWAT_MAX = 1 << 20
 
 
 class Owner(Protocol):
@@ -56,6 +63,8 @@ class Connection(Wire, asyncio.BufferedProtocol):
         self.opened = 0.0                 # loop time of connection_made (HELLO deadline)
         self._transport: Any = None
         self._gather = False
+        self._lowat_sock: Any = None      # the plain TCP socket whose SO_RCVLOWAT we tune
+        self._lowat = 1
         self._drain_waiters: list[asyncio.Future[None]] = []
 
     # -- asyncio protocol callbacks -------------------------------------------------------
@@ -69,6 +78,10 @@ class Connection(Wire, asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # Not under TLS: what is left of a payload then says nothing of the bytes the
+            # socket must hold (the TLS layer may already have buffered them).
+            if transport.get_extra_info("sslcontext") is None and hasattr(socket, "SO_RCVLOWAT"):
+                self._lowat_sock = sock
         # Writing pauses (and held-back answers resume) below answer_backlog at the latest.
         high = min(WRITE_HIGH_WATER, self.core.answer_backlog)
         transport.set_write_buffer_limits(high=high, low=min(WRITE_LOW_WATER, high // 4))
@@ -83,6 +96,24 @@ class Connection(Wire, asyncio.BufferedProtocol):
         self.feed(nbytes)
         if nbytes >= LARGE_READ:
             self.owner.received_large()
+        if self._lowat_sock is not None:
+            left = self.decoder.payload_left()
+            self._set_lowat(min(left, LOWAT_MAX) if left >= LOWAT_MIN else 1)
+
+    def _set_lowat(self, lowat: int) -> None:
+        if lowat != self._lowat and not self.closed:
+            self._lowat = lowat
+            try:
+                self._lowat_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+            except OSError:
+                self._lowat_sock = None  # not supported here: wake per segment
+
+    def read_stalled(self) -> None:
+        """A heartbeat went by without a read.  In the middle of a payload that means a
+        slow link: from now on this connection wakes for every segment."""
+        if self._lowat_sock is not None and self._lowat > 1:
+            self._set_lowat(1)
+            self._lowat_sock = None
 
     def eof_received(self) -> bool:
         return False  # close the transport; connection_lost follows
@@ -168,7 +199,10 @@ class Connection(Wire, asyncio.BufferedProtocol):
         transport = self._transport
         if transport is not None and not transport.is_closing():
             if transport.can_write_eof():
-                transport.write_eof()
+                try:
+                    transport.write_eof()
+                except OSError:  # the peer is already gone (asyncio raises ENOTCONN here)
+                    transport.close()
             else:
                 transport.close()
 

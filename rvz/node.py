@@ -738,7 +738,9 @@ class Node:
                     continue
                 peer = core.peer(route.src)
                 core.joined(step, peer)
-                if core.recv_mode(peer, mode) == "recv":
+                # Send-Driven too when the producer is blocked on a window full of values
+                # not taken (see Core.unblock).
+                if core.recv_mode(peer, mode) == "recv" or peer.owe_now:
                     asks.setdefault(peer, []).append(core.new_request(peer, step, route))
                 elif not peer.live_connections():
                     self._spawn(self._link(peer, route.text))  # to notice if it is gone
@@ -955,6 +957,7 @@ class Node:
             received = conn.decoder.bytes_in
             if received == conn.seen_in:
                 conn.idle_ticks += 1
+                conn.read_stalled()
                 if conn.idle_ticks >= limit:
                     name = conn.peer.name if conn.peer is not None else "peer"
                     conn.fail(TimeoutError(f"{name} sent nothing for {self.peer_timeout}s "
@@ -1165,6 +1168,12 @@ class Node:
 
     def _on_error(self, conn: Connection, fields: dict[str, Any]) -> None:
         core = self._core
+        if not conn.ready:  # only a refused handshake says ERROR before it is complete
+            if fields.get("code") == "auth":
+                raise AuthError(f"{self._peer_name(conn)} refused this node: "
+                                f"{str(fields.get('msg', ''))[:500]}")
+            raise ProtocolError(f"{self._peer_name(conn)} sent an ERROR frame before "
+                                "completing its handshake")
         request_id = fields.get("req", 0)
         if not isinstance(request_id, int):  # int("x") would raise into the event loop
             raise ProtocolError(f"{self._peer_name(conn)} sent an ERROR frame whose request id "

@@ -265,3 +265,56 @@ async def test_send_timeout_under_backpressure_means_not_sent(cluster, mode) -> 
         assert got == sent + after                  # in order, and nothing lost ...
         with pytest.raises(TimeoutError):
             await p.recv(k, timeout=0.3)            # ... and the timed-out value never comes
+
+
+@pytest.mark.loop_timeout(30)
+async def test_a_window_full_of_one_key_does_not_block_a_recv_of_another(cluster) -> None:  # type: ignore[no-untyped-def]
+    # Send-Driven, the consumer waits for key b while key a's values, which it takes only
+    # afterwards, fill the whole push window: b's value must still come (asked for), every
+    # value of both keys arrives once and in order, and the producer's sends all complete.
+    async with pair(cluster, "send", push_window=MIB) as (w, p):
+        ka, kb = key("first"), key("second")
+
+        async def produce(k: rvz.Key, first: int, count: int) -> None:
+            for i in range(count):
+                await w.send(k, array(first + i))
+
+        # Two producer tasks: a's sends fill the window first, b's wait behind them.
+        producer = asyncio.gather(produce(ka, 0, COUNT), produce(kb, 100, 3))
+        try:
+            for i in range(3):
+                got = await p.recv(kb, timeout=10)
+                assert got[0] == 100 + i and got[-1] == 100 + i
+            # The window stayed the bound: a's values were not all pushed meanwhile.
+            assert p._tables[0].queued(str(ka)) <= MIB // SIZE + 2
+            for i in range(COUNT):
+                got = await p.recv(ka, timeout=10)
+                assert got[0] == i and got[-1] == i
+            await asyncio.wait_for(producer, 10)
+        finally:
+            producer.cancel()
+        assert p._tables[0].queued(str(ka)) == 0 and p._tables[0].queued(str(kb)) == 0
+
+
+@pytest.mark.loop_timeout(30)
+async def test_a_batch_waiting_behind_a_full_window_is_asked_for(cluster) -> None:  # type: ignore[no-untyped-def]
+    # The same with recv_many: the batch waits for keys whose pushes are stuck behind a
+    # window full of another key's values.
+    async with pair(cluster, "send", push_window=MIB) as (w, p):
+        kfill = key("fill")
+        lanes = [key(f"lane{j}") for j in range(3)]
+
+        async def fill() -> None:
+            for i in range(COUNT):
+                await w.send(kfill, array(i))
+
+        producer = asyncio.gather(
+            fill(), w.send_many([(k, array(200 + j)) for j, k in enumerate(lanes)]))
+        try:
+            got = await p.recv_many(lanes, timeout=10)
+            assert [int(v[0]) for v in got] == [200, 201, 202]
+            for i in range(COUNT):
+                assert (await p.recv(kfill, timeout=10))[0] == i
+            await asyncio.wait_for(producer, 10)
+        finally:
+            producer.cancel()

@@ -26,12 +26,15 @@ cdef class Decoder:
     cdef object _failed
     cdef object _pool
     cdef Py_ssize_t _full_size
+    cdef bint _peek
     cdef public object admit
     cdef public bint stop_at_handshake
     cdef public Py_ssize_t frames
     cdef public object bytes_in
 
     cpdef object get_buffer(self, Py_ssize_t sizehint=*)
+    cpdef Py_ssize_t payload_left(self)
+    @cython.locals(events=list)
     cpdef list buffer_updated(self, Py_ssize_t nbytes)
     cpdef list more(self)
     cdef _compact(self)

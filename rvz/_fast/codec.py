@@ -60,6 +60,10 @@ HEADER_SIZE = 16
 MAX_NDIM = 32
 MAX_KEY = 4096           # bytes of a key on the wire
 MAX_META = 65536         # bytes of any frame's metadata
+# After a large payload, the next read asks for this much only: the next frame's header
+# (and a DATA frame's key), not the start of the next large payload, which would otherwise
+# land in the staging buffer and be copied out of it once more.
+PEEK = 4096
 # A larger value needs Node(max_payload=...): a header announcing a payload reserves its
 # array (virtual memory) before the payload arrives.
 DEFAULT_MAX_PAYLOAD = 1 << 32
@@ -234,7 +238,7 @@ class Decoder:
     __slots__ = ("_buf", "_view", "_size", "_start", "_end", "_direct_min", "_max_payload",
                  "_dest", "_dest_filled", "_dest_len", "_pending", "_state", "_failed",
                  "_pool", "frames", "bytes_in", "_full_size", "admit",
-                 "stop_at_handshake")
+                 "stop_at_handshake", "_peek")
 
     def __init__(self, buffer_size: int = 262144, direct_min: int = 65536,
                  max_payload: int = DEFAULT_MAX_PAYLOAD, pool: Any = None) -> None:
@@ -256,6 +260,7 @@ class Decoder:
         self._dest_len = 0
         self._pending: Any = None
         self._state = 0  # 0: expect HELLO, 1: open, 2: BYE received
+        self._peek = False  # a large payload just ended: read the next header alone
         self._failed: Any = None
         self._pool = pool  # a RecvPool for large arrays, or None
         # Called with (step, request_id, key, payload_len) at a large DATA frame's header,
@@ -274,7 +279,15 @@ class Decoder:
             return self._dest[self._dest_filled:]
         if self._end == self._size:
             self._compact()
+        if self._peek and self._end + PEEK < self._size:
+            return self._view[self._end:self._end + PEEK]
         return self._view[self._end:]
+
+    def payload_left(self) -> int:
+        """Bytes still to come of the large payload being received (0 between frames)."""
+        if self._dest is None:
+            return 0
+        return self._dest_len - self._dest_filled
 
     def buffer_updated(self, nbytes: int) -> list:
         if self._failed is not None:  # a failed decoder stays failed: never parse past an error
@@ -289,14 +302,18 @@ class Decoder:
                 event = (DATA, event[1], event[2], event[3], self._dest.tobytes())
             self._dest = None
             self._pending = None
+            self._peek = True
             self.frames += 1
             return [event]
         self._end += nbytes
         try:
-            return self._parse()
+            events = self._parse()
         except ProtocolError as exc:
             self._failed = str(exc)
             raise
+        if self._peek and events and self._dest is None:
+            self._peek = False  # small frames follow: back to reading as much as there is
+        return events
 
     def more(self) -> list:
         """Parse what is already buffered (after a handshake frame stopped the parse)."""

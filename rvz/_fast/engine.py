@@ -328,6 +328,17 @@ class Wire:
     def fail(self, reason: BaseException) -> None:
         raise NotImplementedError  # the transport's: close at once
 
+    def close(self) -> None:
+        raise NotImplementedError  # the transport's: close after what is queued
+
+    def refuse(self, reason: BaseException) -> None:
+        """A failed handshake: tell the peer why, then close after that frame (not a
+        reset, which could discard what we sent): a dialler told "auth" does not retry."""
+        if self.close_reason is None:
+            self.close_reason = reason
+        self.write_frame(encode_error(0, 0, "", "auth", str(reason)))
+        self.close()
+
     def lost_error(self, key: Any = None) -> PeerLost:
         name = self.peer.name if self.peer is not None else "an unidentified peer"
         where = f" (key {key})" if key else ""
@@ -705,6 +716,8 @@ class Core:
         if mode == "recv":
             self.request(peer, step, route)
             return (route, table, peer, False, table.stamp)
+        if peer.owe_now:  # the producer is blocked on a window full of other keys' values
+            self.ask_stuck(peer, step, route, table)
         link = peer.link
         dial = (link is None or link.closed) and not peer.live_connections()
         return (route, table, peer, dial, table.stamp)
@@ -738,6 +751,24 @@ class Core:
             self.send_requests(conn, [request])
         else:
             self.shell._request_when_linked([request])
+
+    def unblock(self, peer: Peer) -> None:
+        """``peer`` waits for credit and we have none to return: the whole window is values
+        not taken yet.  Recvs waiting here for its other keys would wait forever behind them
+        (a Send-Driven deadlock), so they ask for their values, Recv-Driven: answers need
+        no credit, and the producer takes them out of its push queue (``on_request``)."""
+        for step, table in list(self.tables.items()):
+            for key in table.keys_waiting():
+                route = self.route(key)
+                if route.peer is peer:
+                    self.ask_stuck(peer, step, route, table)
+
+    def ask_stuck(self, peer: Peer, step: Any, route: Route, table: Table) -> None:
+        """Request one value of ``route`` for each waiter not yet covered by a request."""
+        pending = self.outstanding.get((step, route.text))
+        missing = table.waiting(route.text) - (len(pending) if pending is not None else 0)
+        for _ in range(missing):
+            self.request(peer, step, route)
 
     def send_requests(self, conn: Wire, requests: list) -> None:
         """Put requests (all of one step) on ``conn``: one frame for one, REQUESTS for many."""
@@ -873,7 +904,7 @@ class Core:
         for event in events:
             kind = event[0]
             try:
-                if not conn.ready and kind != HELLO and kind != AUTH:
+                if not conn.ready and kind != HELLO and kind != AUTH and kind != ERROR:
                     raise ProtocolError(f"{_peer_name(conn)} sent a frame of type {kind} before "
                                         "completing its handshake")
                 if kind == DATA:
@@ -896,7 +927,13 @@ class Core:
                     self.shell._on_abort_step(conn, event[1], event[2])
                 elif kind == BYE:
                     conn.bye_received = True
-            except (ProtocolError, TransportError, AuthError) as exc:
+            except AuthError as exc:
+                if conn.ready or conn.outbound:
+                    conn.fail(exc)
+                else:
+                    conn.refuse(exc)  # we are the listener: the dialler must learn why
+                return
+            except (ProtocolError, TransportError) as exc:
                 conn.fail(exc)
                 return
             except (OverflowError, MemoryError, ValueError, TypeError) as exc:
@@ -969,6 +1006,14 @@ class Core:
             self.asked[(step, route.text)] = self.loop.time()
         waiter = RemoteWaiter(self, conn, step, request_id, route)
         value = table.take_or_wait(route.text, waiter)
+        if value is EMPTY and peer.queue:
+            # A push of this key waiting for credit: the consumer asks for it because the
+            # window is full of other keys' values (see ``unblock``): answer it now.
+            pushed = self.unqueue_push(peer, step, route.text)
+            if pushed is not EMPTY:
+                table.remove_waiter(route.text, waiter)
+                self.answer(conn, step, request_id, route, pushed)
+                return
         if value is EMPTY:
             if len(conn.parked) >= self.max_parked:
                 table.remove_waiter(route.text, waiter)
@@ -979,6 +1024,20 @@ class Core:
             self.released_held(nbytes_of(value))
             self.answer(conn, step, request_id, route, value)
 
+    def unqueue_push(self, peer: Peer, step: Any, text: str) -> Any:
+        """Take the oldest push of key ``text`` out of ``peer``'s queue (its ``send``
+        completes), or return ``EMPTY``.  Pushes of that key ahead of it are already on the
+        wire, so the consumer still sees the key's values in order."""
+        queue = peer.queue
+        i = 0
+        for item in queue:
+            if item[1] == step and item[2].text == text and not item[0].done():
+                del queue[i]
+                item[0].set_result(None)
+                return item[3]
+            i += 1
+        return EMPTY
+
     def on_credit(self, conn: Wire, nbytes: Any) -> None:
         peer = conn.peer
         if peer is None:
@@ -986,6 +1045,8 @@ class Core:
         if nbytes == 0:  # the producer waits for credit we hold back in a batch
             peer.owe_now = True
             self.flush_credit_now(peer)
+            if peer.owe_now:  # none held back: the window is full of values not taken
+                self.unblock(peer)
             return
         peer.credit = min(peer.credit + nbytes, peer.window)
         peer.asked = False

@@ -1,0 +1,115 @@
+"""Large payloads over TCP: each byte is copied once, and the loop wakes per chunk, not per
+segment.
+
+* After a large payload the decoder reads the next header alone (``codec.PEEK`` bytes), so
+  the next large payload goes straight into its array instead of through the staging
+  buffer; small frames bring back full-size reads.
+* While a large payload arrives, the socket's ``SO_RCVLOWAT`` is what is left of it
+  (capped at ``connection.LOWAT_MAX``), and 1 again once it is in.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+import rvz
+from rvz import _impl
+from rvz import connection as _connection
+
+from .conftest import eventually, pair
+from .hostile import Hostile, data_frame, data_header, key_text
+
+codec = _impl.codec
+U8 = codec.dtype_code(np.dtype(np.uint8))
+W1 = ("worker", 1)
+PS0 = ("ps", 0)
+
+
+def feed(decoder: object, stream: bytes, start: int, end: int) -> tuple[list, int, int]:
+    """Deliver ``stream[start:end]`` the way a transport does (each read fills at most the
+    buffer the decoder offers).  Returns the events, the bytes that went through the staging
+    buffer (reads that were not into a payload's own array) and the largest such read."""
+    events: list = []
+    staged = 0
+    largest = 0
+    pos = start
+    while pos < end:
+        buf = decoder.get_buffer(-1)  # type: ignore[attr-defined]
+        direct = decoder.payload_left() > 0  # type: ignore[attr-defined]
+        n = min(len(buf), end - pos)
+        buf[:n] = stream[pos:pos + n]
+        pos += n
+        if not direct:
+            staged += n
+            largest = max(largest, n)
+        events += decoder.buffer_updated(n)  # type: ignore[attr-defined]
+    return events, staged, largest
+
+
+def test_the_next_large_payload_is_not_staged_and_small_frames_read_in_full() -> None:
+    decoder = codec.Decoder()
+    key = key_text("big", W1, PS0)
+    size = 1 << 20
+    first = np.full(size, 1, np.uint8)
+    second = np.full(size, 2, np.uint8)
+    smalls = b"".join(data_frame(0, 0, key, np.full(8, i % 256, np.uint8)) for i in range(2000))
+    hello = codec.encode_hello({"v": codec.VERSION, "job": "worker", "task": 1, "inc": 1})
+    stream = hello + data_frame(0, 0, key, first) + data_frame(0, 0, key, second) + smalls
+    split = len(hello) + len(data_frame(0, 0, key, first))
+    events, _, _ = feed(decoder, stream, 0, split)
+    assert [e[0] for e in events] == [codec.HELLO, codec.DATA]
+    assert events[1][4][0] == 1 and events[1][4].nbytes == size
+    # The first large payload is in: the next read is one header's worth, not a buffer full
+    # of the next payload, so that payload (all but what shared the header's read) goes
+    # straight into its array.
+    assert len(decoder.get_buffer(-1)) == codec.PEEK
+    end_second = split + len(data_frame(0, 0, key, second))
+    events, staged, _ = feed(decoder, stream, split, end_second)
+    assert len(events) == 1 and events[0][4][-1] == 2 and events[0][4].nbytes == size
+    assert staged <= codec.PEEK
+    # Small frames after it: reads are full-size again (many frames per read).
+    events, _, largest = feed(decoder, stream, end_second, len(stream))
+    assert [int(e[4][0]) for e in events] == [i % 256 for i in range(2000)]
+    assert largest > codec.PEEK
+
+
+def lowat(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+
+
+@pytest.mark.loop_timeout(20)
+async def test_the_socket_wakes_the_loop_per_chunk_of_a_large_payload() -> None:
+    cluster = rvz.ClusterSpec.loopback({"worker": 2, "ps": 1})
+    # A slow heartbeat: one that sees no read mid-payload turns SO_RCVLOWAT off (slow link).
+    async with pair(cluster, "send", heartbeat=1.0, peer_timeout=5.0) as (_w, p):
+        k = key_text("big", W1, PS0)
+        size = 3 << 20
+        value = np.arange(size, dtype=np.uint8)
+        h = await Hostile.connect(p.address)
+        try:
+            await h.hello("worker", 1, mode="send")
+            header = data_header(0, 0, k, U8, (size,), size)
+            part = 512 << 10
+            assert await h.send(header + value[:part].tobytes())
+
+            def conns() -> list:
+                return [c for c in p._conns if c.peer is not None and c.peer.name.endswith("task:1")]
+
+            await eventually(lambda: any(0 < c.decoder.payload_left() < size for c in conns()),
+                             "the node read the header and the start of the payload")
+            (conn,) = conns()
+            sock = conn._lowat_sock
+            assert sock is not None, "plain TCP: SO_RCVLOWAT is in use"
+            # The loop is woken when a chunk of what is left is there, not for every segment
+            # (so some of the part we sent may still wait in the socket).
+            left = conn.decoder.payload_left()
+            assert lowat(sock) == min(left, _connection.LOWAT_MAX) > 1
+            assert await h.send(value[part:].tobytes())
+            got = await p.recv(k, timeout=10)
+            np.testing.assert_array_equal(got, value)
+            assert lowat(sock) == 1  # between frames the loop wakes for any byte
+        finally:
+            h.close()
