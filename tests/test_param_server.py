@@ -18,6 +18,7 @@ import pytest
 
 from examples.param_server import SGD, Adagrad, Adam, EmbeddingTable, Ftrl, MinCount, Probability, native
 from examples.param_server.checkpoint import MANIFEST, CheckpointError
+from examples.param_server.sparse import SHARD_SALT, shard_of
 
 CORES = ["python"] + (["compiled"] if native.implementation() == "compiled" else [])
 
@@ -63,6 +64,28 @@ def test_core_maps_ids_to_rows_through_growth_and_removal(variant: str) -> None:
     fresh = np.empty(len(gone), dtype=np.int32)
     core.insert(gone, fresh, 2)
     assert core.row_cap == before and set(fresh.tolist()) == {reference[i] for i in gone.tolist()}
+
+
+@pytest.mark.parametrize("variant", CORES)
+def test_core_keeps_every_id_while_its_index_grows_in_mapped_chunks(variant: str) -> None:
+    # 120k ids: indexes of megabytes, mapped ahead in chunks by the helper thread (or by
+    # the serving thread when it falls behind), several growths and moves; every id
+    # inserted so far is found after each batch, lookups included.
+    core = native.load(variant).RowTable(1, 16)
+    ids = np.random.default_rng(9).permutation(np.arange(120_000, dtype=np.int64) * 1_000_003)
+    rows = np.empty(len(ids), dtype=np.int32)
+    for start in range(0, len(ids), 4000):
+        part = slice(start, start + 4000)
+        core.insert(ids[part], rows[part], 1)
+        core.scatter(rows[part], ids[part, None].astype(np.float32), 0, 1)
+        sample = ids[:start + 4000:7].copy()
+        found = np.empty(len(sample), dtype=np.int32)
+        assert core.find(sample, found) == len(sample)
+        np.testing.assert_array_equal(found, rows[:start + 4000:7])
+        out = np.empty((len(sample), 1), dtype=np.float32)
+        assert core.lookup(sample, out, found, 1) == 0
+        np.testing.assert_array_equal(out[:, 0], sample.astype(np.float32))
+    assert core.size == len(ids) and len(set(rows.tolist())) == len(ids)
 
 
 @pytest.mark.parametrize("variant", CORES)
@@ -377,3 +400,55 @@ def test_checkpoint_detects_corruption_and_keeps_the_last_good_one(tmp_path: Pat
         EmbeddingTable.load(tmp_path)
     with pytest.raises(CheckpointError):
         EmbeddingTable.load(tmp_path / "nothing-here")
+
+
+def test_a_large_checkpoint_written_straight_to_disk_loads_bit_identical(tmp_path: Path) -> None:
+    # Rows of 256 float32 (SGD: no slots) in blocks of 8 MiB: 9000 rows are one whole
+    # block and part of the next, so the matrix file has page-aligned blocks (written with
+    # O_DIRECT where the file system allows it) and an unaligned tail written normally.
+    t = EmbeddingTable(dim=256, optimizer=SGD(lr=0.5), initializer="normal", seed=5)
+    ids = np.arange(9000, dtype=np.int64) * 7 - 30000
+    t.lookup(ids)
+    t.apply_gradients(ids[::3], np.ones((3000, 256), dtype=np.float32))
+    t.save(tmp_path, fsync=True)
+    restored = EmbeddingTable.load(tmp_path)
+    np.testing.assert_array_equal(restored.ids(), np.sort(ids))
+    np.testing.assert_array_equal(restored.rows(ids), t.rows(ids))
+
+
+# -- the client's helpers: shard split, row scatter and gather --------------------------------------
+
+@pytest.mark.parametrize("variant", CORES)
+def test_shard_split_groups_positions_as_shard_of_does(variant: str) -> None:
+    core = native.load(variant)
+    rng = np.random.default_rng(3)
+    ids = np.concatenate([rng.integers(-2**63, 2**63 - 1, 3000, dtype=np.int64),
+                          np.array([0, -1, 2**63 - 1, -2**63], dtype=np.int64)])
+    for shards in (1, 2, 3, 8):
+        order = np.empty(len(ids), dtype=np.int64)
+        bounds = np.empty(shards + 1, dtype=np.int64)
+        core.shard_split(ids, shards, SHARD_SALT, order, bounds)
+        owner = shard_of(ids, shards)
+        assert bounds[0] == 0 and bounds[-1] == len(ids)
+        for s in range(shards):  # each shard's positions, in input order
+            np.testing.assert_array_equal(order[bounds[s]:bounds[s + 1]], np.flatnonzero(owner == s))
+    empty = np.empty(0, dtype=np.int64)
+    bounds = np.empty(3, dtype=np.int64)
+    core.shard_split(empty, 2, SHARD_SALT, empty.copy(), bounds)
+    assert bounds.tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("variant", CORES)
+def test_scatter_and_gather_rows(variant: str) -> None:
+    core = native.load(variant)
+    rng = np.random.default_rng(4)
+    src = rng.standard_normal((500, 7)).astype(np.float32)
+    positions = rng.permutation(500)[:321].astype(np.int64)
+    picked = np.empty((321, 7), dtype=np.float32)
+    core.gather_rows(src, positions, picked)
+    np.testing.assert_array_equal(picked, src[positions])
+    out = np.zeros((500, 7), dtype=np.float32)
+    core.scatter_rows(out, positions, picked)
+    expected = np.zeros((500, 7), dtype=np.float32)
+    expected[positions] = src[positions]
+    np.testing.assert_array_equal(out, expected)

@@ -201,6 +201,35 @@ def test_several_tables_through_two_shards_match_local_tables(run, mode) -> None
     run(main(), timeout=20)
 
 
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_read_only_pull_creates_no_row(run, shards) -> None:  # type: ignore[no-untyped-def]
+    cfg = PSConfig(tables=TABLES, seed=4)
+
+    async def main() -> None:
+        async with service("recv", cfg, shards=shards, workers=1) as ps:
+            client = ps.clients[0]
+            local = make_tables(cfg)
+            ids = batch(0, 0)
+            rows = await client.pull(ids, 0, create=False)  # an evaluation read: zeros
+            for name in ids:
+                assert rows[name].shape == ids[name].shape + (local[name].dim,)
+                assert not rows[name].any()
+            assert all(len(t) == 0 for server in ps.servers for t in server.tables.values())
+            rows = await client.pull(ids, 1)  # a training read creates them
+            for name in ids:
+                expected = local[name].lookup(ids[name]).reshape(rows[name].shape)
+                np.testing.assert_array_equal(rows[name], expected)
+            unique = np.unique(np.concatenate([ids["user"].reshape(-1), [10**9]]))
+            read = await client.lookup_unique(unique, 2, create=False)
+            assert read.flags.writeable and read.shape == (len(unique), local["user"].dim)
+            np.testing.assert_array_equal(read[:-1], local["user"].lookup(unique[:-1], create=False))
+            assert not read[-1].any()  # absent, and still absent
+            assert sum(10**9 in server.tables["user"] for server in ps.servers) == 0
+            await ps.finish()
+
+    run(main(), timeout=20)
+
+
 # -- processes: the command line, kill -9 and restart ----------------------------------------------
 
 def start(*args: str) -> subprocess.Popen[str]:

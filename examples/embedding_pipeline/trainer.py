@@ -176,6 +176,7 @@ class Worker:
         self.ps = ps
         self.cfg = cfg
         self.w = node.task
+        self._failure: StepFailed | None = None  # the first failure of either loop
         self.dim = ps.dim
         self.steps = num_steps(len(data), cfg)
         self.share = cfg.global_batch // cfg.num_workers
@@ -309,13 +310,20 @@ class Worker:
     # -- failures -------------------------------------------------------------------------------
 
     async def _fail(self, side: str, step: int, exc: BaseException) -> StepFailed:
-        """Clean step ``step`` up everywhere; the error to raise, naming the step."""
+        """Clean step ``step`` up everywhere; the error to raise, naming the step.
+
+        The first failure of this worker is the one reported: the other loop then sees the
+        clean-up that failure started (an ``Aborted``), which is its consequence, not news.
+        """
+        if self._failure is not None:
+            return StepFailed(str(self._failure), self._failure.step)
         if isinstance(exc, rvz.Aborted) and f"step {step} " in str(exc):
             message = f"worker {self.w}: step {step} was aborted elsewhere: {exc}"
         elif isinstance(exc, rvz.PeerLost):
             message = f"step {step} aborted: worker {self.w} lost a peer in {side}: {exc}"
         else:
             message = f"step {step} aborted: {side} of worker {self.w} failed: {type(exc).__name__}: {exc}"
+        self._failure = StepFailed(message, step)  # before the await: the other loop may fail meanwhile
         try:
             await self.exchange.abort(step, message)
         except rvz.RvzError:

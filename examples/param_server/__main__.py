@@ -32,6 +32,7 @@ from .launch import (
     PSConfig,
     TableSpec,
     cluster_from_args,
+    keep_freed_memory,
     local_cluster,
     restarter,
     run_shard,
@@ -183,6 +184,7 @@ def one_task(args: argparse.Namespace) -> int:
         raise ValueError("say which task this is: --job and --task, or TF_CONFIG's task")
     num_workers = len(cluster[WORKER_JOB])
     ps = service_config(args, num_workers)
+    keep_freed_memory()
     if args.command == "serve":
         if job != PS_JOB:
             raise ValueError(f"serve runs a {PS_JOB!r} task, not {job!r}")

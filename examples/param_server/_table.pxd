@@ -19,7 +19,7 @@ cdef extern from *:
     void PS_PREFETCH(const void *p) noexcept nogil
     void PS_PREFETCHW(const void *p) noexcept nogil
 
-cdef Py_ssize_t MIGRATE_MIN, PREPARE_MIN, BLOCK_BYTES, AHEAD
+cdef Py_ssize_t MIGRATE_MIN, BLOCK_BYTES, AHEAD, BLOCKS_AHEAD, INDEX_CHUNK
 
 
 cdef inline uint64_t _mix(int64_t key) noexcept nogil:
@@ -244,6 +244,67 @@ cpdef normal_fill(const int64_t[::1] ids, uint64_t salt, const float[::1] table,
                   float[:, ::1] out, Py_ssize_t ncols)
 
 
+cdef inline void _shard_split(const int64_t *ids, Py_ssize_t n, Py_ssize_t shards, uint64_t salt,
+                              int64_t *order, int64_t *bounds) noexcept nogil:
+    """Counting sort of positions by owner shard (shard_split() in _table.py): the hash is
+    cheap enough to compute twice rather than keep."""
+    cdef Py_ssize_t i, s
+    for s in range(shards + 1):
+        bounds[s] = 0
+    for i in range(n):
+        bounds[1 + <Py_ssize_t>(_mix(<int64_t>(<uint64_t>ids[i] ^ salt)) % <uint64_t>shards)] += 1
+    for s in range(shards):
+        bounds[s + 1] += bounds[s]
+    # bounds[s] is now where shard s starts; used as its cursor, it ends where s ends ...
+    for i in range(n):
+        s = <Py_ssize_t>(_mix(<int64_t>(<uint64_t>ids[i] ^ salt)) % <uint64_t>shards)
+        order[bounds[s]] = i
+        bounds[s] += 1
+    # ... so shift back by one shard.
+    s = shards
+    while s > 0:
+        bounds[s] = bounds[s - 1]
+        s -= 1
+    bounds[0] = 0
+
+
+cdef inline void _scatter_rows(float *out, const int64_t *positions, Py_ssize_t n,
+                               const float *rows, Py_ssize_t ncols) noexcept nogil:
+    cdef Py_ssize_t i, nbytes = 4 * ncols
+    for i in range(n):
+        memcpy(out + positions[i] * ncols, rows + i * ncols, nbytes)
+
+
+cdef inline void _gather_rows(const float *src, const int64_t *positions, Py_ssize_t n,
+                              float *out, Py_ssize_t ncols) noexcept nogil:
+    cdef Py_ssize_t i, nbytes = 4 * ncols
+    for i in range(n):
+        if i + AHEAD < n:
+            PS_PREFETCH(src + positions[i + AHEAD] * ncols)
+        memcpy(out + i * ncols, src + positions[i] * ncols, nbytes)
+
+
+cdef inline void _touch_pages(unsigned char *data, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i = 0
+    while i < n:
+        data[i] = 0
+        i += 4096
+
+
+@cython.locals(n=Py_ssize_t)
+cpdef touch_pages(unsigned char[::1] data)
+
+@cython.locals(n=Py_ssize_t)
+cpdef shard_split(const int64_t[::1] ids, Py_ssize_t num_shards, uint64_t salt, int64_t[::1] order,
+                  int64_t[::1] bounds)
+
+@cython.locals(n=Py_ssize_t)
+cpdef scatter_rows(float[:, ::1] out, const int64_t[::1] positions, const float[:, ::1] rows)
+
+@cython.locals(n=Py_ssize_t)
+cpdef gather_rows(const float[:, ::1] src, const int64_t[::1] positions, float[:, ::1] out)
+
+
 cdef class RowTable:
     cdef readonly Py_ssize_t width
     cdef readonly Py_ssize_t capacity
@@ -258,10 +319,11 @@ cdef class RowTable:
     cdef readonly Py_ssize_t nfree
     cdef readonly Py_ssize_t next_row
     cdef object _keys_arr, _vals_arr, _okeys_arr, _ovals_arr, _free_arr
-    cdef object _next_keys_arr, _next_vals_arr
-    cdef Py_ssize_t _prepared
-    cdef tuple _next_block
-    cdef Py_ssize_t _block_prepared
+    cdef object _next_index
+    cdef Py_ssize_t _next_cap
+    cdef list _next_chunks
+    cdef bint _next_ready
+    cdef list _next_blocks
     cdef list _data, _stamp, _mver
     cdef object _bdata_arr, _bstamp_arr, _bmver_arr
     cdef int64_t[::1] keys
@@ -282,6 +344,11 @@ cdef class RowTable:
     @cython.locals(start=Py_ssize_t, end=Py_ssize_t, j=Py_ssize_t, v=int32_t, key=int64_t)
     cpdef bint migrate(self, Py_ssize_t budget) except -1
 
+    cdef bint _should_grow(self) except -1
+
+    @cython.locals(i=Py_ssize_t)
+    cdef _help_prepare(self)
+
     @cython.locals(cap=Py_ssize_t)
     cdef _grow_index(self)
 
@@ -289,16 +356,16 @@ cdef class RowTable:
     cdef _grow_rows(self)
 
     cdef _set_block(self, Py_ssize_t b, object data, object stamp, object mver)
-    cdef _new_block(self)
+    cdef list _new_block(self)
+    cdef list _block_shapes(self)
 
-    @cython.locals(start=Py_ssize_t, end=Py_ssize_t)
-    cdef _prepare_rows(self, Py_ssize_t budget)
+    cdef _prepare_rows(self)
 
     @cython.locals(r=int32_t)
     cdef int32_t _alloc_row(self) except -1
 
-    @cython.locals(cap=Py_ssize_t, start=Py_ssize_t, end=Py_ssize_t)
-    cdef _prepare_index(self, Py_ssize_t budget)
+    @cython.locals(cap=Py_ssize_t, start=Py_ssize_t)
+    cdef _prepare_index(self)
 
     cpdef background(self, Py_ssize_t n)
     cpdef finish(self)

@@ -11,7 +11,9 @@ Layout (``RowTable``):
 * an open-addressing index: two parallel arrays, ``keys`` (int64 ids) and ``vals`` (row
   number + 1; 0 marks an empty slot), linear probing from a home slot picked by SplitMix64
   of the id scaled to the capacity (multiply-shift, so any capacity works). The index grows
-  by 1.5x when it is 80% full, so it is 53-80% full: 15-22.5 bytes per id.
+  by 1.5x when it is 80% full, so it is 53-80% full: 15-22.5 bytes per id (plus, from 75%
+  load until the move to a grown index is over, the next index: 22.5 more). (A higher
+  load saves little memory and lengthens probe runs past the prefetched cache line.)
 * rows live in blocks of ``block_rows`` rows (a power of two, about ``BLOCK_BYTES`` each):
   a float32 matrix ``[block_rows, width]`` (the embedding and its optimizer slots side by
   side) and two uint32 per row, ``stamp`` (the step of the last access, for TTL and LRU
@@ -19,10 +21,12 @@ Layout (``RowTable``):
   checkpoints). Row ``r`` is row ``r & (block_rows - 1)`` of block ``r >> block_shift``.
   Freed rows are reused first.
 
-Growth never stops serving for long. More rows are one more block (allocated lazily by the
-OS, never copied; only a table's first block doubles, up to ``block_rows``). A grown index
-starts empty beside the old one and every call moves a bounded number of old slots over
-(lookups read the new index, then the old one, until the move is over).
+Growth never stops serving for long. More rows are one more block (never copied; only a
+table's first block doubles, up to ``block_rows``). A grown index starts empty beside the
+old one and every call moves a bounded number of old slots over (lookups read the new
+index, then the old one, until the move is over). The OS backing fresh memory page by page
+is slow on virtual machines (microseconds a page), so a helper thread maps the next row
+blocks and the next index ahead of their use, off the serving thread.
 
 Batch lookups prefetch: the home slots of the id ``AHEAD`` positions on, then its row, are
 requested from memory before they are needed, so a batch's cache misses overlap.
@@ -31,6 +35,7 @@ requested from memory before they are needed, so a batch's cache misses overlap.
 from __future__ import annotations
 
 import mmap
+import os
 
 import cython
 import numpy as np
@@ -40,9 +45,10 @@ GOLDEN = 0x9E3779B97F4A7C15
 MUL1 = 0xBF58476D1CE4E5B9
 MUL2 = 0x94D049BB133111EB
 MIGRATE_MIN = 16384        # old index slots moved per call while the index grows, at least
-PREPARE_MIN = 1 << 20      # bytes of the next index mapped per call ahead of a growth
 BLOCK_BYTES = 8 << 20      # bytes of one row block (rows are a power of two)
 AHEAD = 8                  # how many ids ahead the batch loops prefetch
+BLOCKS_AHEAD = 2           # row blocks kept mapped ahead of use
+INDEX_CHUNK = 256 << 10    # bytes of the next index per piece of work mapping it
 
 
 def mix(key):
@@ -79,6 +85,50 @@ def normal_fill(ids, salt, table, scale, out, ncols):
     np.asarray(out)[:, :ncols] = np.float32(scale) * np.asarray(table).take(levels.astype(np.intp))
 
 
+def shard_split(ids, num_shards, salt, order, bounds):
+    """Group the positions of ``ids`` by owner shard, ``mix(id ^ salt) % num_shards``
+    (sparse.shard_of): ``order[bounds[s]:bounds[s + 1]]`` are the positions of the ids of
+    shard ``s``, in input order. ``order`` holds ``len(ids)``, ``bounds`` ``num_shards + 1``."""
+    n = ids.shape[0]
+    if cython.compiled:
+        with cython.nogil:
+            _shard_split(cython.address(ids[0]) if n else cython.NULL, n, num_shards, salt,  # noqa: F821
+                         cython.address(order[0]) if n else cython.NULL, cython.address(bounds[0]))
+        return
+    with np.errstate(over="ignore"):
+        owner = (_mix_np(np.asarray(ids).view(np.uint64) ^ np.uint64(salt))
+                 % np.uint64(num_shards)).astype(np.int64)
+    np.asarray(order)[:] = np.argsort(owner, kind="stable")
+    np.asarray(bounds)[0] = 0
+    np.cumsum(np.bincount(owner, minlength=num_shards), out=np.asarray(bounds)[1:])
+
+
+def scatter_rows(out, positions, rows):
+    """``out[positions[i]] = rows[i]`` (float32 rows of one width; positions in range)."""
+    n = positions.shape[0]
+    if n == 0:
+        return
+    if cython.compiled:
+        with cython.nogil:
+            _scatter_rows(cython.address(out[0, 0]), cython.address(positions[0]), n,  # noqa: F821
+                          cython.address(rows[0, 0]), rows.shape[1])
+        return
+    np.asarray(out)[np.asarray(positions)] = np.asarray(rows)
+
+
+def gather_rows(src, positions, out):
+    """``out[i] = src[positions[i]]`` (float32 rows of one width; positions in range)."""
+    n = positions.shape[0]
+    if n == 0:
+        return
+    if cython.compiled:
+        with cython.nogil:
+            _gather_rows(cython.address(src[0, 0]), cython.address(positions[0]), n,  # noqa: F821
+                         cython.address(out[0, 0]), out.shape[1])
+        return
+    np.take(np.asarray(src), np.asarray(positions), axis=0, out=np.asarray(out))
+
+
 def _mix_np(x):
     with np.errstate(over="ignore"):
         x = x + np.uint64(GOLDEN)
@@ -94,7 +144,9 @@ def zeroed(shape, dtype):
     """A zero-filled array; a large one is mapped from the OS directly, so its pages cost
     nothing until first written. Explicitly without transparent huge pages (numpy asks for
     them on large arrays): mapping one costs milliseconds (the kernel may compact memory to
-    find 2 MiB), and that landed on single batches as stalls."""
+    find 2 MiB), and that landed on single batches as stalls. (Huge pages for the blocks
+    the helper thread maps ahead were tried too: lookups gained nothing measurable on a
+    loaded VM, and the longest stalls got longer.)"""
     dtype = np.dtype(dtype)
     count = 1
     for extent in (shape if isinstance(shape, tuple) else (shape,)):
@@ -113,6 +165,73 @@ def zeroed(shape, dtype):
 
 def _address(array):
     return array.__array_interface__["data"][0]
+
+
+_preparer = None
+
+
+def _prepare(job, *args):
+    """Run ``job(*args)`` on the table's helper thread; a future of its result."""
+    global _preparer
+    if _preparer is None:
+        from concurrent.futures import ThreadPoolExecutor
+        _preparer = ThreadPoolExecutor(1, thread_name_prefix="rowtable-prepare",
+                                       initializer=_lowest_priority)
+    return _preparer.submit(job, *args)
+
+
+def _forget_preparer():
+    global _preparer
+    _preparer = None  # a forked child has no helper thread: it starts its own
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_preparer)
+
+
+def _lowest_priority():
+    """The helper thread yields the CPU to the serving one (Linux: a thread's nice value)."""
+    import threading
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass  # only a preference
+
+
+def _mapped(arrays):
+    """``arrays`` (zeroed, mapped lazily) with every page written once, so that the OS has
+    backed them: run on the helper thread, for memory nobody else sees yet. A first write
+    costs microseconds per page on a virtual machine; done where the table serves, those
+    added up to stalls."""
+    for array in arrays:
+        touch_pages(array.reshape(-1).view(np.uint8))
+    return arrays
+
+
+def touch_pages(data):
+    """Write a zero to the first byte of every 4 KiB page of ``data`` (fresh, zeroed
+    memory), compiled without the GIL: the serving thread runs on meanwhile."""
+    n = data.shape[0]
+    if n == 0:
+        return
+    if cython.compiled:
+        with cython.nogil:
+            _touch_pages(cython.address(data[0]), n)  # noqa: F821
+        return
+    np.asarray(data)[::4096] = 0
+
+
+def _mapped_new(shapes):
+    """New zeroed arrays of ``[(shape, dtype), ...]``, mapped (_mapped): the mapping calls
+    too are made on the helper thread."""
+    return _mapped([zeroed(shape, dtype) for shape, dtype in shapes])
+
+
+def _ready(future):
+    """The result of a preparation that has finished, else None (it is not waited for)."""
+    if future is None or not future.done():
+        return None
+    return future.result()
 
 
 class RowTable:
@@ -136,11 +255,11 @@ class RowTable:
         self.ovals = None
         self.ocap = 0
         self.opos = 0
-        self._next_keys_arr = None
-        self._next_vals_arr = None
-        self._prepared = 0
-        self._next_block = None
-        self._block_prepared = 0
+        self._next_index = None    # the next index's arrays, mapped ahead in chunks
+        self._next_cap = 0
+        self._next_chunks = []     # (future, bytes) of its chunks still being mapped
+        self._next_ready = False
+        self._next_blocks = []     # futures: row blocks mapped ahead, oldest first
         shift = 6
         while (4 * width) << (shift + 1) <= BLOCK_BYTES and shift < 24:
             shift += 1
@@ -248,27 +367,43 @@ class RowTable:
             return True
         return False
 
-    def _prepare_index(self, budget):
-        """From 70% load on, map the next index ahead of its use, ``budget`` bytes per call:
-        the OS zeroes pages when they are first written, and the first slots moved into a
-        new index land all over it, so unprepared, that one call would fault in every page."""
-        if self._next_keys_arr is None:
-            if self.migrating or self.size * 10 < self.capacity * 7:
-                return
-            cap = self.capacity + self.capacity // 2 + 1
-            self._next_keys_arr = zeroed(cap, np.int64)
-            self._next_vals_arr = zeroed(cap, np.int32)
-            self._prepared = 0
-        keys = self._next_keys_arr.view(np.uint8)
-        vals = self._next_vals_arr.view(np.uint8)
-        start = self._prepared
-        if start >= keys.shape[0] + vals.shape[0]:
+    def _prepare_index(self):
+        """From 75% load on, have the helper thread map the next index ahead of its use, in
+        chunks: the OS backs pages when they are first written, and the first slots moved
+        into a new index land all over it, so unprepared, the first moves would fault in
+        every page of it."""
+        if self._next_index is not None or self.migrating or self.size * 4 < self.capacity * 3:
             return
-        end = start + budget
-        keys[start:min(end, keys.shape[0]):4096] = 0  # a write maps the page
-        if end > keys.shape[0]:
-            vals[max(0, start - keys.shape[0]):end - keys.shape[0]:4096] = 0
-        self._prepared = end
+        cap = self.capacity + self.capacity // 2 + 1
+        arrays = [zeroed(cap, np.int64), zeroed(cap, np.int32)]
+        self._next_cap = cap
+        self._next_index = arrays
+        self._next_chunks = []
+        for array in arrays:
+            data = array.view(np.uint8)
+            for start in range(0, data.shape[0], INDEX_CHUNK):
+                part = data[start:start + INDEX_CHUNK]
+                self._next_chunks.append((_prepare(touch_pages, part), part))
+        self._next_ready = False
+
+    def _help_prepare(self):
+        """Track the next index's chunks; past 80% load, when the helper thread has fallen
+        behind (a busy machine), map one chunk it has not started here, per call: a
+        bounded cost now rather than a burst of faults when the grown index is filled."""
+        chunks = [chunk for chunk in self._next_chunks if not chunk[0].done()]
+        if chunks and self.size * 5 > self.capacity * 4:
+            for i in range(len(chunks) - 1, -1, -1):
+                if chunks[i][0].cancel():  # not started: the serving thread maps it
+                    touch_pages(chunks[i][1])
+                    del chunks[i]
+                    break
+        self._next_chunks = chunks
+        self._next_ready = not chunks
+
+    def _should_grow(self):
+        """At 80% load: grow once the next index is mapped (or at 85% in any case: longer
+        probe runs for a while beat a stall)."""
+        return (self.size + 1) * 20 > self.capacity * 17 or self._next_index is None or self._next_ready
 
     def _grow_index(self):
         if self.migrating:
@@ -281,14 +416,21 @@ class RowTable:
         self.ocap = self.capacity
         self.opos = 0
         self.migrating = True
-        # Mapped lazily by the OS: a big index costs nothing up front.
-        if self._next_keys_arr is not None and self._next_keys_arr.shape[0] == cap:
-            self._keys_arr, self._vals_arr = self._next_keys_arr, self._next_vals_arr
+        if self._next_index is not None and self._next_cap == cap:
+            # Mapped ahead; chunks the helper has not started are left to the OS (mapped as
+            # the move writes to them), and the one it may be mapping is waited for (a
+            # small piece of work: it writes to the arrays, which are about to be in use).
+            for future, _ in self._next_chunks:
+                if not future.cancel():
+                    future.result()
+            self._keys_arr, self._vals_arr = self._next_index
         else:
             self._keys_arr = zeroed(cap, np.int64)
             self._vals_arr = zeroed(cap, np.int32)
-        self._next_keys_arr = None
-        self._next_vals_arr = None
+        self._next_index = None
+        self._next_cap = 0
+        self._next_chunks = []
+        self._next_ready = False
         self.keys = self._keys_arr
         self.vals = self._vals_arr
         self.capacity = cap
@@ -330,40 +472,31 @@ class RowTable:
             self._set_block(0, data, stamp, mver)
             self.row_cap = grown
             return
-        # Nothing is copied: one more block, normally allocated and mapped ahead
-        # (_prepare_rows).
-        if self._next_block is None:
-            self._new_block()
-        b = self.nblocks
-        data, stamp, mver = self._next_block
-        self._set_block(b, data, stamp, mver)
-        self._next_block = None
+        # Nothing is copied: one more block, normally mapped ahead by the helper thread
+        # (_prepare_rows); if it is not ready, a fresh one, mapped as rows are written.
+        block = _ready(self._next_blocks[0]) if self._next_blocks else None
+        if block is not None:
+            del self._next_blocks[0]
+        else:
+            block = self._new_block()
+        self._set_block(self.nblocks, block[0], block[1], block[2])
         self.row_cap += self.block_rows
+        self._prepare_rows()
 
     def _new_block(self):
-        self._next_block = (zeroed((self.block_rows, self.width), np.float32),
-                            zeroed(self.block_rows, np.uint32), zeroed(self.block_rows, np.uint32))
-        self._block_prepared = 0
+        return [zeroed(shape, dtype) for shape, dtype in self._block_shapes()]
 
-    def _prepare_rows(self, budget):
-        """Once the last block is half used, allocate the next one and have the OS map it,
-        ``budget`` bytes per call, so that no single call pays for mapping a whole block."""
+    def _block_shapes(self):
+        return [((self.block_rows, self.width), np.float32), (self.block_rows, np.uint32),
+                (self.block_rows, np.uint32)]
+
+    def _prepare_rows(self):
+        """Keep ``BLOCKS_AHEAD`` row blocks mapped ahead by the helper thread once the table
+        has whole blocks, so that no call pays for the OS backing a block's pages."""
         if self.row_cap < self.block_rows:
             return
-        if self._next_block is None:
-            if (self.row_cap - self.next_row) * 2 > self.block_rows:
-                return
-            self._new_block()
-        data = self._next_block[0].reshape(-1).view(np.uint8)
-        start = self._block_prepared
-        if start >= data.shape[0]:
-            return
-        end = min(start + budget, data.shape[0])
-        data[start:end:4096] = 0  # a write maps the page
-        if end == data.shape[0]:
-            self._next_block[1][::1024] = 0
-            self._next_block[2][::1024] = 0
-        self._block_prepared = end
+        while len(self._next_blocks) < BLOCKS_AHEAD:
+            self._next_blocks.append(_prepare(_mapped_new, self._block_shapes()))
 
     def _alloc_row(self):
         if self.nfree > 0:
@@ -376,13 +509,15 @@ class RowTable:
         return r
 
     def background(self, n):
-        """Bounded growth work for a call on ``n`` ids: part of the index move, or part of
-        the next index mapped ahead."""
+        """Bounded growth work for a call on ``n`` ids: part of the index move, or (on the
+        helper thread) the next index and row blocks mapped ahead."""
         if self.migrating:
             self.migrate(max(MIGRATE_MIN, 4 * n))
         else:
-            self._prepare_index(max(PREPARE_MIN, 64 * n))
-        self._prepare_rows(max(PREPARE_MIN, 8 * self.width * n))
+            self._prepare_index()
+            if self._next_index is not None:
+                self._help_prepare()
+        self._prepare_rows()
 
     def finish(self):
         """Complete any growth in progress (before a full scan or a removal)."""
@@ -440,7 +575,7 @@ class RowTable:
         numbers go to ``rows``. Row contents are left for the caller to set."""
         n = ids.shape[0]
         for i in range(n):
-            if (self.size + 1) * 5 > self.capacity * 4:
+            if (self.size + 1) * 5 > self.capacity * 4 and self._should_grow():
                 self._grow_index()
             r = self._alloc_row()
             key = ids[i]
@@ -670,8 +805,7 @@ class RowTable:
         total += 3 * self._bdata_arr.nbytes
         if self.migrating:
             total += self._okeys_arr.nbytes + self._ovals_arr.nbytes
-        if self._next_keys_arr is not None:
-            total += min(self._prepared, self._next_keys_arr.nbytes + self._next_vals_arr.nbytes)
-        if self._next_block is not None:
-            total += 8 * self.block_rows
+        if self._next_index is not None:
+            total += 12 * self._next_cap
+        total += 8 * self.block_rows * len(self._next_blocks)
         return total

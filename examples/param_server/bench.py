@@ -2,11 +2,14 @@
 measured in the same run.
 
 * ``table``: warm lookups of 1M ids (dim 64, Adam rows) in batches of 4096 (evaluation
-  reads, and training reads that stamp rows), against a dict of numpy rows on the same ids;
-  the longest single batch while the table grows from 1M to 2M rows (new ids through
-  ``lookup(create=True)``); index bytes per id.
+  reads, and training reads that stamp rows), against a dict of numpy rows on the same ids
+  and against numpy gathering as many random rows of a matrix of the table's shape (the
+  memory system's own bound); the longest single batch while the table grows from 1M to 2M
+  rows (new ids through ``lookup(create=True)``); index and row metadata bytes per id, at
+  1M and after every batch of the growth.
 * ``checkpoint``: a full save of those 1M rows (embedding and Adam slots, flushed to disk),
-  against one plain write + fsync of as many bytes.
+  against one plain write + fsync of as many bytes, and against the same bytes written
+  with ``O_DIRECT`` (the device without the page cache).
 * ``pull`` / ``push``: 4096 unique ids x 64 float32 through 2 shard processes, against a raw
   blocking socket to another process that answers 4096 int64 with the same 1 MiB, and
   against the same exchange in bare rvz (shards that only answer: the PS's floor).
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import mmap
 import multiprocessing as mp
 import os
 import shutil
@@ -33,7 +37,8 @@ import numpy as np
 import rvz
 
 from .client import PSClient
-from .launch import Processes, PSConfig, local_cluster, start_shards
+from .launch import Processes, PSConfig, keep_freed_memory, local_cluster, start_shards
+from .native import core as native_core
 from .native import implementation
 from .optimizers import Adam
 from .protocol import PS_JOB, PULL_IDS, PULL_ROWS, WORKER_JOB, edge
@@ -59,6 +64,17 @@ def table_figures(n: int, dim: int, batch: int, rounds: int) -> tuple[dict[str, 
     for b in batches:
         table.lookup(b)  # the training read: every id present, rows stamped for TTL/LRU
     train_lookups = rounds * batch / (time.perf_counter() - started)
+    # The hardware's own bound for these reads: numpy gathering as many random rows (the
+    # embedding columns) from a float32 matrix of the table's shape, in memory of the same
+    # kind as the table's row blocks (mapped from the OS, 4 KiB pages).
+    matrix = native_core.zeroed((n, table.width), np.float32)
+    matrix[:, 0] = 1.0  # every page written: resident, as the table's rows are
+    picks = [rng.integers(0, n, batch) for _ in range(rounds)]
+    started = time.perf_counter()
+    for p in picks:
+        matrix[p, :dim]
+    gather = rounds * batch / (time.perf_counter() - started)
+    del matrix
     rows = dict(zip(ids.tolist(), table.lookup(ids, create=False), strict=True))  # dict of rows
     started = time.perf_counter()
     for b in batches:
@@ -69,19 +85,25 @@ def table_figures(n: int, dim: int, batch: int, rounds: int) -> tuple[dict[str, 
             "lookups_per_s": lookups, "train_lookups_per_s": train_lookups,
             "dict_lookups_per_s": dict_lookups,
             "speedup_vs_dict": lookups / dict_lookups,
+            "numpy_gather_rows_per_s": gather, "ratio_to_numpy_gather": lookups / gather,
             "overhead_bytes_per_id": table.memory_overhead_per_id()}, table
 
 
 def growth_figures(table: EmbeddingTable, n: int, batch: int) -> dict[str, Any]:
     rng = np.random.default_rng(1)
     fresh = (np.unique(rng.integers(0, 1 << 62, int(n * 1.01)))[:n]) | np.int64(1 << 62)
-    stalls = []
+    stalls, overhead = [], []
     for start in range(0, n, batch):
         t0 = time.perf_counter()
         table.lookup(fresh[start:start + batch])
         stalls.append(time.perf_counter() - t0)
+        overhead.append(table.memory_overhead_per_id())
     return {"rows_after": len(table), "max_stall_ms": 1e3 * max(stalls),
             "p50_batch_ms": 1e3 * float(np.median(stalls)),
+            # Bytes per id beyond the row after every batch of the growth: the index's
+            # load moves in a saw-tooth, and a growing index has its successor beside it.
+            "overhead_bytes_per_id_p50": float(np.median(overhead)),
+            "overhead_bytes_per_id_max": float(max(overhead)),
             "overhead_bytes_per_id_after": table.memory_overhead_per_id()}
 
 
@@ -100,6 +122,37 @@ def _disk_write(path: Path, nbytes: int) -> float:
     return seconds
 
 
+def _disk_write_direct(path: Path, nbytes: int) -> float | None:
+    """Seconds for the same bytes written with ``O_DIRECT`` (page-aligned buffer, 8 MiB
+    writes) and one fsync: what the device takes without the page cache; None if the file
+    system refuses ``O_DIRECT``."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    chunk = 8 << 20
+    area = mmap.mmap(-1, chunk)  # page-aligned
+    area.write(b"\x01" * chunk)
+    view = memoryview(area)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+    except OSError:
+        return None
+    try:
+        started = time.perf_counter()
+        done = 0
+        aligned = nbytes - nbytes % 4096
+        while done < aligned:
+            done += os.write(fd, view[:min(chunk, aligned - done)])
+        os.fsync(fd)
+        seconds = time.perf_counter() - started
+    finally:
+        os.close(fd)
+        view.release()
+        area.close()
+        path.unlink()
+    return seconds
+
+
 def checkpoint_figures(table: EmbeddingTable) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="ps-bench-"))
     try:
@@ -108,9 +161,12 @@ def checkpoint_figures(table: EmbeddingTable) -> dict[str, Any]:
         seconds = time.perf_counter() - started
         nbytes = sum(f.stat().st_size for f in (root / "t").rglob("*") if f.is_file())
         disk = _disk_write(root / "plain", nbytes)
+        direct = _disk_write_direct(root / "direct", nbytes)
         return {"rows": len(table), "bytes": nbytes, "seconds": seconds,
                 "write_gb_per_s": nbytes / seconds / 1e9,
-                "disk_gb_per_s": nbytes / disk / 1e9, "ratio_to_disk": disk / seconds}
+                "disk_gb_per_s": nbytes / disk / 1e9, "ratio_to_disk": disk / seconds,
+                "disk_direct_gb_per_s": nbytes / direct / 1e9 if direct else None,
+                "ratio_to_disk_direct": direct / seconds if direct else None}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -236,6 +292,9 @@ def targets(figures: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def main(args: argparse.Namespace) -> int:
     quick = args.quick
+    # As in every PS process (shards, workers): freed memory stays in the process. The
+    # socket and bare-rvz baselines below run with the same setting.
+    keep_freed_memory()
     n = 20_000 if quick else 1_000_000
     dim, batch = 64, 4096
     print(f"param_server bench: table core {implementation()}, rvz {rvz.implementation()}", flush=True)
@@ -244,18 +303,24 @@ def main(args: argparse.Namespace) -> int:
     figures["table"] = table
     print(f"table: {table['lookups_per_s'] / 1e6:.1f}M lookups/s (training reads "
           f"{table['train_lookups_per_s'] / 1e6:.1f}M/s) vs dict "
-          f"{table['dict_lookups_per_s'] / 1e6:.2f}M/s ({table['speedup_vs_dict']:.1f}x); "
+          f"{table['dict_lookups_per_s'] / 1e6:.2f}M/s ({table['speedup_vs_dict']:.1f}x), numpy gather of "
+          f"as many rows {table['numpy_gather_rows_per_s'] / 1e6:.1f}M/s "
+          f"({table['ratio_to_numpy_gather']:.2f}x); "
           f"{table['overhead_bytes_per_id']:.1f} B/id beyond the row", flush=True)
     figures["checkpoint"] = checkpoint_figures(table_obj)
     c = figures["checkpoint"]
     print(f"checkpoint: {c['bytes'] / 1e6:.0f} MB in {c['seconds']:.2f} s = "
           f"{c['write_gb_per_s']:.2f} GB/s (a plain write + fsync of as many bytes: "
-          f"{c['disk_gb_per_s']:.2f} GB/s; ratio {c['ratio_to_disk']:.2f})", flush=True)
+          f"{c['disk_gb_per_s']:.2f} GB/s; ratio {c['ratio_to_disk']:.2f}; with O_DIRECT: "
+          + (f"{c['disk_direct_gb_per_s']:.2f} GB/s; ratio {c['ratio_to_disk_direct']:.2f})"
+             if c["disk_direct_gb_per_s"] else "not possible here)"), flush=True)
     growth = growth_figures(table_obj, n, batch)
     table["max_stall_ms"] = growth["max_stall_ms"]
     table["growth"] = growth
     print(f"growth {n}->{growth['rows_after']} rows: longest batch {growth['max_stall_ms']:.1f} ms "
-          f"(median {growth['p50_batch_ms']:.1f} ms)", flush=True)
+          f"(median {growth['p50_batch_ms']:.1f} ms); B/id beyond the row during it: median "
+          f"{growth['overhead_bytes_per_id_p50']:.1f}, max {growth['overhead_bytes_per_id_max']:.1f}, "
+          f"at 2M {growth['overhead_bytes_per_id_after']:.1f}", flush=True)
     del table_obj
     cfg = PSConfig(dim=dim, optimizer="adagrad", num_workers=1, mode="recv", loop=args.loop)
     cluster = local_cluster(2, 1)

@@ -25,6 +25,7 @@ import numpy as np
 
 import rvz
 
+from .native import gather_rows, scatter_rows, shard_split
 from .protocol import (
     END,
     HELLO,
@@ -41,7 +42,7 @@ from .protocol import (
     step_id,
     unpack_rows,
 )
-from .sparse import as_ids, shard_of, sum_by_id
+from .sparse import SHARD_SALT, as_ids, sum_by_id
 
 log = logging.getLogger(__name__)
 
@@ -168,42 +169,82 @@ class PSClient:
     def _edge(self, kind: str, shard: int, clock: int) -> rvz.Key:
         return edge(kind, self.worker, shard, clock, self.epoch[shard], self.worker_job)
 
-    async def _exchange(self, channel: str, shard: int, clock: int,
-                        messages: list[tuple[str, Any]], reply: str) -> Any:
-        """Send ``messages`` to ``shard`` and wait for its ``reply``, across restarts."""
-        self._inflight[channel][shard] = clock
-        try:
-            while True:
-                epoch = self.epoch[shard]
-                try:
-                    return await self._try_exchange(shard, clock, messages, reply)
-                except (rvz.PeerLost, ShardRestarted):
-                    await self._resync(shard, epoch)
-        finally:
-            del self._inflight[channel][shard]
+    async def _send(self, shard: int, clock: int, messages: list[tuple[str, Any]], step: int) -> None:
+        # One call per shard (the push's ids and gradients leave in one write): a failure
+        # then says exactly which shard did not get its messages.
+        await self.node.send_many([(self._edge(kind, shard, clock), value) for kind, value in messages],
+                                  step=step)
 
-    async def _try_exchange(self, shard: int, clock: int, messages: list[tuple[str, Any]],
-                            reply: str) -> Any:
-        step = step_id(self.worker, clock)
-        if len(messages) == 1:
-            kind, value = messages[0]
-            await self.node.send(self._edge(kind, shard, clock), value, step=step)
-        else:  # the push's ids and gradients leave in one write
-            await self.node.send_many([(self._edge(kind, shard, clock), value) for kind, value in messages],
-                                      step=step)
-        answer = asyncio.ensure_future(
-            self.node.recv(self._edge(reply, shard, clock), step=step, timeout=self.timeout))
-        restarted = self._next_hello[shard]
-        assert restarted is not None
+    async def _replies(self, shards: list[int], clock: int, reply: str, step: int) -> list[Any]:
+        """The ``reply`` of every shard of ``shards`` at ``clock``, in one ``recv_many``
+        (all or nothing); ``ShardRestarted`` if one of them greeted us from a new
+        incarnation meanwhile."""
+        restarted: list[asyncio.Future[Any]] = []
+        for shard in shards:
+            fut = self._next_hello[shard]
+            if fut is None or fut.done():
+                raise ShardRestarted(f"PS shard {shard} restarted")
+            restarted.append(fut)
+        answer = asyncio.ensure_future(self.node.recv_many(
+            [self._edge(reply, s, clock) for s in shards], step=step, timeout=self.timeout))
         try:
-            await asyncio.wait([answer, restarted], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([answer, *restarted], return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not answer.done():
                 answer.cancel()
                 await asyncio.gather(answer, return_exceptions=True)
         if answer.cancelled():
-            raise ShardRestarted(f"PS shard {shard} restarted")
+            raise ShardRestarted("a PS shard restarted")
         return answer.result()
+
+    async def _round(self, channel: str, clock: int, messages: list[list[tuple[str, Any]]],
+                     reply: str) -> list[Any]:
+        """Send ``messages[s]`` to every shard ``s`` and return their ``reply`` values, in
+        shard order, across restarts.
+
+        The usual case is one send per shard and one ``recv_many`` for all the replies, in
+        this task. When a shard fails, each shard finishes on its own: the ones that got
+        their messages are only waited for; the others are resynced and sent them again.
+        """
+        n = self.num_shards
+        step = step_id(self.worker, clock)
+        inflight = self._inflight[channel]
+        for shard in range(n):
+            inflight[shard] = clock
+        try:
+            epochs = list(self.epoch)  # the incarnation each shard's messages went to
+            sent = [False] * n
+            for shard in range(n):
+                try:
+                    await self._send(shard, clock, messages[shard], step)
+                    sent[shard] = True
+                except (rvz.PeerLost, ShardRestarted):
+                    pass
+            if all(sent):
+                try:
+                    return await self._replies(list(range(n)), clock, reply, step)
+                except (rvz.PeerLost, ShardRestarted):
+                    pass  # nothing was taken: every shard finishes on its own below
+            return list(await asyncio.gather(*(
+                self._finish(s, clock, messages[s], reply, step, epochs[s], sent[s]) for s in range(n))))
+        finally:
+            for shard in range(n):
+                inflight.pop(shard, None)
+
+    async def _finish(self, shard: int, clock: int, messages: list[tuple[str, Any]], reply: str,
+                      step: int, epoch: int, sent: bool) -> Any:
+        """``shard``'s reply after a failed round: its messages went to incarnation ``epoch``
+        if ``sent``; resync and send again as often as the shard restarts."""
+        while True:
+            try:
+                if not sent or self.epoch[shard] != epoch:
+                    epoch = self.epoch[shard]
+                    await self._send(shard, clock, messages, step)
+                    sent = True
+                return (await self._replies([shard], clock, reply, step))[0]
+            except (rvz.PeerLost, ShardRestarted):
+                await self._resync(shard, epoch)
+                sent = False
 
     def _take_step(self, channel: str, step: int | None) -> int:
         # Taken before the first await: concurrent calls still get distinct, ordered steps.
@@ -217,46 +258,70 @@ class PSClient:
 
     # -- pull ------------------------------------------------------------------------------
 
-    async def pull(self, ids: dict[str, Any], step: int | None = None) -> dict[str, np.ndarray]:
+    async def pull(self, ids: dict[str, Any], step: int | None = None, *,
+                   create: bool = True) -> dict[str, np.ndarray]:
         """Rows of several tables at once: ``{name: ids (any shape)}`` -> ``{name: rows}``
-        (``ids.shape + (dim,)``); tables left out get nothing."""
+        (``ids.shape + (dim,)``); tables left out get nothing. With ``create=False`` (an
+        evaluation read) the shards create no row: absent ids read as zeros."""
         clock = self._take_step("lookup", step)
         await self.connect()
         flat = {name: np.asarray(ids.get(name, np.zeros(0)), dtype=np.int64) for name in self.names}
         uniq, inverse = {}, {}
         for name, arr in flat.items():
             uniq[name], inverse[name] = np.unique(arr.reshape(-1), return_inverse=True)
-        rows = await self._pull_unique([uniq[n] for n in self.names], clock)
+        rows = await self._pull_unique([uniq[n] for n in self.names], clock, create)
         return {name: rows[t][inverse[name].reshape(-1)].reshape(flat[name].shape + (self.dims[name],))
                 for t, name in enumerate(self.names) if name in ids}
 
-    async def _pull_unique(self, unique: list[np.ndarray], clock: int) -> list[np.ndarray]:
-        owners = [shard_of(u, self.num_shards) for u in unique]
-        positions = [[np.flatnonzero(o == s) for o in owners] for s in range(self.num_shards)]
-
-        async def one(shard: int) -> list[np.ndarray]:
-            msg = pack_ids([u[p] for u, p in zip(unique, positions[shard], strict=True)])
-            rows = await self._exchange("lookup", shard, clock, [(PULL_IDS, msg)], PULL_ROWS)
-            return unpack_rows(rows, [len(p) for p in positions[shard]], list(self.dims.values()))
-
-        replies = await asyncio.gather(*(one(s) for s in range(self.num_shards)))
-        out = [np.empty((len(u), self.dims[n]), dtype=np.float32)
-               for u, n in zip(unique, self.names, strict=True)]
-        for shard, parts in enumerate(replies):
-            for t, part in enumerate(parts):
-                out[t][positions[shard][t]] = part
+    def _split(self, unique: list[np.ndarray]) -> list[list[np.ndarray]] | None:
+        """For each shard, the positions in each table's ids that it owns, in order (None:
+        one shard owns everything). One compiled pass per table (sparse.shard_of's hash)."""
+        n = self.num_shards
+        if n == 1:
+            return None
+        out: list[list[np.ndarray]] = [[] for _ in range(n)]
+        for u in unique:
+            order = np.empty(len(u), dtype=np.int64)
+            bounds = np.empty(n + 1, dtype=np.int64)
+            shard_split(u, n, SHARD_SALT, order, bounds)
+            for s in range(n):
+                out[s].append(order[bounds[s]:bounds[s + 1]])
         return out
 
-    async def lookup(self, ids: np.ndarray, step: int | None = None) -> np.ndarray:
-        """Embeddings of ``ids`` of the first table (any shape, repeats allowed)."""
-        return (await self.pull({self.names[0]: ids}, step))[self.names[0]]
+    async def _pull_unique(self, unique: list[np.ndarray], clock: int,
+                           create: bool = True) -> list[np.ndarray]:
+        positions = self._split(unique)
+        dims = [self.dims[n] for n in self.names]
+        if positions is None:
+            messages = [[(PULL_IDS, pack_ids(unique, create))]]
+        else:
+            messages = [[(PULL_IDS, pack_ids([u[p] for u, p in zip(unique, where, strict=True)], create))]
+                        for where in positions]
+        replies = await self._round("lookup", clock, messages, PULL_ROWS)
+        if positions is None:  # the shard's rows are the answer, as they are
+            reply = replies[0]
+            if isinstance(reply, np.ndarray) and not reply.flags.writeable:
+                reply = reply.copy()  # callers get arrays of their own, as from the scatter
+            return unpack_rows(reply, [len(u) for u in unique], dims)
+        out = [np.empty((len(u), d), dtype=np.float32) for u, d in zip(unique, dims, strict=True)]
+        for where, rows in zip(positions, replies, strict=True):
+            for t, part in enumerate(unpack_rows(rows, [len(p) for p in where], dims)):
+                scatter_rows(out[t], where[t], part)  # out[t][where[t]] = part, row by row
+        return out
 
-    async def lookup_unique(self, unique: np.ndarray, step: int | None = None) -> np.ndarray:
-        """Rows (``[len(unique), dim]``) of ids the caller already made unique (first table)."""
+    async def lookup(self, ids: np.ndarray, step: int | None = None, *, create: bool = True) -> np.ndarray:
+        """Embeddings of ``ids`` of the first table (any shape, repeats allowed);
+        ``create=False``: an evaluation read (see ``pull``)."""
+        return (await self.pull({self.names[0]: ids}, step, create=create))[self.names[0]]
+
+    async def lookup_unique(self, unique: np.ndarray, step: int | None = None, *,
+                            create: bool = True) -> np.ndarray:
+        """Rows (``[len(unique), dim]``) of ids the caller already made unique (first
+        table); ``create=False``: an evaluation read (see ``pull``)."""
         clock = self._take_step("lookup", step)
         await self.connect()
         parts = [as_ids(unique)] + [np.zeros(0, dtype=np.int64)] * (len(self.names) - 1)
-        return (await self._pull_unique(parts, clock))[0]
+        return (await self._pull_unique(parts, clock, create))[0]
 
     # -- push ------------------------------------------------------------------------------
 
@@ -280,16 +345,25 @@ class PSClient:
 
     async def _push_unique(self, unique: list[np.ndarray], grads: list[np.ndarray],
                            clock: int) -> np.ndarray:
-        owners = [shard_of(u, self.num_shards) for u in unique]
-
-        async def one(shard: int) -> np.ndarray:
-            where = [np.flatnonzero(o == shard) for o in owners]
-            msgs = [(PUSH_IDS, pack_ids([u[p] for u, p in zip(unique, where, strict=True)])),
-                    (PUSH_GRADS, pack_rows([g[p] for g, p in zip(grads, where, strict=True)]))]
-            ack = await self._exchange("push", shard, clock, msgs, PUSH_ACK)
-            return np.asarray(ack, dtype=np.int64)
-
-        return np.stack(await asyncio.gather(*(one(s) for s in range(self.num_shards))))
+        positions = self._split(unique)
+        if positions is None:
+            messages = [[(PUSH_IDS, pack_ids(unique)), (PUSH_GRADS, pack_rows(grads))]]
+        else:
+            messages = []
+            for where in positions:
+                ids = pack_ids([u[p] for u, p in zip(unique, where, strict=True)])
+                # The shard's gradient rows, gathered straight into the message.
+                packed = np.empty(sum(len(p) * g.shape[1] for g, p in zip(grads, where, strict=True)),
+                                  dtype=np.float32)
+                start = 0
+                for g, p in zip(grads, where, strict=True):
+                    size = len(p) * g.shape[1]
+                    gather_rows(np.ascontiguousarray(g, dtype=np.float32), p,
+                                packed[start:start + size].reshape(len(p), g.shape[1]))
+                    start += size
+                messages.append([(PUSH_IDS, ids), (PUSH_GRADS, packed)])
+        acks = await self._round("push", clock, messages, PUSH_ACK)
+        return np.stack([np.asarray(a, dtype=np.int64) for a in acks])
 
     async def push(self, ids: np.ndarray, grads: np.ndarray, step: int | None = None) -> np.ndarray:
         """Push gradients of ``ids`` of the first table (repeats summed)."""

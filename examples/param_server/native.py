@@ -52,6 +52,9 @@ def _select() -> tuple[str, ModuleType]:
 _variant, core = _select()
 RowTable = core.RowTable
 normal_fill = core.normal_fill
+shard_split = core.shard_split
+scatter_rows = core.scatter_rows
+gather_rows = core.gather_rows
 
 
 def implementation() -> str:

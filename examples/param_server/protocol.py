@@ -22,7 +22,8 @@ answers ``REJOIN`` (frame = epoch) with the clocks it will continue at, then ret
 had in flight.
 
 Ids travel as int64 ``[T, n_0, ..., n_{T-1}, ids of table 0, ids of table 1, ...]`` for the
-T tables of the service (in their configured order); rows and gradients as one float32
+T tables of the service (in their configured order), with ``-T`` for a read-only pull (an
+evaluation read: absent ids read as zeros, no row is created); rows and gradients as one float32
 array, the tables' ``[n_t, dim_t]`` blocks back to back.
 """
 
@@ -75,23 +76,39 @@ def is_end(value: Any) -> bool:
     return isinstance(value, bytes) and value == END
 
 
-def pack_ids(parts: list[np.ndarray]) -> np.ndarray:
-    header = np.array([len(parts), *(len(p) for p in parts)], dtype=np.int64)
+def pack_ids(parts: list[np.ndarray], create: bool = True) -> np.ndarray:
+    """One ids message; ``create=False`` (a read-only pull) is sent as ``-T`` tables."""
+    header = np.empty(1 + len(parts), dtype=np.int64)
+    header[0] = len(parts) if create else -len(parts)
+    header[1:] = [len(p) for p in parts]
+    if len(parts) == 1:
+        return np.concatenate([header, np.asarray(parts[0], dtype=np.int64)])
     return np.concatenate([header, *[np.asarray(p, dtype=np.int64) for p in parts]])
 
 
 def unpack_ids(message: Any, num_tables: int) -> list[np.ndarray]:
+    """The ids of each table (pushes; see ``unpack_pull`` for pulls)."""
+    return unpack_pull(message, num_tables)[0]
+
+
+def unpack_pull(message: Any, num_tables: int) -> tuple[list[np.ndarray], bool]:
+    """The ids of each table, and whether absent ids may get rows (False: a read-only pull)."""
     if not isinstance(message, np.ndarray) or message.dtype != np.int64 or message.ndim != 1:
         raise ValueError(f"ids must be a 1-D int64 array, not {type(message).__name__} "
                          f"{getattr(message, 'dtype', '')}{list(getattr(message, 'shape', []))}")
-    if len(message) < 1 + num_tables or message[0] != num_tables:
-        raise ValueError(f"ids message for {message[0] if len(message) else '?'} tables, "
+    header = message[:1 + num_tables].tolist()  # Python ints: cheaper than numpy reductions
+    tables = header[0] if header else 0
+    if len(header) < 1 + num_tables or abs(tables) != num_tables:
+        raise ValueError(f"ids message for {tables if header else '?'} tables, "
                          f"the service has {num_tables}")
-    counts = message[1:1 + num_tables]
-    if counts.min(initial=0) < 0 or 1 + num_tables + counts.sum() != len(message):
+    counts = header[1:]
+    if min(counts, default=0) < 0 or 1 + num_tables + sum(counts) != len(message):
         raise ValueError("ids message: counts do not match its length")
-    bounds = np.cumsum(np.concatenate([[1 + num_tables], counts]))
-    return [message[bounds[t]:bounds[t + 1]] for t in range(num_tables)]
+    parts, start = [], 1 + num_tables
+    for count in counts:
+        parts.append(message[start:start + count])
+        start += count
+    return parts, tables > 0
 
 
 def pack_rows(parts: list[np.ndarray]) -> np.ndarray:

@@ -50,6 +50,7 @@ from .protocol import (
     pack_rows,
     step_id,
     unpack_ids,
+    unpack_pull,
     unpack_rows,
 )
 from .table import EmbeddingTable
@@ -178,7 +179,7 @@ class ShardServer:
                 return
             if is_end(msg):
                 return
-            parts = unpack_ids(msg, len(self.names))
+            parts, create = unpack_pull(msg, len(self.names))
             if self.consistency != "asp":
                 while self.slowest() < clock - self.staleness:
                     assert self._changed is not None
@@ -187,7 +188,8 @@ class ShardServer:
             self.stats.max_staleness = max(self.stats.max_staleness, clock - min(slowest, clock))
             if self.record:
                 self.stats.served.append((worker, clock, slowest))
-            rows = [self.tables[name].lookup(ids) for name, ids in zip(self.names, parts, strict=True)]
+            rows = [self.tables[name].lookup(ids, create)
+                    for name, ids in zip(self.names, parts, strict=True)]
             self.stats.lookups += 1
             self.stats.ids_looked_up += sum(len(p) for p in parts)
             try:

@@ -13,7 +13,8 @@ import numpy as np
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
 _MUL2 = np.uint64(0x94D049BB133111EB)
-_SHARD_SALT = np.uint64(0x5BD1E9955BD1E995)
+SHARD_SALT = 0x5BD1E9955BD1E995  # shard_of's hash salt (the client's compiled split uses it too)
+_SHARD_SALT = np.uint64(SHARD_SALT)
 
 
 def mix64(x: np.ndarray) -> np.ndarray:

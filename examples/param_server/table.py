@@ -195,28 +195,33 @@ class EmbeddingTable:
             cand.remove(unique[admitted])
         return admitted
 
-    def _create(self, ids: np.ndarray, rows: np.ndarray, count: bool) -> tuple[np.ndarray, np.ndarray]:
+    def _create(self, ids: np.ndarray, rows: np.ndarray,
+                count: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Create rows for the absent ids (``rows < 0``) that are admitted; returns the
-        positions that got a row and their initial values."""
+        positions that got a row, the new rows' initial values, and which of those each
+        position has."""
         pos = np.flatnonzero(rows < 0)
         unique, inverse = np.unique(ids[pos], return_inverse=True)
         inverse = inverse.reshape(-1)
         admitted = self._admit(unique, np.bincount(inverse, minlength=len(unique)), count)
         new_ids = unique[admitted]
         if len(new_ids) == 0:
-            return pos[:0], np.zeros((0, self.width), dtype=np.float32)
+            return pos[:0], np.zeros((0, self.width), dtype=np.float32), pos[:0]
         new_rows = np.empty(len(new_ids), dtype=np.int32)
         self._core.insert(new_ids, new_rows, self.version)
         init = self._initial_rows(new_ids)
         self._core.scatter(new_rows, init, 0, self.version)
         self._core.touch(new_rows, self._step_stamp())
         self.created += len(new_ids)
+        if len(new_ids) == len(unique):  # all admitted (always, without admission)
+            rows[pos] = new_rows[inverse]
+            return pos, init, inverse
         slot = np.full(len(unique), -1, dtype=np.int64)
         slot[admitted] = np.arange(len(new_ids))
         which = slot[inverse]
         got = which >= 0
         rows[pos[got]] = new_rows[which[got]]
-        return pos[got], init[which[got]]
+        return pos[got], init, which[got]
 
     def lookup(self, ids: Any, create: bool = True) -> np.ndarray:
         """Embeddings of ``ids`` (duplicates allowed): float32 ``[len(ids), dim]``, a new
@@ -229,8 +234,8 @@ class EmbeddingTable:
         missing = self._core.lookup(ids, out, rows, self._step_stamp(), create)
         if missing and create:
             self.version += 1
-            pos, init = self._create(ids, rows, count=True)
-            out[pos] = init[:, :self.dim]
+            pos, init, which = self._create(ids, rows, count=True)
+            out[pos] = init[which, :self.dim]  # only the embeddings are copied out
         return out
 
     def rows(self, ids: Any) -> np.ndarray:
