@@ -77,6 +77,14 @@ class Connection(Wire, asyncio.BufferedProtocol):
         self._gather = sys.version_info >= (3, 12) or type(transport).__module__.startswith("uvloop")
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            if self.outbound and _connected_to_itself(sock):
+                # Dialling a local port nobody listens on yet can connect the socket to
+                # itself (TCP simultaneous open, when the kernel picks that very port as our
+                # source port): it is no peer. Closed here, the dial tries again.
+                self.close_reason = ConnectionRefusedError(
+                    f"connected to itself at {sock.getsockname()}: nothing listens there yet")
+                transport.abort()
+                return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             # Not under TLS: what is left of a payload then says nothing of the bytes the
             # socket must hold (the TLS layer may already have buffered them).
@@ -212,3 +220,10 @@ class Connection(Wire, asyncio.BufferedProtocol):
             self.close_reason = reason
         if self._transport is not None:
             self._transport.abort()
+
+
+def _connected_to_itself(sock: Any) -> bool:
+    try:
+        return bool(sock.getsockname() == sock.getpeername())
+    except OSError:  # already reset: not ours to judge here, connection_lost follows
+        return False

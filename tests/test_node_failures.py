@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -273,3 +274,23 @@ async def test_a_restarted_peer_is_a_new_incarnation_and_works_again(cluster, mo
             await second.send(key("after", incarnation=2), np.arange(2))
             assert (await p.recv(key("after", incarnation=2), timeout=5)).tolist() == [0, 1]
             assert p._peers[WORKER_ID].incarnation == 2
+
+
+@pytest.mark.loop_timeout(20)
+async def test_a_dial_that_connects_to_itself_is_dropped_not_taken_for_the_peer(cluster) -> None:  # type: ignore[no-untyped-def]
+    # Dialling a local port nobody listens on can connect the socket to itself (the kernel
+    # picked that port as the source port). Such a connection must never be taken for the
+    # peer: it is closed at once, so the dial tries again.
+    async with rvz.Node(cluster, "worker", 0, "send", **FAST) as w:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.connect(sock.getsockname())  # simultaneous open with itself
+        sock.setblocking(False)
+        peer = w._core.peer(("ps", 0))
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(lambda: w._connection(outbound=True, peer=peer),
+                                               sock=sock)
+        await eventually(lambda: conn.closed, "the self-connected socket was closed")
+        assert isinstance(conn.close_reason, ConnectionRefusedError), conn.close_reason
+        assert not conn.ready and peer.link is not conn

@@ -326,6 +326,12 @@ class Bench:
             sides[role] = side
         addrs = {"a": a.request({"op": "prepare", "case": sides["a"]})["addr"],
                  "b": b.request({"op": "prepare", "case": sides["b"]})["addr"]}
+        for _ in range(8):
+            # Each worker picks a free port on its own, so on one host both can pick the same
+            # one (each released it before answering): ask again.
+            if addrs["b"] is None or addrs["b"] != addrs["a"]:
+                break
+            addrs["b"] = b.request({"op": "prepare", "case": sides["b"]})["addr"]
         if "t0_ns" in case:  # the rendezvous schedule, in each worker's own clock
             for role, link in (("a", a), ("b", b)):
                 sides[role]["t0_ns"] = case["t0_ns"] + link.offset_ns
