@@ -106,7 +106,8 @@ class Connection(Wire, asyncio.BufferedProtocol):
             self.owner.received_large()
         if self._lowat_sock is not None:
             left = self.decoder.payload_left()
-            self._set_lowat(min(left, LOWAT_MAX) if left >= LOWAT_MIN else 1)
+            if left or self._lowat != 1:  # between small frames: nothing to do, no call
+                self._set_lowat(min(left, LOWAT_MAX) if left >= LOWAT_MIN else 1)
 
     def _set_lowat(self, lowat: int) -> None:
         if lowat != self._lowat and not self.closed:

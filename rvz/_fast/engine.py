@@ -713,11 +713,11 @@ class Core:
         except ValueError:
             table.remove_waiter(route.text, waiter)
             raise
-        if mode == "recv":
+        # Send-Driven too while the producer is blocked on a window full of other keys'
+        # values (see ``unblock``, which asked for the recvs already waiting).
+        if mode == "recv" or peer.owe_now:
             self.request(peer, step, route)
             return (route, table, peer, False, table.stamp)
-        if peer.owe_now:  # the producer is blocked on a window full of other keys' values
-            self.ask_stuck(peer, step, route, table)
         link = peer.link
         dial = (link is None or link.closed) and not peer.live_connections()
         return (route, table, peer, dial, table.stamp)
