@@ -19,7 +19,8 @@ cdef extern from *:
     void PS_PREFETCH(const void *p) noexcept nogil
     void PS_PREFETCHW(const void *p) noexcept nogil
 
-cdef Py_ssize_t MIGRATE_MIN, BLOCK_BYTES, AHEAD, BLOCKS_AHEAD, INDEX_CHUNK
+cdef Py_ssize_t MIGRATE_MIN, BLOCK_BYTES, AHEAD, BLOCKS_AHEAD, INDEX_CHUNK, MAX_ROWS
+cdef uint32_t ROW_BITS, ROW_MASK, TAG_MASK
 
 
 cdef inline uint64_t _mix(int64_t key) noexcept nogil:
@@ -34,88 +35,117 @@ cdef inline Py_ssize_t _home(uint64_t h, Py_ssize_t cap) noexcept nogil:
     return <Py_ssize_t>(((h >> 32) * <uint64_t>cap) >> 32)
 
 
-cdef inline int32_t _probe(const int64_t *keys, const int32_t *vals, Py_ssize_t cap,
-                           int64_t key, uint64_t h) noexcept nogil:
-    """Row of ``key`` in one index (-1: absent)."""
+cdef inline int64_t _id_of(const uint64_t *bids, int shift, int32_t r) noexcept nogil:
+    """The id of row ``r`` (kept with the row's block)."""
+    return (<const int64_t *><size_t>bids[r >> shift])[r & ((<int32_t>1 << shift) - 1)]
+
+
+cdef inline void _set_id(const uint64_t *bids, int shift, int32_t r, int64_t key) noexcept nogil:
+    (<int64_t *><size_t>bids[r >> shift])[r & ((<int32_t>1 << shift) - 1)] = key
+
+
+cdef inline uint32_t _slot(uint64_t h, int32_t r) noexcept nogil:
+    """The slot of row ``r`` for an id of hash ``h``: its tag over r + 1 (slot_of())."""
+    return ((<uint32_t>(h & TAG_MASK)) << ROW_BITS) | <uint32_t>(r + 1)
+
+
+cdef inline int32_t _candidate(const uint32_t *slots, Py_ssize_t cap,
+                               uint64_t h) noexcept nogil:
+    """The row of the first slot in hash ``h``'s probe run that carries its tag (-1: none,
+    so the id is absent from this index). Most often it is the id's row: check its id."""
     cdef Py_ssize_t j = _home(h, cap)
-    cdef int32_t v
+    cdef uint32_t s, tag = <uint32_t>(h & TAG_MASK)
     while True:
-        v = vals[j]
-        if v == 0:
+        s = slots[j]
+        if s == 0:
             return -1
-        if keys[j] == key:
-            return v - 1
+        if (s >> ROW_BITS) == tag:
+            return <int32_t>(s & ROW_MASK) - 1
         j += 1
         if j == cap:
             j = 0
 
 
-cdef inline Py_ssize_t _find_batch(const int64_t *ids, Py_ssize_t n, int32_t *rows,
-                                   const int64_t *keys, const int32_t *vals, Py_ssize_t cap,
-                                   const int64_t *okeys, const int32_t *ovals,
-                                   Py_ssize_t ocap) noexcept nogil:
-    """``rows[i]`` = row of ``ids[i]`` (-1: absent) in the index, then in the old index
-    (``okeys`` not NULL: a growth is moving it over). The home slots of the ids AHEAD
-    positions later are prefetched, so the cache misses of a batch overlap."""
-    cdef Py_ssize_t i, j, found = 0
-    cdef uint64_t h
+cdef inline int32_t _probe(const uint32_t *slots, Py_ssize_t cap, const uint64_t *bids,
+                           int shift, int64_t key, uint64_t h) noexcept nogil:
+    """Row of ``key`` in one index (-1: absent)."""
+    cdef Py_ssize_t j = _home(h, cap)
+    cdef uint32_t s, tag = <uint32_t>(h & TAG_MASK)
     cdef int32_t r
-    for i in range(n):
-        if i + AHEAD < n:
-            j = _home(_mix(ids[i + AHEAD]), cap)
-            PS_PREFETCH(&vals[j])
-            PS_PREFETCH(&keys[j])
-        h = _mix(ids[i])
-        r = _probe(keys, vals, cap, ids[i], h)
-        if r < 0 and okeys != NULL:
-            r = _probe(okeys, ovals, ocap, ids[i], h)
-        rows[i] = r
-        if r >= 0:
-            found += 1
-    return found
+    while True:
+        s = slots[j]
+        if s == 0:
+            return -1
+        if (s >> ROW_BITS) == tag:
+            r = <int32_t>(s & ROW_MASK) - 1
+            if _id_of(bids, shift, r) == key:
+                return r
+        j += 1
+        if j == cap:
+            j = 0
+
+
+cdef inline int32_t _find1(int64_t key, uint64_t h, const uint32_t *slots, Py_ssize_t cap,
+                           const uint32_t *oslots, Py_ssize_t ocap, const uint64_t *bids,
+                           int shift) noexcept nogil:
+    """Row of ``key`` in the index, then in the old one (``oslots`` not NULL: a growth is
+    moving it over); -1: absent."""
+    cdef int32_t r = _probe(slots, cap, bids, shift, key, h)
+    if r < 0 and oslots != NULL:
+        r = _probe(oslots, ocap, bids, shift, key, h)
+    return r
 
 
 cdef inline Py_ssize_t _lookup_batch(const int64_t *ids, Py_ssize_t n, int32_t *rows,
-                                     const int64_t *keys, const int32_t *vals, Py_ssize_t cap,
-                                     const int64_t *okeys, const int32_t *ovals,
-                                     Py_ssize_t ocap, float *out, Py_ssize_t ncols,
+                                     const uint32_t *slots, Py_ssize_t cap,
+                                     const uint32_t *oslots, Py_ssize_t ocap,
+                                     const uint64_t *bids, float *out, Py_ssize_t ncols,
                                      const uint64_t *bdata, const uint64_t *bstamp, int shift,
                                      Py_ssize_t width, bint stamp,
                                      uint32_t step) noexcept nogil:
-    """``_find_batch`` and ``_gather`` in one software pipeline, so that the index misses
-    of later ids and the row misses of earlier ones are in flight together: at position
-    i, the home slots of id i + 2 * AHEAD are prefetched, id i + AHEAD is probed and its
-    row prefetched, and row i is copied out (and stamped). Returns how many were found."""
-    cdef Py_ssize_t i, j, k, line, found = 0, nbytes = 4 * ncols
+    """Rows of ``ids`` into ``rows`` (-1: absent), and, unless ``out`` is NULL, their first
+    ``ncols`` columns into ``out`` (zeros when absent) and (``stamp``) their access stamps
+    set to ``step``. A software pipeline, so that the misses of a batch are in flight
+    together: at position i, the home slots of id i + 2 * AHEAD are prefetched; id
+    i + AHEAD is probed for a slot with its tag, and that candidate row's id (and data) are
+    prefetched; id i is checked against its candidate's id (a full probe when they differ:
+    another id with the same tag) and copied out. Returns how many were found."""
+    cdef Py_ssize_t i, j, line, found = 0, nbytes = 4 * ncols
     cdef Py_ssize_t mask = (<Py_ssize_t>1 << shift) - 1
     cdef uint64_t h
     cdef int32_t r
     cdef const float *src
-    for i in range(-AHEAD, n):
+    for i in range(-2 * AHEAD, n):
         j = i + 2 * AHEAD
         if j < n:
-            k = _home(_mix(ids[j]), cap)
-            PS_PREFETCH(&vals[k])
-            PS_PREFETCH(&keys[k])
+            PS_PREFETCH(&slots[_home(_mix(ids[j]), cap)])
         j = i + AHEAD
-        if j < n:
+        if 0 <= j < n:
             h = _mix(ids[j])
-            r = _probe(keys, vals, cap, ids[j], h)
-            if r < 0 and okeys != NULL:
-                r = _probe(okeys, ovals, ocap, ids[j], h)
+            r = _candidate(slots, cap, h)
+            if r < 0 and oslots != NULL:
+                r = _candidate(oslots, ocap, h)
             rows[j] = r
             if r >= 0:
-                found += 1
-                src = (<const float *><size_t>bdata[r >> shift]) + (r & mask) * width
-                line = 0
-                while line < nbytes:
-                    PS_PREFETCH((<const char *>src) + line)
-                    line += 64
-                if stamp:
-                    PS_PREFETCHW((<uint32_t *><size_t>bstamp[r >> shift]) + (r & mask))
+                PS_PREFETCH((<const int64_t *><size_t>bids[r >> shift]) + (r & mask))
+                if out != NULL:
+                    src = (<const float *><size_t>bdata[r >> shift]) + (r & mask) * width
+                    line = 0
+                    while line < nbytes:
+                        PS_PREFETCH((<const char *>src) + line)
+                        line += 64
+                    if stamp:
+                        PS_PREFETCHW((<uint32_t *><size_t>bstamp[r >> shift]) + (r & mask))
         if i < 0:
             continue
         r = rows[i]
+        if r >= 0 and _id_of(bids, shift, r) != ids[i]:
+            r = _find1(ids[i], _mix(ids[i]), slots, cap, oslots, ocap, bids, shift)
+            rows[i] = r
+        if r >= 0:
+            found += 1
+        if out == NULL:
+            continue
         if r < 0:
             memset(out + i * ncols, 0, nbytes)
             continue
@@ -126,30 +156,38 @@ cdef inline Py_ssize_t _lookup_batch(const int64_t *ids, Py_ssize_t n, int32_t *
     return found
 
 
-cdef inline void _place(int64_t *keys, int32_t *vals, Py_ssize_t cap, int64_t key,
-                        int32_t val) noexcept nogil:
-    """Put ``key`` (known to be absent) in the index."""
-    cdef Py_ssize_t j = _home(_mix(key), cap)
-    while vals[j] != 0:
+cdef inline void _place(uint32_t *slots, Py_ssize_t cap, uint64_t h, uint32_t s) noexcept nogil:
+    """Put slot ``s`` of an id of hash ``h`` (known to be absent) in the index."""
+    cdef Py_ssize_t j = _home(h, cap)
+    while slots[j] != 0:
         j += 1
         if j == cap:
             j = 0
-    keys[j] = key
-    vals[j] = val
+    slots[j] = s
 
 
-cdef inline void _migrate(const int64_t *okeys, const int32_t *ovals, Py_ssize_t start,
-                          Py_ssize_t end, int64_t *keys, int32_t *vals,
-                          Py_ssize_t cap) noexcept nogil:
-    """Move old slots ``start .. end`` into the new index (prefetching their new homes)."""
+cdef inline void _migrate(const uint32_t *oslots, Py_ssize_t start, Py_ssize_t end,
+                          uint32_t *slots, Py_ssize_t cap, const uint64_t *bids,
+                          int shift) noexcept nogil:
+    """Move old slots ``start .. end`` into the new index. A slot moves unchanged; its new
+    home needs its id, read from the row (a random read: rows are in insertion order): the
+    ids 4 * AHEAD slots on are prefetched, and the new homes of those 2 * AHEAD on."""
     cdef Py_ssize_t j, k
+    cdef Py_ssize_t mask = (<Py_ssize_t>1 << shift) - 1
+    cdef uint32_t s
+    cdef int32_t r
     for j in range(start, end):
-        if j + AHEAD < end and ovals[j + AHEAD] != 0:
-            k = _home(_mix(okeys[j + AHEAD]), cap)
-            PS_PREFETCHW(&vals[k])
-            PS_PREFETCHW(&keys[k])
-        if ovals[j] != 0:
-            _place(keys, vals, cap, okeys[j], ovals[j])
+        k = j + 4 * AHEAD
+        if k < end and oslots[k] != 0:
+            r = <int32_t>(oslots[k] & ROW_MASK) - 1
+            PS_PREFETCH((<const int64_t *><size_t>bids[r >> shift]) + (r & mask))
+        k = j + 2 * AHEAD
+        if k < end and oslots[k] != 0:
+            r = <int32_t>(oslots[k] & ROW_MASK) - 1
+            PS_PREFETCHW(&slots[_home(_mix(_id_of(bids, shift, r)), cap)])
+        s = oslots[j]
+        if s != 0:
+            _place(slots, cap, _mix(_id_of(bids, shift, <int32_t>(s & ROW_MASK) - 1)), s)
 
 
 cdef inline void _gather(const int32_t *rows, Py_ssize_t n, float *out, Py_ssize_t ncols,
@@ -318,30 +356,32 @@ cdef class RowTable:
     cdef readonly Py_ssize_t nblocks
     cdef readonly Py_ssize_t nfree
     cdef readonly Py_ssize_t next_row
-    cdef object _keys_arr, _vals_arr, _okeys_arr, _ovals_arr, _free_arr
+    cdef object _slots_arr, _oslots_arr, _free_arr
     cdef object _next_index
     cdef Py_ssize_t _next_cap
     cdef list _next_chunks
     cdef bint _next_ready
     cdef list _next_blocks
-    cdef list _data, _stamp, _mver
-    cdef object _bdata_arr, _bstamp_arr, _bmver_arr
-    cdef int64_t[::1] keys
-    cdef int32_t[::1] vals
-    cdef int64_t[::1] okeys
-    cdef int32_t[::1] ovals
+    cdef list _data, _ids, _stamp, _mver
+    cdef object _bdata_arr, _bids_arr, _bstamp_arr, _bmver_arr
+    cdef uint32_t[::1] slots
+    cdef uint32_t[::1] oslots
     cdef int32_t[::1] free
     cdef uint64_t[::1] bdata
+    cdef uint64_t[::1] bids
     cdef uint64_t[::1] bstamp
     cdef uint64_t[::1] bmver
 
-    @cython.locals(cap=Py_ssize_t, j=Py_ssize_t, v=int32_t, h=uint64_t, r=int32_t)
+    cdef int64_t _row_id(self, int32_t r) except? -1
+    cdef _set_row_id(self, int32_t r, int64_t key)
+
+    @cython.locals(h=uint64_t, r=int32_t)
     cdef int32_t _find(self, int64_t key) except -2
 
-    @cython.locals(cap=Py_ssize_t, j=Py_ssize_t)
-    cdef _place_py(self, int64_t key, int32_t val)
+    @cython.locals(cap=Py_ssize_t, j=Py_ssize_t, h=uint64_t)
+    cdef _place_py(self, int64_t key, int32_t r)
 
-    @cython.locals(start=Py_ssize_t, end=Py_ssize_t, j=Py_ssize_t, v=int32_t, key=int64_t)
+    @cython.locals(start=Py_ssize_t, end=Py_ssize_t, j=Py_ssize_t, s=uint32_t, r=int32_t)
     cpdef bint migrate(self, Py_ssize_t budget) except -1
 
     cdef bint _should_grow(self) except -1
@@ -355,9 +395,8 @@ cdef class RowTable:
     @cython.locals(rows=Py_ssize_t, b=Py_ssize_t)
     cdef _grow_rows(self)
 
-    cdef _set_block(self, Py_ssize_t b, object data, object stamp, object mver)
-    cdef list _new_block(self)
-    cdef list _block_shapes(self)
+    cdef _set_block(self, Py_ssize_t b, list block)
+    cdef list _block_shapes(self, Py_ssize_t rows)
 
     cdef _prepare_rows(self)
 
@@ -405,12 +444,17 @@ cdef class RowTable:
     cpdef get_mvers(self, const int32_t[::1] rows, uint32_t[::1] out)
 
     @cython.locals(n=Py_ssize_t, removed=Py_ssize_t, cap=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t,
-                   hole=Py_ssize_t, h=Py_ssize_t, v=int32_t, key=int64_t, movable=bint)
+                   hole=Py_ssize_t, h=Py_ssize_t, s=uint32_t, key=int64_t, movable=bint)
     cpdef Py_ssize_t remove(self, const int64_t[::1] ids) except -1
+
+    cdef Py_ssize_t _home_of(self, int64_t key, Py_ssize_t cap)
+
+    @cython.locals(j=Py_ssize_t, tag=uint32_t, s=uint32_t)
+    cdef Py_ssize_t _probe_slot(self, int64_t key, Py_ssize_t cap) except -2
 
     cdef _push_free(self, int32_t r)
 
-    @cython.locals(cap=Py_ssize_t, n=Py_ssize_t, j=Py_ssize_t, v=int32_t)
+    @cython.locals(cap=Py_ssize_t, n=Py_ssize_t, j=Py_ssize_t, s=uint32_t, r=int32_t)
     cpdef Py_ssize_t items(self, int64_t[::1] ids, int32_t[::1] rows) except -1
 
     cpdef list blocks(self)

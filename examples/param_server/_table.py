@@ -8,18 +8,22 @@ compiled module calls those; as Python, the same work is done by loops and numpy
 
 Layout (``RowTable``):
 
-* an open-addressing index: two parallel arrays, ``keys`` (int64 ids) and ``vals`` (row
-  number + 1; 0 marks an empty slot), linear probing from a home slot picked by SplitMix64
-  of the id scaled to the capacity (multiply-shift, so any capacity works). The index grows
-  by 1.5x when it is 80% full, so it is 53-80% full: 15-22.5 bytes per id (plus, from 75%
-  load until the move to a grown index is over, the next index: 22.5 more). (A higher
-  load saves little memory and lengthens probe runs past the prefetched cache line.)
+* an open-addressing index of 4-byte slots, linear probing from a home slot picked by
+  SplitMix64 of the id scaled to the capacity (multiply-shift, so any capacity works). A
+  slot holds the row number + 1 in its low ``ROW_BITS`` bits (0: an empty slot) and a tag,
+  5 more bits of the id's hash, above them. The id itself is kept with its row: a probe
+  reads a row's id only where the tag matches, so about one slot in 32 of the others costs
+  that read. The index grows by 1.5x when it is 80% full, so it is 53-80% full: 5-7.5 bytes
+  per id (plus, from 75% load until the move to a grown index is over, the next index: 7.5
+  more). Slots this small are why the id lives with the row: 12-byte slots (id and row)
+  cost 15-22.5 bytes per id, and 37.5 at the worst moment of a growth.
 * rows live in blocks of ``block_rows`` rows (a power of two, about ``BLOCK_BYTES`` each):
   a float32 matrix ``[block_rows, width]`` (the embedding and its optimizer slots side by
-  side) and two uint32 per row, ``stamp`` (the step of the last access, for TTL and LRU
-  eviction) and ``mver`` (the table version of the last change, for incremental
-  checkpoints). Row ``r`` is row ``r & (block_rows - 1)`` of block ``r >> block_shift``.
-  Freed rows are reused first.
+  side), the int64 id of each row, and two uint32 per row, ``stamp`` (the step of the last
+  access, for TTL and LRU eviction) and ``mver`` (the table version of the last change, for
+  incremental checkpoints). Row ``r`` is row ``r & (block_rows - 1)`` of block
+  ``r >> block_shift``. Freed rows are reused first. So an id costs its row plus 16 bytes,
+  plus its share of the index: 21-31 bytes in all, through growth too.
 
 Growth never stops serving for long. More rows are one more block (never copied; only a
 table's first block doubles, up to ``block_rows``). A grown index starts empty beside the
@@ -28,8 +32,10 @@ index, then the old one, until the move is over). The OS backing fresh memory pa
 is slow on virtual machines (microseconds a page), so a helper thread maps the next row
 blocks and the next index ahead of their use, off the serving thread.
 
-Batch lookups prefetch: the home slots of the id ``AHEAD`` positions on, then its row, are
-requested from memory before they are needed, so a batch's cache misses overlap.
+Batch lookups run as a pipeline, so that a batch's cache misses overlap: the home slots of
+the id ``2 * AHEAD`` positions on are requested from memory, the id ``AHEAD`` on is probed
+for a slot with its tag and that row's id and data are requested, and the id at hand is
+checked against its row's id and copied out.
 """
 
 from __future__ import annotations
@@ -49,6 +55,10 @@ BLOCK_BYTES = 8 << 20      # bytes of one row block (rows are a power of two)
 AHEAD = 8                  # how many ids ahead the batch loops prefetch
 BLOCKS_AHEAD = 2           # row blocks kept mapped ahead of use
 INDEX_CHUNK = 256 << 10    # bytes of the next index per piece of work mapping it
+ROW_BITS = 27              # a slot's bits for row + 1; the 5 above them are the id's tag
+ROW_MASK = (1 << ROW_BITS) - 1
+TAG_MASK = 31
+MAX_ROWS = ROW_MASK        # rows of one table (row + 1 must fit ROW_BITS): shard beyond it
 
 
 def mix(key):
@@ -62,6 +72,11 @@ def mix(key):
 def home(h, cap):
     """The home slot of hash ``h`` in an index of ``cap`` slots (cap < 2**32)."""
     return ((h >> 32) * cap) >> 32
+
+
+def slot_of(h, row):
+    """The index slot of row ``row`` for an id of hash ``h``: its tag over row + 1."""
+    return ((h & TAG_MASK) << ROW_BITS) | (int(row) + 1)
 
 
 def normal_fill(ids, salt, table, scale, out, ncols):
@@ -242,20 +257,16 @@ class RowTable:
             raise ValueError("width must be positive")
         self.width = width
         cap = max(16, (capacity * 5) // 4 + 1)
-        self._keys_arr = zeroed(cap, np.int64)
-        self._vals_arr = zeroed(cap, np.int32)
-        self.keys = self._keys_arr
-        self.vals = self._vals_arr
+        self._slots_arr = zeroed(cap, np.uint32)
+        self.slots = self._slots_arr
         self.capacity = cap
         self.size = 0
         self.migrating = False
-        self._okeys_arr = None
-        self._ovals_arr = None
-        self.okeys = None
-        self.ovals = None
+        self._oslots_arr = None
+        self.oslots = None
         self.ocap = 0
         self.opos = 0
-        self._next_index = None    # the next index's arrays, mapped ahead in chunks
+        self._next_index = None    # the next index's slots, mapped ahead in chunks
         self._next_cap = 0
         self._next_chunks = []     # (future, bytes) of its chunks still being mapped
         self._next_ready = False
@@ -266,12 +277,15 @@ class RowTable:
         self.block_shift = shift
         self.block_rows = 1 << shift
         self._data = []
+        self._ids = []
         self._stamp = []
         self._mver = []
         self._bdata_arr = np.zeros(16, dtype=np.uint64)
+        self._bids_arr = np.zeros(16, dtype=np.uint64)
         self._bstamp_arr = np.zeros(16, dtype=np.uint64)
         self._bmver_arr = np.zeros(16, dtype=np.uint64)
         self.bdata = self._bdata_arr
+        self.bids = self._bids_arr
         self.bstamp = self._bstamp_arr
         self.bmver = self._bmver_arr
         self.nblocks = 0
@@ -279,8 +293,7 @@ class RowTable:
         while first < capacity and first < self.block_rows:
             first *= 2
         first = min(first, self.block_rows)
-        self._set_block(0, zeroed((first, width), np.float32), zeroed(first, np.uint32),
-                        zeroed(first, np.uint32))
+        self._set_block(0, [zeroed(shape, dtype) for shape, dtype in self._block_shapes(first)])
         self.row_cap = first
         self._free_arr = np.zeros(64, dtype=np.int32)
         self.free = self._free_arr
@@ -289,56 +302,58 @@ class RowTable:
 
     # -- the index ------------------------------------------------------------------------------
 
+    def _row_id(self, r):
+        """The id of row ``r``."""
+        if cython.compiled:
+            return _id_of(cython.address(self.bids[0]), self.block_shift, r)  # noqa: F821
+        return int(self._ids[r >> self.block_shift][r & (self.block_rows - 1)])
+
+    def _set_row_id(self, r, key):
+        if cython.compiled:
+            _set_id(cython.address(self.bids[0]), self.block_shift, r, key)  # noqa: F821
+            return
+        self._ids[r >> self.block_shift][r & (self.block_rows - 1)] = key
+
     def _find(self, key):
         """Row of ``key``, -1 if absent (the per-id path; batches use the kernels)."""
         if cython.compiled:
-            h = _mix(key)  # noqa: F821 - C kernels of _table.pxd
-            r = _probe(cython.address(self.keys[0]), cython.address(self.vals[0]),  # noqa: F821
-                       self.capacity, key, h)
-            if r < 0 and self.migrating:
-                r = _probe(cython.address(self.okeys[0]), cython.address(self.ovals[0]),  # noqa: F821
-                           self.ocap, key, h)
-            return r
+            return _find1(key, _mix(key), cython.address(self.slots[0]), self.capacity,  # noqa: F821
+                          cython.address(self.oslots[0]) if self.migrating else cython.NULL,
+                          self.ocap, cython.address(self.bids[0]), self.block_shift)
         h = mix(int(key))
-        cap = self.capacity
+        r = self._probe_py(self.slots, self.capacity, key, h)
+        if r < 0 and self.migrating:
+            r = self._probe_py(self.oslots, self.ocap, key, h)
+        return r
+
+    def _probe_py(self, slots, cap, key, h):
+        """Row of ``key`` (hash ``h``) in one index, -1 if absent (pure Python)."""
+        tag = h & TAG_MASK
         j = home(h, cap)
         while True:
-            v = self.vals[j]
-            if v == 0:
-                break
-            if self.keys[j] == key:
-                return v - 1
+            s = int(slots[j])
+            if s == 0:
+                return -1
+            if s >> ROW_BITS == tag and self._row_id((s & ROW_MASK) - 1) == key:
+                return (s & ROW_MASK) - 1
             j += 1
             if j == cap:
                 j = 0
-        if self.migrating:
-            cap = self.ocap
-            j = home(h, cap)
-            while True:
-                v = self.ovals[j]
-                if v == 0:
-                    return -1
-                if self.okeys[j] == key:
-                    return v - 1
-                j += 1
-                if j == cap:
-                    j = 0
-        return -1
 
-    def _place_py(self, key, val):
-        """Put ``key`` (known to be absent) in the current index."""
+    def _place_py(self, key, r):
+        """Put ``key`` (known to be absent) in the current index, at row ``r``."""
         if cython.compiled:
-            _place(cython.address(self.keys[0]), cython.address(self.vals[0]),  # noqa: F821
-                   self.capacity, key, val)
+            h = _mix(key)  # noqa: F821
+            _place(cython.address(self.slots[0]), self.capacity, h, _slot(h, r))  # noqa: F821
             return
         cap = self.capacity
-        j = home(mix(int(key)), cap)
-        while self.vals[j] != 0:
+        h = mix(int(key))
+        j = home(h, cap)
+        while self.slots[j] != 0:
             j += 1
             if j == cap:
                 j = 0
-        self.keys[j] = key
-        self.vals[j] = val
+        self.slots[j] = slot_of(h, r)
 
     def migrate(self, budget):
         """Move up to ``budget`` slots of the old index into the new one; True when done."""
@@ -347,22 +362,20 @@ class RowTable:
         start = self.opos
         end = min(start + budget, self.ocap)
         if cython.compiled:
-            _migrate(cython.address(self.okeys[0]), cython.address(self.ovals[0]),  # noqa: F821
-                     start, end, cython.address(self.keys[0]), cython.address(self.vals[0]),
-                     self.capacity)
+            _migrate(cython.address(self.oslots[0]), start, end,  # noqa: F821
+                     cython.address(self.slots[0]), self.capacity, cython.address(self.bids[0]),
+                     self.block_shift)
         else:
             for j in range(start, end):
-                v = self.ovals[j]
-                if v != 0:
-                    key = self.okeys[j]
-                    self._place_py(key, v)
+                s = int(self.oslots[j])
+                if s != 0:
+                    r = (s & ROW_MASK) - 1
+                    self._place_py(self._row_id(r), r)
         self.opos = end
         if end == self.ocap:
             self.migrating = False
-            self.okeys = None
-            self.ovals = None
-            self._okeys_arr = None
-            self._ovals_arr = None
+            self.oslots = None
+            self._oslots_arr = None
             self.ocap = 0
             return True
         return False
@@ -375,15 +388,14 @@ class RowTable:
         if self._next_index is not None or self.migrating or self.size * 4 < self.capacity * 3:
             return
         cap = self.capacity + self.capacity // 2 + 1
-        arrays = [zeroed(cap, np.int64), zeroed(cap, np.int32)]
+        slots = zeroed(cap, np.uint32)
         self._next_cap = cap
-        self._next_index = arrays
+        self._next_index = slots
         self._next_chunks = []
-        for array in arrays:
-            data = array.view(np.uint8)
-            for start in range(0, data.shape[0], INDEX_CHUNK):
-                part = data[start:start + INDEX_CHUNK]
-                self._next_chunks.append((_prepare(touch_pages, part), part))
+        data = slots.view(np.uint8)
+        for start in range(0, data.shape[0], INDEX_CHUNK):
+            part = data[start:start + INDEX_CHUNK]
+            self._next_chunks.append((_prepare(touch_pages, part), part))
         self._next_ready = False
 
     def _help_prepare(self):
@@ -409,10 +421,8 @@ class RowTable:
         if self.migrating:
             self.migrate(self.ocap)
         cap = self.capacity + self.capacity // 2 + 1
-        self._okeys_arr = self._keys_arr
-        self._ovals_arr = self._vals_arr
-        self.okeys = self._okeys_arr
-        self.ovals = self._ovals_arr
+        self._oslots_arr = self._slots_arr
+        self.oslots = self._oslots_arr
         self.ocap = self.capacity
         self.opos = 0
         self.migrating = True
@@ -423,53 +433,52 @@ class RowTable:
             for future, _ in self._next_chunks:
                 if not future.cancel():
                     future.result()
-            self._keys_arr, self._vals_arr = self._next_index
+            self._slots_arr = self._next_index
         else:
-            self._keys_arr = zeroed(cap, np.int64)
-            self._vals_arr = zeroed(cap, np.int32)
+            self._slots_arr = zeroed(cap, np.uint32)
         self._next_index = None
         self._next_cap = 0
         self._next_chunks = []
         self._next_ready = False
-        self.keys = self._keys_arr
-        self.vals = self._vals_arr
+        self.slots = self._slots_arr
         self.capacity = cap
 
     # -- rows -----------------------------------------------------------------------------------
 
-    def _set_block(self, b, data, stamp, mver):
+    def _set_block(self, b, block):
+        """Block ``b`` is ``block``: its rows, ids, stamps and versions (see _block_shapes)."""
         if b == self.nblocks:
             if b == self._bdata_arr.shape[0]:
-                self._bdata_arr = np.concatenate([self._bdata_arr, np.zeros(b, dtype=np.uint64)])
-                self._bstamp_arr = np.concatenate([self._bstamp_arr, np.zeros(b, dtype=np.uint64)])
-                self._bmver_arr = np.concatenate([self._bmver_arr, np.zeros(b, dtype=np.uint64)])
+                more = np.zeros(b, dtype=np.uint64)
+                self._bdata_arr = np.concatenate([self._bdata_arr, more])
+                self._bids_arr = np.concatenate([self._bids_arr, more])
+                self._bstamp_arr = np.concatenate([self._bstamp_arr, more])
+                self._bmver_arr = np.concatenate([self._bmver_arr, more])
                 self.bdata = self._bdata_arr
+                self.bids = self._bids_arr
                 self.bstamp = self._bstamp_arr
                 self.bmver = self._bmver_arr
-            self._data.append(data)
-            self._stamp.append(stamp)
-            self._mver.append(mver)
+            self._data.append(None)
+            self._ids.append(None)
+            self._stamp.append(None)
+            self._mver.append(None)
             self.nblocks += 1
-        else:
-            self._data[b] = data
-            self._stamp[b] = stamp
-            self._mver[b] = mver
-        self.bdata[b] = _address(data)
-        self.bstamp[b] = _address(stamp)
-        self.bmver[b] = _address(mver)
+        self._data[b], self._ids[b], self._stamp[b], self._mver[b] = block
+        self.bdata[b] = _address(block[0])
+        self.bids[b] = _address(block[1])
+        self.bstamp[b] = _address(block[2])
+        self.bmver[b] = _address(block[3])
 
     def _grow_rows(self):
         rows = self.row_cap
         if self.nblocks == 1 and rows < self.block_rows:
             # The first block doubles (a small copy: at most half a block) until it is full.
             grown = min(2 * rows, self.block_rows)
-            data = zeroed((grown, self.width), np.float32)
-            data[:rows] = self._data[0]
-            stamp = zeroed(grown, np.uint32)
-            stamp[:rows] = self._stamp[0]
-            mver = zeroed(grown, np.uint32)
-            mver[:rows] = self._mver[0]
-            self._set_block(0, data, stamp, mver)
+            block = [zeroed(shape, dtype) for shape, dtype in self._block_shapes(grown)]
+            for new, old in zip(block, (self._data[0], self._ids[0], self._stamp[0],
+                                        self._mver[0]), strict=True):
+                new[:rows] = old
+            self._set_block(0, block)
             self.row_cap = grown
             return
         # Nothing is copied: one more block, normally mapped ahead by the helper thread
@@ -478,17 +487,15 @@ class RowTable:
         if block is not None:
             del self._next_blocks[0]
         else:
-            block = self._new_block()
-        self._set_block(self.nblocks, block[0], block[1], block[2])
+            block = [zeroed(shape, dtype) for shape, dtype in self._block_shapes(self.block_rows)]
+        self._set_block(self.nblocks, block)
         self.row_cap += self.block_rows
         self._prepare_rows()
 
-    def _new_block(self):
-        return [zeroed(shape, dtype) for shape, dtype in self._block_shapes()]
-
-    def _block_shapes(self):
-        return [((self.block_rows, self.width), np.float32), (self.block_rows, np.uint32),
-                (self.block_rows, np.uint32)]
+    def _block_shapes(self, rows):
+        """A block of ``rows`` rows: the rows, their ids, access stamps and change versions."""
+        return [((rows, self.width), np.float32), (rows, np.int64), (rows, np.uint32),
+                (rows, np.uint32)]
 
     def _prepare_rows(self):
         """Keep ``BLOCKS_AHEAD`` row blocks mapped ahead by the helper thread once the table
@@ -496,12 +503,15 @@ class RowTable:
         if self.row_cap < self.block_rows:
             return
         while len(self._next_blocks) < BLOCKS_AHEAD:
-            self._next_blocks.append(_prepare(_mapped_new, self._block_shapes()))
+            self._next_blocks.append(_prepare(_mapped_new, self._block_shapes(self.block_rows)))
 
     def _alloc_row(self):
         if self.nfree > 0:
             self.nfree -= 1
             return self.free[self.nfree]
+        if self.next_row >= MAX_ROWS:
+            raise OverflowError(f"a table holds at most {MAX_ROWS} rows in one process: "
+                                "spread it over more shards")
         if self.next_row == self.row_cap:
             self._grow_rows()
         r = self.next_row
@@ -537,11 +547,11 @@ class RowTable:
             with cython.nogil:
                 found = _lookup_batch(  # noqa: F821
                     cython.address(ids[0]), n, cython.address(rows[0]),
-                    cython.address(self.keys[0]), cython.address(self.vals[0]), self.capacity,
-                    cython.address(self.okeys[0]) if self.migrating else cython.NULL,
-                    cython.address(self.ovals[0]) if self.migrating else cython.NULL, self.ocap,
-                    cython.address(out[0, 0]), out.shape[1], cython.address(self.bdata[0]),
-                    cython.address(self.bstamp[0]), self.block_shift, self.width, stamp, step)
+                    cython.address(self.slots[0]), self.capacity,
+                    cython.address(self.oslots[0]) if self.migrating else cython.NULL, self.ocap,
+                    cython.address(self.bids[0]), cython.address(out[0, 0]), out.shape[1],
+                    cython.address(self.bdata[0]), cython.address(self.bstamp[0]),
+                    self.block_shift, self.width, stamp, step)
         else:
             found = self.find(ids, rows)
             self._gather_py(rows, out, 0, stamp, step)
@@ -555,12 +565,13 @@ class RowTable:
         if n == 0:
             return 0
         if cython.compiled:
-            with cython.nogil:
-                found = _find_batch(  # noqa: F821
+            with cython.nogil:  # the lookup kernel without rows to copy out
+                found = _lookup_batch(  # noqa: F821
                     cython.address(ids[0]), n, cython.address(rows[0]),
-                    cython.address(self.keys[0]), cython.address(self.vals[0]), self.capacity,
-                    cython.address(self.okeys[0]) if self.migrating else cython.NULL,
-                    cython.address(self.ovals[0]) if self.migrating else cython.NULL, self.ocap)
+                    cython.address(self.slots[0]), self.capacity,
+                    cython.address(self.oslots[0]) if self.migrating else cython.NULL, self.ocap,
+                    cython.address(self.bids[0]), cython.NULL, 0, cython.address(self.bdata[0]),
+                    cython.address(self.bstamp[0]), self.block_shift, self.width, False, 0)
             return found
         found = 0
         for i in range(n):
@@ -579,7 +590,8 @@ class RowTable:
                 self._grow_index()
             r = self._alloc_row()
             key = ids[i]
-            self._place_py(key, r + 1)
+            self._set_row_id(r, key)
+            self._place_py(key, r)
             self.size += 1
             rows[i] = r
         self._meta_set(rows, version, 1)
@@ -714,22 +726,10 @@ class RowTable:
         cap = self.capacity
         for i in range(n):
             key = ids[i]
-            if cython.compiled:
-                j = _home(_mix(key), cap)  # noqa: F821
-            else:
-                j = home(mix(int(key)), cap)
-            while True:
-                v = self.vals[j]
-                if v == 0:
-                    break
-                if self.keys[j] == key:
-                    break
-                j += 1
-                if j == cap:
-                    j = 0
-            if v == 0:
+            j = self._probe_slot(key, cap)
+            if j < 0:
                 continue
-            self._push_free(v - 1)
+            self._push_free((self.slots[j] & ROW_MASK) - 1)
             self.size -= 1
             removed += 1
             # Backward-shift deletion: pull later entries of the run into the hole when their
@@ -739,23 +739,41 @@ class RowTable:
                 j += 1
                 if j == cap:
                     j = 0
-                v = self.vals[j]
-                if v == 0:
+                s = self.slots[j]
+                if s == 0:
                     break
-                if cython.compiled:
-                    h = _home(_mix(self.keys[j]), cap)  # noqa: F821
-                else:
-                    h = home(mix(int(self.keys[j])), cap)
+                h = self._home_of(self._row_id((s & ROW_MASK) - 1), cap)
                 if hole <= j:
                     movable = h <= hole or h > j
                 else:
                     movable = h <= hole and h > j
                 if movable:
-                    self.keys[hole] = self.keys[j]
-                    self.vals[hole] = v
+                    self.slots[hole] = s
                     hole = j
-            self.vals[hole] = 0
+            self.slots[hole] = 0
         return removed
+
+    def _home_of(self, key, cap):
+        if cython.compiled:
+            return _home(_mix(key), cap)  # noqa: F821
+        return home(mix(int(key)), cap)
+
+    def _probe_slot(self, key, cap):
+        """The slot of ``key`` in the current index, -1 if absent (no growth in progress)."""
+        j = self._home_of(key, cap)
+        if cython.compiled:
+            tag = _mix(key) & TAG_MASK  # noqa: F821
+        else:
+            tag = mix(int(key)) & TAG_MASK
+        while True:
+            s = self.slots[j]
+            if s == 0:
+                return -1
+            if s >> ROW_BITS == tag and self._row_id((s & ROW_MASK) - 1) == key:
+                return j
+            j += 1
+            if j == cap:
+                j = 0
 
     def _push_free(self, r):
         if self.nfree == self.free.shape[0]:
@@ -770,17 +788,21 @@ class RowTable:
         """Every live (id, row number) into ``ids`` and ``rows`` (len >= size); returns size."""
         self.finish()
         if not cython.compiled:
-            live = np.flatnonzero(self._vals_arr)
-            ids[:len(live)] = self._keys_arr[live]
-            rows[:len(live)] = self._vals_arr[live] - 1
-            return len(live)
+            live = self._slots_arr[self._slots_arr != 0]
+            found = (live & ROW_MASK).astype(np.int64) - 1
+            rows[:len(found)] = found
+            for b in np.unique(found >> self.block_shift).tolist():
+                sel = np.flatnonzero((found >> self.block_shift) == b)
+                ids[sel] = self._ids[b][found[sel] & (self.block_rows - 1)]
+            return len(found)
         cap = self.capacity
         n = 0
         for j in range(cap):
-            v = self.vals[j]
-            if v != 0:
-                ids[n] = self.keys[j]
-                rows[n] = v - 1
+            s = self.slots[j]
+            if s != 0:
+                r = (s & ROW_MASK) - 1
+                ids[n] = self._row_id(r)
+                rows[n] = r
                 n += 1
         return n
 
@@ -800,12 +822,12 @@ class RowTable:
 
     def index_bytes(self):
         """Bytes of the index and per-row metadata (not the rows themselves)."""
-        total = self._keys_arr.nbytes + self._vals_arr.nbytes + self._free_arr.nbytes
-        total += 8 * self.row_cap  # stamp and mver
-        total += 3 * self._bdata_arr.nbytes
+        total = self._slots_arr.nbytes + self._free_arr.nbytes
+        total += 16 * self.row_cap  # id, stamp and mver
+        total += 4 * self._bdata_arr.nbytes
         if self.migrating:
-            total += self._okeys_arr.nbytes + self._ovals_arr.nbytes
+            total += self._oslots_arr.nbytes
         if self._next_index is not None:
-            total += 12 * self._next_cap
-        total += 8 * self.block_rows * len(self._next_blocks)
+            total += 4 * self._next_cap
+        total += 16 * self.block_rows * len(self._next_blocks)
         return total
