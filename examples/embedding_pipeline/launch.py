@@ -147,33 +147,24 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
                                                name=f"worker{w}", daemon=True)
         for p in procs.values():
             p.start()
-        deadline = time.monotonic() + spec.timeout
-        workers = [procs[("worker", w)] for w in range(spec.workers)]
-        while True:
+        def drain(timeout: float) -> None:
+            """Take every report that arrives, until none came for ``timeout`` seconds."""
             try:
                 while True:
-                    job, task, report = results.get(timeout=0.05)
+                    job, task, report = results.get(timeout=timeout)
                     reports[(job, task)] = report
             except queue.Empty:
                 pass
-            if all(p.exitcode is not None for p in workers):
-                break
-            if time.monotonic() > deadline:
-                break
+
+        deadline = time.monotonic() + spec.timeout
+        workers = [procs[("worker", w)] for w in range(spec.workers)]
+        while any(p.exitcode is None for p in workers) and time.monotonic() <= deadline:
+            drain(0.05)
         # The shards finish once every worker left; give them (and the queue) a moment.
         end = time.monotonic() + 10
         while time.monotonic() < end and any(p.exitcode is None for p in procs.values()):
-            try:
-                job, task, report = results.get(timeout=0.05)
-                reports[(job, task)] = report
-            except queue.Empty:
-                pass
-        try:
-            while True:
-                job, task, report = results.get(timeout=0.1)
-                reports[(job, task)] = report
-        except queue.Empty:
-            pass
+            drain(0.05)
+        drain(0.1)
         problems = []
         for (job, task), p in procs.items():
             report = reports.get((job, task))
