@@ -353,6 +353,30 @@ async def test_payload_above_the_limit_is_refused() -> None:
     assert len(feed(ok, HELLO + data_frame(np.zeros(1000, np.uint8)))) == 2
 
 
+async def test_keys_seen_again_decode_to_their_own_text() -> None:
+    # The compiled decoder remembers decoded keys in 256 slots picked by a hash of their
+    # bytes. 1000 distinct keys share those slots: short ones, long ones that differ in
+    # their last byte only, and keys that are not ASCII; each comes three times, shuffled.
+    keys = ([f"k{i:04d}" for i in range(600)]
+            + [KEY[:-1] + chr(c) for c in range(33, 127)] + [f"{KEY}{i:03d}" for i in range(106)]
+            + [f"ключ-{i}" for i in range(200)])
+    order = keys * 3
+    random.Random(5).shuffle(order)
+    stream = HELLO + b"".join(data_frame(np.int32([i]), k=k.encode()) for i, k in enumerate(order))
+    events = feed(codec.Decoder(), stream)[1:]
+    assert [e[3] for e in events] == order
+    assert [int(e[4][0]) for e in events] == list(range(len(order)))
+
+
+async def test_a_1d_shape_whose_size_overflows_64_bits_is_refused() -> None:
+    # (2**61 + 1) float64 is 2**64 + 8 bytes: 8 bytes once wrapped to 64 bits. A frame
+    # announcing that shape with an 8-byte payload must fail, not make an array.
+    code = codec.dtype_code(np.dtype("<f8"))
+    frame = raw_data(1, 0, KEYB, code, (2**61 + 1,), bytes(8))
+    with pytest.raises(rvz.ProtocolError, match="does not match"):
+        feed(codec.Decoder(), HELLO + frame)
+
+
 async def test_mismatch_error_names_key_dtype_and_shape() -> None:
     with pytest.raises(rvz.ProtocolError) as info:
         feed(codec.Decoder(), MALFORMED["payload-shape-mismatch"])

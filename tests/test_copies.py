@@ -143,6 +143,7 @@ async def test_small_frames_of_one_iteration_leave_in_at_most_two_writes(cluster
         assert [int(v[0]) for v in got] == list(range(20))
         with_requests = [frame_types(d).count(_impl.codec.REQUEST) for d in written]
         assert sum(with_requests) == 20
-        # The first frame leaves at once (latency), the other 19 of that iteration together.
+        # The first frame leaves at once (the iteration before wrote one frame), the other 19
+        # of that iteration together at its end.
         assert len([n for n in with_requests if n]) <= 2, with_requests
         assert max(with_requests) >= 19, with_requests

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import struct
+from typing import Any
 
 import numpy as np
 import pytest
 
 import rvz
+from rvz import _impl
 
-from .conftest import FAST, eventually, key, pair, pending
+from .conftest import FAST, PS, WORKER, eventually, key, pair, pending
 
 MIB = 1 << 20
 SIZE = 256 << 10          # bytes per array
@@ -318,3 +321,94 @@ async def test_a_batch_waiting_behind_a_full_window_is_asked_for(cluster) -> Non
             await asyncio.wait_for(producer, 10)
         finally:
             producer.cancel()
+
+
+def _record_writes(conn: Any) -> tuple[list[list[int]], Any]:
+    """Route ``conn``'s small writes through a recorder: the frame types of each write."""
+    written: list[list[int]] = []
+    transport = conn._transport
+    real_write = transport.write
+    header = struct.Struct("<BBHIQ")
+
+    class Recording:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(transport, name)
+
+        def write(self, data: Any) -> None:
+            data = bytes(data)
+            types, pos = [], 0
+            while pos < len(data):
+                _, ftype, _, meta_len, payload_len = header.unpack_from(data, pos)
+                types.append(ftype)
+                pos += header.size + meta_len + payload_len
+            written.append(types)
+            real_write(data)
+
+    conn._transport = Recording()
+    return written, transport
+
+
+@pytest.mark.loop_timeout(20)
+async def test_recv_driven_exchange_writes_answer_and_next_request_together(cluster) -> None:  # type: ignore[no-untyped-def]
+    # A node that answers a request and then asks for its reply (Recv-Driven ping-pong)
+    # writes the two frames in one write once it has seen that pattern: not the answer at
+    # once and the request at the end of the iteration, which costs a second write here and
+    # a second wake-up at the peer.  A lone frame goes back to leaving at once.
+    ping, pong = key("ping", src=PS, dst=WORKER), key("pong")
+    # No heartbeat within the test: a ping or a credit return of its own would be a lone
+    # frame between the exchanges.
+    async with pair(cluster, "recv", heartbeat=5.0, peer_timeout=30.0) as (w, p):
+        async def echo() -> None:
+            while True:
+                value = await w.recv(ping, timeout=10)
+                await w.send(pong, value)
+                if value[0] < 0:
+                    return
+
+        await w.send(key("warmup"), np.arange(1))
+        await p.recv(key("warmup"), timeout=5)   # linked: both use the connection p dialled
+        peer = p._peers[("worker", 0)]
+        conn = peer.link
+        assert conn is not None
+
+        def asked() -> bool:
+            return any(c.parked for c in peer.live_connections())
+
+        echoing = asyncio.ensure_future(echo())
+        try:
+            written, transport = _record_writes(conn)
+            try:
+                rounds = 12
+                for i in range(rounds):
+                    # The echo's request for this ping is parked here: the send answers it.
+                    await eventually(asked, "the echo asked for a ping")
+                    await p.send(ping, np.array([i]))
+                    assert (await p.recv(pong, timeout=5))[0] == i
+                data = _impl.codec.DATA
+                request = _impl.codec.REQUEST
+                exchanges = [t for t in written if data in t]
+                assert len(exchanges) == rounds, written
+                # The first exchange writes its answer alone; from the second on, the answer
+                # and the next request leave together, in one write per exchange.
+                assert exchanges[0] == [data], written
+                assert all(t == [data, request] for t in exchanges[1:]), written
+                assert len(written) == rounds + 1, written
+                # A lone answer (no request after it in its iteration): held once, as the
+                # last iteration wrote two frames, and written at the end of the iteration;
+                # the next lone answer leaves within the send call.
+                for i in (100, 101):
+                    await eventually(asked, "the echo asked for a ping")
+                    before = len(written)
+                    await p.send(ping, np.array([i]))
+                    assert (len(written) > before) == (i == 101), written
+                    await asyncio.sleep(0)
+                    assert written[before:] == [[data]], written
+                    assert (await p.recv(pong, timeout=5))[0] == i
+            finally:
+                conn._transport = transport
+            await eventually(asked, "the echo asked for a ping")
+            await p.send(ping, np.array([-1]))
+            await p.recv(pong, timeout=5)
+            await asyncio.wait_for(echoing, 5)
+        finally:
+            echoing.cancel()

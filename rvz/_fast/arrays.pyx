@@ -111,6 +111,12 @@ def append_data(bytearray out, uint64_t step, uint64_t request_id, bytes key, in
 
 
 def new_array(int code, tuple shape, bytearray src, Py_ssize_t offset, Py_ssize_t nbytes):
+    return new_array_c(code, shape, src, offset, nbytes)
+
+
+cdef object new_array_c(int code, tuple shape, bytearray src, Py_ssize_t offset,
+                        Py_ssize_t nbytes):
+    """new_array() for compiled callers (the decoder): a C call, no arguments boxed."""
     cdef char* base = PyByteArray_AS_STRING(src) + offset
     cdef cnp.npy_intp[32] dims
     cdef Py_ssize_t ndim = len(shape)

@@ -1,6 +1,37 @@
 cimport cython
+from cpython.bytearray cimport PyByteArray_AS_STRING
+from libc.string cimport memcmp
+
+from rvz._fast.arrays cimport new_array_c
+
+cdef extern from "Python.h":
+    bint PyUnicode_IS_COMPACT_ASCII(object)
+    Py_ssize_t PyUnicode_GET_LENGTH(object)
+    void *PyUnicode_DATA(object)
 
 cdef bint COMPILED
+cdef bytes _ITEMSIZES
+cdef unsigned long long _DIM1_LIMIT
+cdef Py_ssize_t KEY_CACHE
+
+
+cdef inline Py_ssize_t _key_slot(bytearray buf, Py_ssize_t start, Py_ssize_t length) noexcept:
+    """A slot of the decoder's key cache for the key at buf[start:start + length]: a hash
+    of its length and its last 16 bytes (keys of one program differ mostly at the end)."""
+    cdef const unsigned char *p = <const unsigned char *>PyByteArray_AS_STRING(buf) + start
+    cdef unsigned long long h = <unsigned long long>length * 0x9E3779B97F4A7C15ULL
+    cdef Py_ssize_t i = length - 16 if length > 16 else 0
+    while i < length:
+        h = (h ^ p[i]) * 0x100000001B3ULL
+        i += 1
+    return <Py_ssize_t>((h ^ (h >> 29)) & <unsigned long long>(KEY_CACHE - 1))
+
+
+cdef inline bint _same_key(str known, bytearray buf, Py_ssize_t start, Py_ssize_t length) noexcept:
+    """Whether ``known`` (a cached key) is the text of buf[start:start + length] (ASCII
+    keys only: for those, the str's bytes are the UTF-8 bytes)."""
+    return (PyUnicode_IS_COMPACT_ASCII(known) and PyUnicode_GET_LENGTH(known) == length
+            and memcmp(PyUnicode_DATA(known), PyByteArray_AS_STRING(buf) + start, length) == 0)
 
 @cython.locals(b0="unsigned long long", b1="unsigned long long", b2="unsigned long long",
                b3="unsigned long long")
@@ -17,7 +48,7 @@ cdef class Decoder:
     cdef Py_ssize_t _start
     cdef Py_ssize_t _end
     cdef Py_ssize_t _direct_min
-    cdef object _max_payload
+    cdef unsigned long long _max_payload
     cdef object _dest
     cdef Py_ssize_t _dest_filled
     cdef Py_ssize_t _dest_len
@@ -31,6 +62,7 @@ cdef class Decoder:
     cdef public bint stop_at_handshake
     cdef public Py_ssize_t frames
     cdef public object bytes_in
+    cdef list _keys
 
     cpdef object get_buffer(self, Py_ssize_t sizehint=*)
     cpdef Py_ssize_t payload_left(self)
@@ -43,7 +75,10 @@ cdef class Decoder:
     @cython.locals(buf=bytearray, pos=Py_ssize_t, end=Py_ssize_t, need=Py_ssize_t,
                    mstart=Py_ssize_t, kstart=Py_ssize_t, pstart=Py_ssize_t, pend=Py_ssize_t,
                    avail=Py_ssize_t, meta_len=Py_ssize_t, klen=Py_ssize_t, ndim=Py_ssize_t,
-                   code=Py_ssize_t, ftype=int, version=int, flags=int, handshake=bint)
+                   code=Py_ssize_t, ftype=int, version=int, flags=int, handshake=bint,
+                   payload_len="unsigned long long", dim0="unsigned long long")
     cdef list _parse(self)
+    cdef _check_size(self, str key, Py_ssize_t code, tuple shape, object payload_len)
+    @cython.locals(slot=Py_ssize_t, known=object)
     cdef str _key(self, bytearray buf, Py_ssize_t start, Py_ssize_t length)
     cdef _requests(self, bytearray buf, object view, Py_ssize_t start, Py_ssize_t length, list events)

@@ -84,6 +84,11 @@ _CODES = _wire.CODES
 _append_data = _arrays.append_data
 _new_array = _arrays.new_array
 _U8 = np.dtype(np.uint8)
+# Item size per dtype code (a byte each; 0 for bytes values): a C read when compiled.
+_ITEMSIZES = bytes(0 if dt is None else dt.itemsize for dt in DTYPES)
+# A 1-D length below this times an item size (16 at most) cannot overflow 64 bits.
+_DIM1_LIMIT = 1 << 59
+KEY_CACHE = 256  # decoded keys remembered per connection (compiled): see Decoder._key
 _MAX_ARRAY_BYTES = (1 << 63) - 1  # numpy's limit on itemsize times the non-zero dims
 _EMPTY_LIST: list = []
 
@@ -238,7 +243,7 @@ class Decoder:
     __slots__ = ("_buf", "_view", "_size", "_start", "_end", "_direct_min", "_max_payload",
                  "_dest", "_dest_filled", "_dest_len", "_pending", "_state", "_failed",
                  "_pool", "frames", "bytes_in", "_full_size", "admit",
-                 "stop_at_handshake", "_peek")
+                 "stop_at_handshake", "_peek", "_keys")
 
     def __init__(self, buffer_size: int = 262144, direct_min: int = 65536,
                  max_payload: int = DEFAULT_MAX_PAYLOAD, pool: Any = None) -> None:
@@ -271,6 +276,10 @@ class Decoder:
         self.stop_at_handshake = False
         self.frames = 0
         self.bytes_in = 0
+        # The str of each key decoded lately, by a hash of its bytes: a key seen again is
+        # the same str object, neither decoded nor hashed again (its hash is cached), so
+        # the engine's route and table lookups find it at once.
+        self._keys: list[Any] = [None] * KEY_CACHE
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._failed is not None:
@@ -393,34 +402,23 @@ class Decoder:
                     self._fail(f"DATA frame has unknown dtype code {code}")
                 kstart = mstart + 20 + 8 * ndim
                 key = self._key(buf, kstart, klen)
-                dtype = DTYPES[code]
                 value: Any
                 shape: tuple
                 arr: Any
-                if dtype is None:
-                    if ndim != 0:
-                        self._fail(f"bytes value for key {key} has a shape")
-                    shape = ()
-                    expected = payload_len
+                if COMPILED and ndim == 1 and code != BYTES_CODE:
+                    # The common tensor, checked in C: no Python int per field.
+                    dim0 = _u64(buf, mstart + 20)
+                    shape = (dim0,)
+                    if dim0 >= _DIM1_LIMIT or dim0 * _ITEMSIZES[code] != payload_len:
+                        self._check_size(key, code, shape, payload_len)
                 else:
-                    if COMPILED and ndim == 1:
-                        shape = (_u64(buf, mstart + 20),)
+                    if code == BYTES_CODE:
+                        if ndim != 0:
+                            self._fail(f"bytes value for key {key} has a shape")
+                        shape = ()
                     else:
                         shape = _SHAPES[ndim].unpack_from(buf, mstart + 20)
-                    expected = dtype.itemsize
-                    for dim in shape:
-                        expected *= dim
-                    if expected == 0:
-                        # np.empty refuses an empty shape whose other dims overflow its size.
-                        size = dtype.itemsize
-                        for dim in shape:
-                            if dim:
-                                size *= dim
-                        if size > _MAX_ARRAY_BYTES:
-                            self._fail(f"DATA frame for key {key}: shape {shape} is too large")
-                if expected != payload_len:
-                    self._fail(f"DATA frame for key {key}: payload of {payload_len} bytes does not "
-                               f"match dtype {dtype} and shape {shape} ({expected} bytes)")
+                    self._check_size(key, code, shape, payload_len)
                 if payload_len > self._max_payload:
                     self._fail(f"DATA frame for key {key}: payload of {payload_len} bytes exceeds "
                                f"the limit of {self._max_payload}")
@@ -428,10 +426,11 @@ class Decoder:
                 avail = end - pstart
                 if payload_len <= avail:
                     pend = pstart + payload_len
-                    if dtype is None:
-                        value = _new_array(0, (), buf, pstart, payload_len)
+                    # One copy out of the staging buffer into an array (or bytes) the
+                    # caller owns.
+                    if COMPILED:
+                        value = new_array_c(code, shape, buf, pstart, payload_len)  # type: ignore[name-defined]  # noqa: F821
                     else:
-                        # One copy out of the staging buffer into an array the caller owns.
                         value = _new_array(code, shape, buf, pstart, payload_len)
                     events.append((DATA, step, request_id, key, value))
                     self.frames += 1
@@ -445,10 +444,11 @@ class Decoder:
                 if self.admit is not None:
                     self.admit(step, request_id, key, payload_len)
                 try:
-                    if dtype is None:
+                    if code == BYTES_CODE:
                         arr = np.empty(payload_len, _U8)
                         value = None
                     else:
+                        dtype = DTYPES[code]
                         block = self._pool.take(payload_len) if self._pool is not None else None
                         if block is None:
                             arr = np.empty(shape, dtype)
@@ -561,12 +561,42 @@ class Decoder:
         if pos != end:
             self._fail(f"REQUESTS frame has {end - pos} bytes after its {count} entries")
 
+    def _check_size(self, key: str, code: int, shape: tuple, payload_len: int) -> None:
+        """Fail unless ``payload_len`` bytes are exactly an array of ``shape`` (in Python
+        ints: a peer's shape may overflow any C type) of dtype ``code``."""
+        if code == BYTES_CODE:
+            return  # a bytes value is its payload, any length
+        dtype = DTYPES[code]
+        expected = dtype.itemsize
+        for dim in shape:
+            expected *= dim
+        if expected == 0:
+            # np.empty refuses an empty shape whose other dims overflow its size.
+            size = dtype.itemsize
+            for dim in shape:
+                if dim:
+                    size *= dim
+            if size > _MAX_ARRAY_BYTES:
+                self._fail(f"DATA frame for key {key}: shape {shape} is too large")
+        if expected != payload_len:
+            self._fail(f"DATA frame for key {key}: payload of {payload_len} bytes does not "
+                       f"match dtype {dtype} and shape {shape} ({expected} bytes)")
+
     def _key(self, buf: bytearray, start: int, length: int) -> str:
+        slot = 0
+        if COMPILED:  # the cache's C helpers (_key_slot, _same_key) are in codec.pxd
+            slot = _key_slot(buf, start, length)  # type: ignore[name-defined]  # noqa: F821
+            known = self._keys[slot]
+            if known is not None and _same_key(known, buf, start, length):  # type: ignore[name-defined]  # noqa: F821
+                return known
         try:
             # Compiled, a slice of a bytearray decoded at once is read in place (no copy).
-            return buf[start:start + length].decode("utf-8")
+            text = buf[start:start + length].decode("utf-8")
         except UnicodeDecodeError:
             raise ProtocolError("key is not valid UTF-8") from None
+        if COMPILED:
+            self._keys[slot] = text
+        return text
 
     def _text(self, view: memoryview, start: int, length: int) -> str:
         return str(view[start:start + length], "utf-8", "replace")

@@ -76,6 +76,8 @@ cdef class Wire:
     cdef public list deferred
     cdef public bytearray _out
     cdef public bint _flush_scheduled
+    cdef public bint _hold_first
+    cdef public Py_ssize_t _burst
     cdef object _call_soon
     cdef dict __dict__
 

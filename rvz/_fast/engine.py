@@ -190,10 +190,10 @@ class Wire:
     """One connection's protocol state and its coalescing write buffer.
 
     Small frames issued in one loop iteration are coalesced into one write, flushed by a
-    ``call_soon`` callback at the end of the iteration.  A large payload is not copied into
-    that buffer: the pending frames and its header go first, then the payload is handed to
-    the transport as a view of the caller's array.  The transport subclass provides
-    ``_write`` (where bytes hit the socket) and ``fail``.
+    ``call_soon`` callback at the end of the iteration (see ``_queued`` for the first one).
+    A large payload is not copied into that buffer: the pending frames and its header go
+    first, then the payload is handed to the transport as a view of the caller's array.
+    The transport subclass provides ``_write`` (where bytes hit the socket) and ``fail``.
     """
 
     def __init__(self, core: Core, outbound: bool, peer: Any, decoder: Any) -> None:
@@ -217,6 +217,8 @@ class Wire:
         self.deferred: list = []          # answers held back while the output is backlogged
         self._out = bytearray()
         self._flush_scheduled = False
+        self._hold_first = False          # the last iteration wrote more than one frame
+        self._burst = 0                   # frames of this iteration (see ``_queued``)
         self._call_soon = core.loop.call_soon
         if decoder is not None:
             decoder.admit = self.admit
@@ -286,26 +288,39 @@ class Wire:
             self._queued()
         elif not self.closed_here:
             # Pending small frames, this header and the payload leave in one gathered write.
+            self._burst += 1
             out = self._out
             append_data(out, step, request_id, key, code, shape, nbytes, value, False)
             self._out = bytearray()
             self._write(out, _codec.payload_view(value))
 
     def _queued(self) -> None:
-        """Frames were added: the first frame since the last flush leaves at once (a reply or
-        a ping-pong waits for no loop iteration); the frames that follow it in the same
-        iteration are coalesced into one write at its end, or earlier once FLUSH_AT bytes are
-        pending.  A burst of N frames costs two writes, not N."""
+        """Frames were added: the frames of one loop iteration leave in one write at its end,
+        or earlier once FLUSH_AT bytes are pending.
+
+        The first frame of an iteration leaves at once (a push or a reply waits for no loop
+        iteration, nor for whatever the caller does before it next yields) unless the last
+        iteration wrote more than one frame.  Frames then come in groups (an answer and the
+        next request of a Recv-Driven exchange, a burst of sends), and writing the first
+        alone costs a second write here and a second wake-up at the peer, which may act on
+        half the group meanwhile (an answer held there because its request is still in the
+        second write).  An iteration that writes one frame only switches back."""
         if not self._flush_scheduled:
             self._flush_scheduled = True
+            self._burst = 1
             self._call_soon(self.flush)
-            self._write_out()
-        elif len(self._out) >= FLUSH_AT:
-            self._write_out()
+            if not self._hold_first:
+                self._write_out()
+        else:
+            self._burst += 1
+            if len(self._out) >= FLUSH_AT:
+                self._write_out()
 
     def flush(self) -> None:
         """Write what is pending (the end-of-iteration callback)."""
         self._flush_scheduled = False
+        self._hold_first = self._burst > 1
+        self._burst = 0
         self._write_out()
 
     def _write_out(self) -> None:

@@ -436,6 +436,15 @@ async def rvz_rendezvous(case: dict[str, Any], addrs: dict[str, str], role: str)
     # worker's offset over the control channel (control.clock_offset) and shifts the
     # schedule; that estimate is off by up to half the control round trip (plus any
     # asymmetry of the path), which the two-host latencies carry.
+    #
+    # On one host, consumer-first rounds also measure the kernel, not only rvz.  Both workers
+    # tend to share one CPU (a socket wake-up places the woken task on the waker's CPU), so
+    # the consumer's recv completes once the producer lets it run.  A Recv-Driven REQUEST
+    # wakes the producer at the consumer's call; the scheduler then lets the consumer preempt
+    # it as soon as the value is written.  A Send-Driven producer wakes from its own timer and
+    # keeps the CPU until it next sleeps (tens of microseconds).  The consumer's read of a
+    # pushed value also sends a TCP ACK (handled inside that read on loopback), where the
+    # answer to its own request is acknowledged later.  On two hosts neither applies.
     size = int(case["size"])
     delays = rendezvous_delays(case)
     modes = list(case["modes"])
