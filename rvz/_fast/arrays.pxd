@@ -1,4 +1,11 @@
-# The C entry points of arrays.pyx that other compiled modules cimport (codec's decoder).
+# The C entry points of arrays.pyx that other compiled modules cimport: the decoder builds
+# arrays with new_array_c, the engine frames and measures values with the others.
+
+from libc.stdint cimport uint64_t
 
 cdef object new_array_c(int code, tuple shape, bytearray src, Py_ssize_t offset,
                         Py_ssize_t nbytes)
+cdef tuple describe_c(object value)
+cdef int append_data_c(bytearray out, uint64_t step, uint64_t request_id, bytes key, int code,
+                       tuple shape, Py_ssize_t nbytes, object value, bint with_payload) except -1
+cdef Py_ssize_t nbytes_c(object value) except -1

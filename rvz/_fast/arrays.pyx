@@ -40,6 +40,11 @@ for _code in range(1, 15):
 
 
 def describe(object value):
+    return describe_c(value)
+
+
+cdef tuple describe_c(object value):
+    """describe() for compiled callers (the engine): a C call."""
     cdef cnp.ndarray arr
     cdef int typenum
     cdef int code
@@ -68,6 +73,13 @@ cdef inline void _put64(char* p, uint64_t v) noexcept nogil:
 
 def append_data(bytearray out, uint64_t step, uint64_t request_id, bytes key, int code,
                 tuple shape, Py_ssize_t nbytes, object value, bint with_payload):
+    append_data_c(out, step, request_id, key, code, shape, nbytes, value, with_payload)
+
+
+cdef int append_data_c(bytearray out, uint64_t step, uint64_t request_id, bytes key, int code,
+                       tuple shape, Py_ssize_t nbytes, object value,
+                       bint with_payload) except -1:
+    """append_data() for compiled callers (the engine's write buffer): no argument boxed."""
     cdef Py_ssize_t ndim = len(shape)
     cdef Py_ssize_t klen = PyBytes_GET_SIZE(key)
     cdef Py_ssize_t meta = 20 + 8 * ndim + klen
@@ -96,7 +108,7 @@ def append_data(bytearray out, uint64_t step, uint64_t request_id, bytes key, in
         _put64(p + 36 + 8 * i, <uint64_t>shape[i])
     memcpy(p + 36 + 8 * ndim, PyBytes_AS_STRING(key), klen)
     if not with_payload or nbytes == 0:
-        return
+        return 0
     p += 16 + meta
     if cnp.PyArray_Check(value):
         memcpy(p, cnp.PyArray_DATA(<cnp.ndarray>value), nbytes)
@@ -108,6 +120,17 @@ def append_data(bytearray out, uint64_t step, uint64_t request_id, bytes key, in
             memcpy(p, view.buf, nbytes)
         finally:
             PyBuffer_Release(&view)
+    return 0
+
+
+cdef Py_ssize_t nbytes_c(object value) except -1:
+    """Payload bytes of a value (the engine's nbytes_of): an array's, a bytes' length."""
+    if cnp.PyArray_Check(value):
+        return cnp.PyArray_NBYTES(<cnp.ndarray>value)
+    if type(value) is bytes:
+        return PyBytes_GET_SIZE(value)
+    n = getattr(value, "nbytes", None)
+    return len(value) if n is None else int(n)
 
 
 def new_array(int code, tuple shape, bytearray src, Py_ssize_t offset, Py_ssize_t nbytes):

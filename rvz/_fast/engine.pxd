@@ -1,5 +1,9 @@
 cimport cython
+from rvz._fast.arrays cimport append_data_c, describe_c, nbytes_c
 from rvz._fast.table cimport Table
+
+cdef bint COMPILED
+cpdef Py_ssize_t nbytes_of(object value) except -1
 
 cdef class Core
 cdef class Wire

@@ -38,6 +38,12 @@ from . import codec as _codec
 from . import keys as _keys
 from .table import EMPTY, Batch, Table
 
+try:  # Cython's own module; a compiled build sees the constant True
+    import cython
+    COMPILED = cython.compiled
+except ImportError:  # pure Python without Cython installed
+    COMPILED = False
+
 describe = _codec.describe
 append_data = _arrays.append_data  # checks ndim; a route's key length is checked once
 encode_request = _codec.encode_request
@@ -70,6 +76,9 @@ _DEVICES_MAX = 4096
 
 
 def nbytes_of(value: Any) -> int:
+    """Payload bytes of a value: what the push window and the hold limit count."""
+    if COMPILED:  # arrays.pyx's C functions (*_c) are cimported in engine.pxd
+        return nbytes_c(value)  # type: ignore[name-defined]  # noqa: F821
     n = getattr(value, "nbytes", None)
     return len(value) if n is None else int(n)
 
@@ -284,13 +293,21 @@ class Wire:
             self.dataplane.write_value(step, request_id, key, value, code, shape, nbytes)
             return
         if nbytes <= COALESCE_MAX:
-            append_data(self._out, step, request_id, key, code, shape, nbytes, value, True)
+            if COMPILED:
+                append_data_c(  # type: ignore[name-defined]  # noqa: F821
+                    self._out, step, request_id, key, code, shape, nbytes, value, True)
+            else:
+                append_data(self._out, step, request_id, key, code, shape, nbytes, value, True)
             self._queued()
         elif not self.closed_here:
             # Pending small frames, this header and the payload leave in one gathered write.
             self._burst += 1
             out = self._out
-            append_data(out, step, request_id, key, code, shape, nbytes, value, False)
+            if COMPILED:
+                append_data_c(  # type: ignore[name-defined]  # noqa: F821
+                    out, step, request_id, key, code, shape, nbytes, value, False)
+            else:
+                append_data(out, step, request_id, key, code, shape, nbytes, value, False)
             self._out = bytearray()
             self._write(out, _codec.payload_view(value))
 
@@ -548,7 +565,10 @@ class Core:
         wait for room under ``hold_limit`` (``Node`` waits, then calls ``hold``).
         """
         route = self.own_route(key, True)
-        value, code, shape, nbytes = describe(value)
+        if COMPILED:
+            value, code, shape, nbytes = describe_c(value)  # type: ignore[name-defined]  # noqa: F821
+        else:
+            value, code, shape, nbytes = describe(value)
         table = self.table(step)
         peer = route.peer
         if peer is None:  # a key from this node to itself
@@ -644,7 +664,10 @@ class Core:
         own next request.  A one-sided channel keeps it on the request's connection, whose
         channel holds the destination the consumer offered.
         """
-        value, code, shape, nbytes = describe(value)
+        if COMPILED:
+            value, code, shape, nbytes = describe_c(value)  # type: ignore[name-defined]  # noqa: F821
+        else:
+            value, code, shape, nbytes = describe(value)
         peer = conn.peer
         if peer is not None:
             link = peer.link
