@@ -96,6 +96,17 @@ cdef inline int32_t _find1(int64_t key, uint64_t h, const uint32_t *slots, Py_ss
     return r
 
 
+cdef inline void _prefetch_row(const char *src, Py_ssize_t nbytes, uint32_t *stamp) noexcept nogil:
+    """Prefetch the ``nbytes`` of a row from ``src``, and for writing its access stamp
+    (unless NULL)."""
+    cdef Py_ssize_t line = 0
+    while line < nbytes:
+        PS_PREFETCH(src + line)
+        line += 64
+    if stamp != NULL:
+        PS_PREFETCHW(stamp)
+
+
 cdef inline Py_ssize_t _lookup_batch(const int64_t *ids, Py_ssize_t n, int32_t *rows,
                                      const uint32_t *slots, Py_ssize_t cap,
                                      const uint32_t *oslots, Py_ssize_t ocap,
@@ -110,11 +121,10 @@ cdef inline Py_ssize_t _lookup_batch(const int64_t *ids, Py_ssize_t n, int32_t *
     i + AHEAD is probed for a slot with its tag, and that candidate row's id (and data) are
     prefetched; id i is checked against its candidate's id (a full probe when they differ:
     another id with the same tag) and copied out. Returns how many were found."""
-    cdef Py_ssize_t i, j, line, found = 0, nbytes = 4 * ncols
+    cdef Py_ssize_t i, j, found = 0, nbytes = 4 * ncols
     cdef Py_ssize_t mask = (<Py_ssize_t>1 << shift) - 1
     cdef uint64_t h
     cdef int32_t r
-    cdef const float *src
     for i in range(-2 * AHEAD, n):
         j = i + 2 * AHEAD
         if j < n:
@@ -129,13 +139,10 @@ cdef inline Py_ssize_t _lookup_batch(const int64_t *ids, Py_ssize_t n, int32_t *
             if r >= 0:
                 PS_PREFETCH((<const int64_t *><size_t>bids[r >> shift]) + (r & mask))
                 if out != NULL:
-                    src = (<const float *><size_t>bdata[r >> shift]) + (r & mask) * width
-                    line = 0
-                    while line < nbytes:
-                        PS_PREFETCH((<const char *>src) + line)
-                        line += 64
-                    if stamp:
-                        PS_PREFETCHW((<uint32_t *><size_t>bstamp[r >> shift]) + (r & mask))
+                    _prefetch_row(<const char *>((<const float *><size_t>bdata[r >> shift])
+                                                 + (r & mask) * width), nbytes,
+                                  (<uint32_t *><size_t>bstamp[r >> shift]) + (r & mask)
+                                  if stamp else NULL)
         if i < 0:
             continue
         r = rows[i]
@@ -196,20 +203,17 @@ cdef inline void _gather(const int32_t *rows, Py_ssize_t n, float *out, Py_ssize
                          uint32_t step) noexcept nogil:
     """``out[i] = row rows[i][col0 : col0 + ncols]`` (zeros for -1); with ``stamp``, the
     rows' access stamps become ``step``. Rows AHEAD positions later are prefetched."""
-    cdef Py_ssize_t i, r, line, nbytes = 4 * ncols
+    cdef Py_ssize_t i, r, nbytes = 4 * ncols
     cdef Py_ssize_t mask = (<Py_ssize_t>1 << shift) - 1
     cdef const float *src
     for i in range(n):
         if i + AHEAD < n:
             r = rows[i + AHEAD]
             if r >= 0:
-                src = (<const float *><size_t>bdata[r >> shift]) + (r & mask) * width + col0
-                line = 0
-                while line < nbytes:
-                    PS_PREFETCH((<const char *>src) + line)
-                    line += 64
-                if stamp:
-                    PS_PREFETCHW((<uint32_t *><size_t>bstamp[r >> shift]) + (r & mask))
+                _prefetch_row(<const char *>((<const float *><size_t>bdata[r >> shift])
+                                             + (r & mask) * width + col0), nbytes,
+                              (<uint32_t *><size_t>bstamp[r >> shift]) + (r & mask)
+                              if stamp else NULL)
         r = rows[i]
         if r < 0:
             memset(out + i * ncols, 0, nbytes)
