@@ -140,8 +140,8 @@ class FaultProxy:
                 writer.write(data)
                 self.forwarded += len(data)
                 await writer.drain()
-        except (OSError, asyncio.IncompleteReadError):
-            pass
+        except (OSError, asyncio.IncompleteReadError, RuntimeError):
+            pass  # RuntimeError: the other side's transport was closed under our write
         finally:
             # Close both sides: a cut or a closed peer ends the connection in both directions.
             for w in (writer, other):

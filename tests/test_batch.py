@@ -145,6 +145,46 @@ async def test_a_thousand_small_arrays_round_trip_exactly(cluster, mode, consume
                 np.testing.assert_array_equal(came, sent, err_msg=f"value {i}")
 
 
+@pytest.mark.parametrize("linked", [False, True])
+@pytest.mark.loop_timeout(30)
+async def test_a_recv_driven_batch_of_long_keys_asks_in_several_frames(cluster, linked) -> None:  # type: ignore[no-untyped-def]
+    """1000 keys of 200-byte names: their requests are far over one REQUESTS frame's
+    metadata bound, so they go in several frames, whether the link is up at the recv_many
+    or comes up after it. No fallback: nothing pushes unclaimed values here."""
+    keys = [key(f"{i:04d}" + "n" * 196) for i in range(1000)]
+    async with pair(cluster, "recv", claim_timeout=None) as (w, p):
+        if linked:
+            await w.send(key("hello"), v(-1))
+            assert ints([await p.recv(key("hello"), timeout=5)]) == [-1]
+        await w.send_many([(k, v(i)) for i, k in enumerate(keys)])
+        got = await p.recv_many(keys, timeout=20)
+        assert ints(got) == list(range(1000))
+
+
+def test_requests_split_keeps_every_frame_within_bounds() -> None:
+    from rvz._fast import codec
+    entries = [(i, (f"{i:05d}" + "k" * (i % 300)).encode()) for i in range(3000)]
+    frames = codec.encode_requests_split(7, entries)
+    assert len(frames) > 1
+    seen = []
+    for frame in frames:
+        meta = len(frame) - codec.HEADER_SIZE
+        assert meta <= codec.MAX_META
+        step, count = codec._REQUESTS_FIXED.unpack_from(frame, codec.HEADER_SIZE)
+        assert step == 7 and 0 < count <= codec.MAX_REQUESTS
+        pos = codec.HEADER_SIZE + codec._REQUESTS_FIXED.size
+        for _ in range(count):
+            request_id, klen = codec._ENTRY.unpack_from(frame, pos)
+            pos += codec._ENTRY.size
+            seen.append((request_id, frame[pos:pos + klen]))
+            pos += klen
+        assert pos == len(frame)
+    assert seen == entries
+    # a frame is refused past its bounds, as before
+    with pytest.raises(ValueError):
+        codec.encode_requests(7, entries)
+
+
 @pytest.mark.loop_timeout(15)
 async def test_empty_batches(cluster) -> None:  # type: ignore[no-untyped-def]
     async with pair(cluster, "recv") as (w, p):

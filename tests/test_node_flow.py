@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 from typing import Any
 
@@ -140,13 +141,21 @@ async def test_recv_driven_close_delivers_held_values(cluster) -> None:  # type:
 
 
 @pytest.mark.loop_timeout(5)
-async def test_recv_driven_close_gives_up_after_linger(cluster) -> None:  # type: ignore[no-untyped-def]
+async def test_recv_driven_close_gives_up_after_linger(cluster, caplog) -> None:  # type: ignore[no-untyped-def]
     w = await rvz.Node(cluster, "worker", 0, "recv",
                        **{**FAST, "linger": 0.3, "claim_timeout": None}).start()
     await w.send(key("unfetched"), np.arange(10))
     assert w._held_count == 1
-    await w.close()                        # nobody ever fetches it
+    with caplog.at_level(logging.WARNING, logger="rvz"):
+        await w.close()                    # nobody ever fetches it
     assert w.state == "closed" and w._held_count == 0
+    assert any("1 values undelivered" in r.getMessage() for r in caplog.records)
+    # The push close() made failed and was reported once, by rvz: asyncio must not report
+    # it again, when the future is collected, as an exception nobody retrieved.
+    failed = [d for d in w._closing_pushes if d.done() and not d.cancelled()]
+    assert len(failed) == 1
+    assert not failed[0]._log_traceback  # checked first: exception() below clears it
+    assert isinstance(failed[0].exception(), rvz.Aborted)
 
 
 @pytest.mark.loop_timeout(20)

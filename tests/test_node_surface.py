@@ -12,7 +12,7 @@ import pytest
 
 import rvz
 
-from .conftest import FAST, eventually, key, pair, pending, settle
+from .conftest import FAST, WORKER, eventually, key, pair, pending, settle
 
 
 def test_stats_and_repr_describe_a_running_pair(run, cluster) -> None:  # type: ignore[no-untyped-def]
@@ -53,6 +53,27 @@ def test_recv_driven_stats_count_requests(run, cluster) -> None:  # type: ignore
             assert p.stats()["peers"][w.name]["outstanding_requests"] == 0
 
     run(main(), timeout=15)
+
+
+def test_a_call_from_another_loop_on_the_same_thread_is_refused(loop_name, cluster) -> None:  # type: ignore[no-untyped-def]
+    """The node's loop is stopped and another loop runs on its thread: refused, as from
+    another thread (the check's cheap path, same thread, must not let this through)."""
+    home = rvz.new_event_loop(loop_name)
+    try:
+        node = rvz.Node(cluster, "worker", 0, mode="send")
+        own = key("own", dst=WORKER)
+        home.run_until_complete(asyncio.wait_for(node.start(), 10))
+        try:
+            with pytest.raises(RuntimeError, match="run_coroutine_threadsafe"):
+                rvz.run(asyncio.wait_for(node.send(key("t"), np.arange(2)), 10), loop=loop_name)
+            # and back on its own loop the node serves again (a key to itself: no peer needed)
+            home.run_until_complete(asyncio.wait_for(node.send(own, np.arange(2)), 10))
+            got = home.run_until_complete(asyncio.wait_for(node.recv(own), 10))
+            assert got.tolist() == [0, 1]
+        finally:
+            home.run_until_complete(asyncio.wait_for(node.close(), 10))
+    finally:
+        home.close()
 
 
 def test_a_call_from_another_thread_is_refused(run, cluster) -> None:  # type: ignore[no-untyped-def]

@@ -158,6 +158,25 @@ def encode_requests(step: int, entries: list) -> bytes:
     return b"".join(parts)
 
 
+def encode_requests_split(step: int, entries: list) -> list:
+    """REQUESTS frames for any number of ``entries`` (``(request_id, key bytes)``, one
+    step): as many frames as the bounds on one frame's entries and metadata need, the
+    entries in order."""
+    frames = []
+    start = 0
+    meta = _REQUESTS_FIXED.size
+    for i, (_, key) in enumerate(entries):
+        need = _ENTRY.size + len(key)
+        if i > start and (meta + need > MAX_META or i - start == MAX_REQUESTS):
+            frames.append(encode_requests(step, entries[start:i]))
+            start = i
+            meta = _REQUESTS_FIXED.size
+        meta += need
+    if start < len(entries):
+        frames.append(encode_requests(step, entries[start:]))
+    return frames
+
+
 def _u32(buf: bytearray, pos: int) -> int:
     """A little-endian u32 at ``buf[pos]`` (used compiled, where indexing is a C read).
 

@@ -47,7 +47,7 @@ except ImportError:  # pure Python without Cython installed
 describe = _codec.describe
 append_data = _arrays.append_data  # checks ndim; a route's key length is checked once
 encode_request = _codec.encode_request
-encode_requests = _codec.encode_requests
+encode_requests_split = _codec.encode_requests_split
 encode_credit = _codec.encode_credit
 encode_cancel = _codec.encode_cancel
 encode_error = _codec.encode_error
@@ -822,8 +822,8 @@ class Core:
             return
         step = requests[0].step
         entries = [(r.id, r.key.encode("utf-8")) for r in requests]
-        for start in range(0, len(entries), 1024):
-            conn.write_frame(encode_requests(step, entries[start:start + 1024]))
+        for frame in encode_requests_split(step, entries):
+            conn.write_frame(frame)
 
     def forget_request(self, request_id: Any, step: Any, key: str) -> None:
         pending = self.outstanding.get((step, key))
