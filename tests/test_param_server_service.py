@@ -292,3 +292,31 @@ def test_demo_runs_shards_and_workers_as_processes(tmp_path: Path) -> None:
     assert "2 checkpoints" in proc.stdout and "evicted" in proc.stdout
     assert lines[-1] == "global step per shard: [40] (equal on every shard)"
     assert (tmp_path / "ps0" / "default" / "MANIFEST.json").exists()
+
+
+def test_the_bench_reports_every_figure_with_its_same_run_baseline(tmp_path: Path) -> None:
+    """``bench --quick`` end to end: the JSON issue 9 asks for, each figure next to the
+    baseline it is compared with, and targets judged from those very figures. (How fast
+    anything is belongs to the bench's own runs, not to this test.)"""
+    out = tmp_path / "bench.json"
+    proc = start("bench", "--quick", "--json", str(out))
+    try:
+        log, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, log[-3000:]
+    figures = json.loads(out.read_text())
+    table, pull, push = figures["table"], figures["pull"], figures["push"]
+    for value in (table["lookups_per_s"], table["dict_lookups_per_s"], table["max_stall_ms"],
+                  pull["ms_p50"], pull["socket_ms_p50"], push["ms_p50"],
+                  table["growth"]["fresh_rows_memory_ms"]):
+        assert np.isfinite(value) and value > 0, figures
+    assert table["speedup_vs_dict"] == pytest.approx(table["lookups_per_s"] / table["dict_lookups_per_s"])
+    assert pull["ratio_to_socket"] == pytest.approx(pull["ms_p50"] / pull["socket_ms_p50"])
+    growth = table["growth"]
+    assert growth["rows_after"] == 2 * table["ids"] and table["max_stall_ms"] >= growth["p50_batch_ms"]
+    assert growth["faults_in_longest_batch"] is None or growth["faults_in_longest_batch"] >= 0
+    for name, target in figures["targets"].items():
+        value, bound = target["value"], target["bound"]
+        assert target["met"] == (value >= bound if target["op"] == ">=" else value <= bound), name
+        assert f"target {name}:" in log

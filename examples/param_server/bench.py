@@ -89,17 +89,50 @@ def table_figures(n: int, dim: int, batch: int, rounds: int) -> tuple[dict[str, 
             "overhead_bytes_per_id": table.memory_overhead_per_id()}, table
 
 
+def _thread_faults() -> int:
+    """Page faults of the calling thread so far (-1 where the OS does not say)."""
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt  # type: ignore[attr-defined]
+    except (ImportError, AttributeError, OSError):
+        return -1
+
+
+def fresh_memory_ms(nbytes: int, rounds: int = 9) -> float:
+    """Median time to write once to every page of ``nbytes`` of newly mapped memory: what a
+    batch pays when the rows it creates land on pages nobody has written yet. On a virtual
+    machine this is mostly the host's work (memory the guest freed may have been handed
+    back to it), and it varies a lot from run to run."""
+    times = []
+    for _ in range(rounds):
+        area = native_core.zeroed(nbytes // 4, np.float32).view(np.uint8)
+        started = time.perf_counter()
+        area[::4096] = 1
+        times.append(time.perf_counter() - started)
+        del area
+    return 1e3 * float(np.median(times))
+
+
 def growth_figures(table: EmbeddingTable, n: int, batch: int) -> dict[str, Any]:
     rng = np.random.default_rng(1)
     fresh = (np.unique(rng.integers(0, 1 << 62, int(n * 1.01)))[:n]) | np.int64(1 << 62)
-    stalls, overhead = [], []
+    stalls, overhead, faults = [], [], []
+    counted = _thread_faults() >= 0
     for start in range(0, n, batch):
+        before = _thread_faults()
         t0 = time.perf_counter()
         table.lookup(fresh[start:start + batch])
         stalls.append(time.perf_counter() - t0)
+        faults.append(_thread_faults() - before)
         overhead.append(table.memory_overhead_per_id())
+    longest = int(np.argmax(stalls))
     return {"rows_after": len(table), "max_stall_ms": 1e3 * max(stalls),
             "p50_batch_ms": 1e3 * float(np.median(stalls)),
+            # The longest batch's page faults (the helper thread had not backed its new
+            # rows' pages yet), next to the cost of first writes to as many bytes as one
+            # batch's new rows, measured in the same run: the floor under such a batch.
+            "faults_in_longest_batch": faults[longest] if counted else None,
+            "fresh_rows_memory_ms": fresh_memory_ms(batch * table.width * 4),
             # Bytes per id beyond the row after every batch of the growth: the index's
             # load moves in a saw-tooth, and a growing index has its successor beside it.
             "overhead_bytes_per_id_p50": float(np.median(overhead)),
@@ -321,7 +354,10 @@ def main(args: argparse.Namespace) -> int:
     table["max_stall_ms"] = growth["max_stall_ms"]
     table["growth"] = growth
     print(f"growth {n}->{growth['rows_after']} rows: longest batch {growth['max_stall_ms']:.1f} ms "
-          f"(median {growth['p50_batch_ms']:.1f} ms); B/id beyond the row during it: median "
+          f"(median {growth['p50_batch_ms']:.1f} ms; the longest took "
+          f"{growth['faults_in_longest_batch']} page faults; first writes to one batch's worth "
+          f"of new rows take {growth['fresh_rows_memory_ms']:.1f} ms here); "
+          f"B/id beyond the row during it: median "
           f"{growth['overhead_bytes_per_id_p50']:.1f}, max {growth['overhead_bytes_per_id_max']:.1f}, "
           f"at 2M {growth['overhead_bytes_per_id_after']:.1f}", flush=True)
     del table_obj
