@@ -316,6 +316,10 @@ def test_the_bench_reports_every_figure_with_its_same_run_baseline(tmp_path: Pat
     growth = table["growth"]
     assert growth["rows_after"] == 2 * table["ids"] and table["max_stall_ms"] >= growth["p50_batch_ms"]
     assert growth["faults_in_longest_batch"] is None or growth["faults_in_longest_batch"] >= 0
+    assert growth["steal_ms_during_longest_batch"] is None or growth["steal_ms_during_longest_batch"] >= 0
+    # a thread's CPU time within a batch cannot exceed the batch's wall time (1 ms of slack:
+    # the two clocks are read one after the other)
+    assert 0 <= growth["cpu_ms_in_longest_batch"] <= table["max_stall_ms"] + 1.0
     for name, target in figures["targets"].items():
         value, bound = target["value"], target["bound"]
         assert target["met"] == (value >= bound if target["op"] == ">=" else value <= bound), name

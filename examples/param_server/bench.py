@@ -98,6 +98,16 @@ def _thread_faults() -> int:
         return -1
 
 
+def _steal_ms() -> float:
+    """Time the host took from this virtual machine's CPUs so far, all CPUs together (Linux
+    /proc/stat, in 10 ms ticks; -1 where there is no such count)."""
+    try:
+        with open("/proc/stat") as f:
+            return 10.0 * int(f.readline().split()[8])
+    except (OSError, IndexError, ValueError):
+        return -1.0
+
+
 def fresh_memory_ms(nbytes: int, rounds: int = 9) -> float:
     """Median time to write once to every page of ``nbytes`` of newly mapped memory: what a
     batch pays when the rows it creates land on pages nobody has written yet. On a virtual
@@ -116,14 +126,18 @@ def fresh_memory_ms(nbytes: int, rounds: int = 9) -> float:
 def growth_figures(table: EmbeddingTable, n: int, batch: int) -> dict[str, Any]:
     rng = np.random.default_rng(1)
     fresh = (np.unique(rng.integers(0, 1 << 62, int(n * 1.01)))[:n]) | np.int64(1 << 62)
-    stalls, overhead, faults = [], [], []
+    stalls, overhead, faults, cpu, steal = [], [], [], [], []
     counted = _thread_faults() >= 0
+    stolen = _steal_ms() >= 0
     for start in range(0, n, batch):
-        before = _thread_faults()
+        before, s0 = _thread_faults(), _steal_ms()
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         table.lookup(fresh[start:start + batch])
         stalls.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
         faults.append(_thread_faults() - before)
+        steal.append(_steal_ms() - s0)
         overhead.append(table.memory_overhead_per_id())
     longest = int(np.argmax(stalls))
     return {"rows_after": len(table), "max_stall_ms": 1e3 * max(stalls),
@@ -132,6 +146,11 @@ def growth_figures(table: EmbeddingTable, n: int, batch: int) -> dict[str, Any]:
             # rows' pages yet), next to the cost of first writes to as many bytes as one
             # batch's new rows, measured in the same run: the floor under such a batch.
             "faults_in_longest_batch": faults[longest] if counted else None,
+            # CPU time this thread spent in the longest batch: far below its wall time, the
+            # thread was waiting (not running: the machine, or the GIL), not working.
+            "cpu_ms_in_longest_batch": 1e3 * cpu[longest],
+            # and time the host took from the machine's CPUs meanwhile (a virtual machine)
+            "steal_ms_during_longest_batch": steal[longest] if stolen else None,
             "fresh_rows_memory_ms": fresh_memory_ms(batch * table.width * 4),
             # Bytes per id beyond the row after every batch of the growth: the index's
             # load moves in a saw-tooth, and a growing index has its successor beside it.
@@ -354,9 +373,11 @@ def main(args: argparse.Namespace) -> int:
     table["max_stall_ms"] = growth["max_stall_ms"]
     table["growth"] = growth
     print(f"growth {n}->{growth['rows_after']} rows: longest batch {growth['max_stall_ms']:.1f} ms "
-          f"(median {growth['p50_batch_ms']:.1f} ms; the longest took "
-          f"{growth['faults_in_longest_batch']} page faults; first writes to one batch's worth "
-          f"of new rows take {growth['fresh_rows_memory_ms']:.1f} ms here); "
+          f"(median {growth['p50_batch_ms']:.1f} ms; the longest ran "
+          f"{growth['cpu_ms_in_longest_batch']:.1f} ms on the CPU, took "
+          f"{growth['faults_in_longest_batch']} page faults, and the host took "
+          f"{growth['steal_ms_during_longest_batch']} ms of CPU meanwhile; first writes to one batch's "
+          f"worth of new rows take {growth['fresh_rows_memory_ms']:.1f} ms here); "
           f"B/id beyond the row during it: median "
           f"{growth['overhead_bytes_per_id_p50']:.1f}, max {growth['overhead_bytes_per_id_max']:.1f}, "
           f"at 2M {growth['overhead_bytes_per_id_after']:.1f}", flush=True)
