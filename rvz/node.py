@@ -746,6 +746,7 @@ class Node:
         assert loop is not None
         waiting = batch.wait()
         asks: dict[Any, list[Any]] = {}  # peer -> requests to send it
+        dialled: set[Any] = set()  # peers this batch started a link to: one task each, not one a key
         try:
             for i in waiting:
                 route = routes[i]
@@ -757,7 +758,8 @@ class Node:
                 # not taken (see Core.unblock).
                 if core.recv_mode(peer, mode) == "recv" or peer.owe_now:
                     asks.setdefault(peer, []).append(core.new_request(peer, step, route))
-                elif not peer.live_connections():
+                elif peer not in dialled and not peer.live_connections():
+                    dialled.add(peer)
                     self._spawn(self._link(peer, route.text))  # to notice if it is gone
         except BaseException:
             self._undo_batch(batch)

@@ -161,6 +161,21 @@ async def test_a_recv_driven_batch_of_long_keys_asks_in_several_frames(cluster, 
         assert ints(got) == list(range(1000))
 
 
+@pytest.mark.loop_timeout(30)
+async def test_a_send_driven_batch_before_the_link_starts_one_link_task_per_peer(cluster) -> None:  # type: ignore[no-untyped-def]
+    """A consumer-first ``recv_many`` of 2000 keys of one producer, no link yet: it watches
+    for the producer with one background task, not one per key (2000 tasks took seconds
+    at 100k keys)."""
+    keys = [key(f"early{i}") for i in range(2000)]
+    async with rvz.Node(cluster, "ps", 0, "send", **FAST) as p:   # the producer is not up yet
+        before = len(p._tasks)
+        batch = await pending(p.recv_many(keys, timeout=20))
+        assert len(p._tasks) - before <= 2, len(p._tasks) - before  # the link, and its dial
+        async with rvz.Node(cluster, "worker", 0, "send", **FAST) as w:
+            await w.send_many([(k, v(i)) for i, k in enumerate(keys)])
+            assert ints(await batch) == list(range(2000))
+
+
 def test_requests_split_keeps_every_frame_within_bounds() -> None:
     from rvz._fast import codec
     entries = [(i, (f"{i:05d}" + "k" * (i % 300)).encode()) for i in range(3000)]
