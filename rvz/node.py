@@ -199,6 +199,8 @@ class Node:
         self._idle_since: dict[int, tuple[Any, float]] = {}  # step -> (activity mark, since)
         self._conns: set[Connection] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._watching: set[Any] = set()  # peers a background dial watches (_watch_link)
+        self._unlinked_requests: dict[Any, list[Any]] = {}  # peer -> requests awaiting a link
         self._deliveries: set[asyncio.Task[Any]] = set()  # the tasks close() must wait for
         # One-sided transports (rvz.onesided): options, and the hub start() opens for them.
         self._onesided_options = onesided
@@ -701,7 +703,7 @@ class Node:
         waiter = loop.create_future()
         route, table, peer, dial, stamp = core.park(key, step, mode, waiter)
         if dial:
-            self._spawn(self._link(peer, route.text))  # to notice if it is gone
+            self._watch_link(peer, route.text)
         text = route.text
         handle = _table.arm_timeout(loop, timeout, table, text, waiter,
                                     peer.name if peer is not None else None)
@@ -746,7 +748,6 @@ class Node:
         assert loop is not None
         waiting = batch.wait()
         asks: dict[Any, list[Any]] = {}  # peer -> requests to send it
-        dialled: set[Any] = set()  # peers this batch started a link to: one task each, not one a key
         try:
             for i in waiting:
                 route = routes[i]
@@ -758,9 +759,8 @@ class Node:
                 # not taken (see Core.unblock).
                 if core.recv_mode(peer, mode) == "recv" or peer.owe_now:
                     asks.setdefault(peer, []).append(core.new_request(peer, step, route))
-                elif peer not in dialled and not peer.live_connections():
-                    dialled.add(peer)
-                    self._spawn(self._link(peer, route.text))  # to notice if it is gone
+                elif not peer.live_connections():
+                    self._watch_link(peer, route.text)
         except BaseException:
             self._undo_batch(batch)
             raise
@@ -792,15 +792,46 @@ class Node:
             if route.peer is not None:
                 core.unconsumed(route.src, value)
 
-    def _request_when_linked(self, requests: list[Any]) -> None:
-        self._spawn(self._send_when_linked(requests))
+    # While a peer has no link, the recvs that wait on it share one background task (a
+    # thousand recvs of a batch, or a thousand concurrent ones, would otherwise each start
+    # their own): a Send-Driven one to notice if the peer is gone, a Recv-Driven one to send
+    # every request made meanwhile once linked.
 
-    async def _send_when_linked(self, requests: list[Any]) -> None:
-        first = requests[0]
-        conn = await self._link(first.peer, first.key)
-        live = [r for r in requests if r.id in self._core.requests]  # not cancelled meanwhile
-        if live:
-            self._core.send_requests(conn, live)
+    def _watch_link(self, peer: Any, key: str) -> None:
+        """Dial ``peer`` in the background (Send-Driven recvs wait on it): the dial's failure
+        is how its waiters learn that it is gone."""
+        if peer not in self._watching:
+            self._watching.add(peer)
+            self._spawn(self._watched(peer, key))
+
+    async def _watched(self, peer: Any, key: str) -> None:
+        try:
+            await self._link(peer, key)
+        finally:
+            self._watching.discard(peer)
+
+    def _request_when_linked(self, requests: list[Any]) -> None:
+        peer = requests[0].peer
+        waiting = self._unlinked_requests.get(peer)
+        if waiting is not None:
+            waiting.extend(requests)
+            return
+        self._unlinked_requests[peer] = list(requests)
+        self._spawn(self._send_when_linked(peer, requests[0].key))
+
+    async def _send_when_linked(self, peer: Any, key: str) -> None:
+        try:
+            conn = await self._link(peer, key)
+        finally:
+            requests = self._unlinked_requests.pop(peer, [])
+        # Not cancelled meanwhile; a REQUESTS frame carries one step: grouped by step, each
+        # group in the order the requests were made.
+        by_step: dict[Any, list[Any]] = {}
+        for request in requests:
+            if request.id in self._core.requests:
+                by_step.setdefault(request.step, []).append(request)
+        for group in by_step.values():
+            self._core.send_requests(conn, group)
 
     # -- connections ---------------------------------------------------------------------------
 
