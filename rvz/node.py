@@ -199,8 +199,7 @@ class Node:
         self._idle_since: dict[int, tuple[Any, float]] = {}  # step -> (activity mark, since)
         self._conns: set[Connection] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._watching: set[Any] = set()  # peers a background dial watches (_watch_link)
-        self._unlinked_requests: dict[Any, list[Any]] = {}  # peer -> requests awaiting a link
+        self._unlinked: dict[Any, list[Any]] = {}  # peer -> requests awaiting a link (_when_linked)
         self._deliveries: set[asyncio.Task[Any]] = set()  # the tasks close() must wait for
         # One-sided transports (rvz.onesided): options, and the hub start() opens for them.
         self._onesided_options = onesided
@@ -703,7 +702,7 @@ class Node:
         waiter = loop.create_future()
         route, table, peer, dial, stamp = core.park(key, step, mode, waiter)
         if dial:
-            self._watch_link(peer, route.text)
+            self._when_linked(peer, route.text)  # to notice if it is gone
         text = route.text
         handle = _table.arm_timeout(loop, timeout, table, text, waiter,
                                     peer.name if peer is not None else None)
@@ -760,7 +759,7 @@ class Node:
                 if core.recv_mode(peer, mode) == "recv" or peer.owe_now:
                     asks.setdefault(peer, []).append(core.new_request(peer, step, route))
                 elif not peer.live_connections():
-                    self._watch_link(peer, route.text)
+                    self._when_linked(peer, route.text)  # to notice if it is gone
         except BaseException:
             self._undo_batch(batch)
             raise
@@ -792,38 +791,28 @@ class Node:
             if route.peer is not None:
                 core.unconsumed(route.src, value)
 
-    # While a peer has no link, the recvs that wait on it share one background task (a
-    # thousand recvs of a batch, or a thousand concurrent ones, would otherwise each start
-    # their own): a Send-Driven one to notice if the peer is gone, a Recv-Driven one to send
-    # every request made meanwhile once linked.
-
-    def _watch_link(self, peer: Any, key: str) -> None:
-        """Dial ``peer`` in the background (Send-Driven recvs wait on it): the dial's failure
-        is how its waiters learn that it is gone."""
-        if peer not in self._watching:
-            self._watching.add(peer)
-            self._spawn(self._watched(peer, key))
-
-    async def _watched(self, peer: Any, key: str) -> None:
-        try:
-            await self._link(peer, key)
-        finally:
-            self._watching.discard(peer)
-
     def _request_when_linked(self, requests: list[Any]) -> None:
-        peer = requests[0].peer
-        waiting = self._unlinked_requests.get(peer)
+        first = requests[0]
+        self._when_linked(first.peer, first.key, requests)
+
+    def _when_linked(self, peer: Any, key: str, requests: list[Any] | None = None) -> None:
+        """Dial ``peer`` in the background and send ``requests`` (Recv-Driven, of any steps)
+        once linked; with none, only dial: Send-Driven recvs learn from the dial's failure
+        that the peer is gone. While a peer has no link, everything waiting on it shares
+        one task (a thousand recvs of a batch, or a thousand concurrent ones, would each
+        start their own): later requests join the first ones."""
+        waiting = self._unlinked.get(peer)
         if waiting is not None:
-            waiting.extend(requests)
+            waiting.extend(requests or ())
             return
-        self._unlinked_requests[peer] = list(requests)
-        self._spawn(self._send_when_linked(peer, requests[0].key))
+        self._unlinked[peer] = list(requests or ())
+        self._spawn(self._send_when_linked(peer, key))
 
     async def _send_when_linked(self, peer: Any, key: str) -> None:
         try:
             conn = await self._link(peer, key)
         finally:
-            requests = self._unlinked_requests.pop(peer, [])
+            requests = self._unlinked.pop(peer, [])
         # Not cancelled meanwhile; a REQUESTS frame carries one step: grouped by step, each
         # group in the order the requests were made.
         by_step: dict[Any, list[Any]] = {}

@@ -4,6 +4,9 @@ from rvz._fast.table cimport Table
 
 cdef bint COMPILED
 cpdef Py_ssize_t nbytes_of(object value) except -1
+cdef tuple describe_value(object value)
+cdef frame_data(bytearray out, object step, object request_id, bytes key, int code,
+                tuple shape, Py_ssize_t nbytes, object value, bint with_payload)
 
 cdef class Core
 cdef class Wire

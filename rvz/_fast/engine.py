@@ -75,6 +75,23 @@ _ROUTE_CACHE_MAX = 1 << 16
 _DEVICES_MAX = 4096
 
 
+def describe_value(value: Any) -> tuple:
+    """``(value, code, shape, nbytes)`` of a value to send (arrays.pyx's C call, compiled)."""
+    if COMPILED:
+        return describe_c(value)  # type: ignore[name-defined]  # noqa: F821
+    return describe(value)
+
+
+def frame_data(out: bytearray, step: Any, request_id: Any, key: bytes, code: int, shape: tuple,
+               nbytes: int, value: Any, with_payload: bool) -> None:
+    """Append a DATA frame to ``out`` (arrays.pyx's C call, compiled: no argument boxed)."""
+    if COMPILED:
+        append_data_c(  # type: ignore[name-defined]  # noqa: F821
+            out, step, request_id, key, code, shape, nbytes, value, with_payload)
+    else:
+        append_data(out, step, request_id, key, code, shape, nbytes, value, with_payload)
+
+
 def nbytes_of(value: Any) -> int:
     """Payload bytes of a value: what the push window and the hold limit count."""
     if COMPILED:  # arrays.pyx's C functions (*_c) are cimported in engine.pxd
@@ -293,21 +310,13 @@ class Wire:
             self.dataplane.write_value(step, request_id, key, value, code, shape, nbytes)
             return
         if nbytes <= COALESCE_MAX:
-            if COMPILED:
-                append_data_c(  # type: ignore[name-defined]  # noqa: F821
-                    self._out, step, request_id, key, code, shape, nbytes, value, True)
-            else:
-                append_data(self._out, step, request_id, key, code, shape, nbytes, value, True)
+            frame_data(self._out, step, request_id, key, code, shape, nbytes, value, True)
             self._queued()
         elif not self.closed_here:
             # Pending small frames, this header and the payload leave in one gathered write.
             self._burst += 1
             out = self._out
-            if COMPILED:
-                append_data_c(  # type: ignore[name-defined]  # noqa: F821
-                    out, step, request_id, key, code, shape, nbytes, value, False)
-            else:
-                append_data(out, step, request_id, key, code, shape, nbytes, value, False)
+            frame_data(out, step, request_id, key, code, shape, nbytes, value, False)
             self._out = bytearray()
             self._write(out, _codec.payload_view(value))
 
@@ -565,10 +574,7 @@ class Core:
         wait for room under ``hold_limit`` (``Node`` waits, then calls ``hold``).
         """
         route = self.own_route(key, True)
-        if COMPILED:
-            value, code, shape, nbytes = describe_c(value)  # type: ignore[name-defined]  # noqa: F821
-        else:
-            value, code, shape, nbytes = describe(value)
+        value, code, shape, nbytes = describe_value(value)
         table = self.table(step)
         peer = route.peer
         if peer is None:  # a key from this node to itself
@@ -664,10 +670,7 @@ class Core:
         own next request.  A one-sided channel keeps it on the request's connection, whose
         channel holds the destination the consumer offered.
         """
-        if COMPILED:
-            value, code, shape, nbytes = describe_c(value)  # type: ignore[name-defined]  # noqa: F821
-        else:
-            value, code, shape, nbytes = describe(value)
+        value, code, shape, nbytes = describe_value(value)
         peer = conn.peer
         if peer is not None:
             link = peer.link
