@@ -199,7 +199,6 @@ class Node:
         self._idle_since: dict[int, tuple[Any, float]] = {}  # step -> (activity mark, since)
         self._conns: set[Connection] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._unlinked: dict[Any, list[Any]] = {}  # peer -> requests awaiting a link (_when_linked)
         self._deliveries: set[asyncio.Task[Any]] = set()  # the tasks close() must wait for
         # One-sided transports (rvz.onesided): options, and the hub start() opens for them.
         self._onesided_options = onesided
@@ -702,7 +701,7 @@ class Node:
         waiter = loop.create_future()
         route, table, peer, dial, stamp = core.park(key, step, mode, waiter)
         if dial:
-            self._when_linked(peer, route.text)  # to notice if it is gone
+            self._spawn(self._link(peer, route.text))  # to notice if it is gone
         text = route.text
         handle = _table.arm_timeout(loop, timeout, table, text, waiter,
                                     peer.name if peer is not None else None)
@@ -747,6 +746,7 @@ class Node:
         assert loop is not None
         waiting = batch.wait()
         asks: dict[Any, list[Any]] = {}  # peer -> requests to send it
+        dialled: set[Any] = set()  # peers this batch started a link to: one task each, not one a key
         try:
             for i in waiting:
                 route = routes[i]
@@ -758,8 +758,9 @@ class Node:
                 # not taken (see Core.unblock).
                 if core.recv_mode(peer, mode) == "recv" or peer.owe_now:
                     asks.setdefault(peer, []).append(core.new_request(peer, step, route))
-                elif not peer.live_connections():
-                    self._when_linked(peer, route.text)  # to notice if it is gone
+                elif peer not in dialled and not peer.live_connections():
+                    dialled.add(peer)
+                    self._spawn(self._link(peer, route.text))  # to notice if it is gone
         except BaseException:
             self._undo_batch(batch)
             raise
@@ -792,35 +793,14 @@ class Node:
                 core.unconsumed(route.src, value)
 
     def _request_when_linked(self, requests: list[Any]) -> None:
+        self._spawn(self._send_when_linked(requests))
+
+    async def _send_when_linked(self, requests: list[Any]) -> None:
         first = requests[0]
-        self._when_linked(first.peer, first.key, requests)
-
-    def _when_linked(self, peer: Any, key: str, requests: list[Any] | None = None) -> None:
-        """Dial ``peer`` in the background and send ``requests`` (Recv-Driven, of any steps)
-        once linked; with none, only dial: Send-Driven recvs learn from the dial's failure
-        that the peer is gone. While a peer has no link, everything waiting on it shares
-        one task (a thousand recvs of a batch, or a thousand concurrent ones, would each
-        start their own): later requests join the first ones."""
-        waiting = self._unlinked.get(peer)
-        if waiting is not None:
-            waiting.extend(requests or ())
-            return
-        self._unlinked[peer] = list(requests or ())
-        self._spawn(self._send_when_linked(peer, key))
-
-    async def _send_when_linked(self, peer: Any, key: str) -> None:
-        try:
-            conn = await self._link(peer, key)
-        finally:
-            requests = self._unlinked.pop(peer, [])
-        # Not cancelled meanwhile; a REQUESTS frame carries one step: grouped by step, each
-        # group in the order the requests were made.
-        by_step: dict[Any, list[Any]] = {}
-        for request in requests:
-            if request.id in self._core.requests:
-                by_step.setdefault(request.step, []).append(request)
-        for group in by_step.values():
-            self._core.send_requests(conn, group)
+        conn = await self._link(first.peer, first.key)
+        live = [r for r in requests if r.id in self._core.requests]  # not cancelled meanwhile
+        if live:
+            self._core.send_requests(conn, live)
 
     # -- connections ---------------------------------------------------------------------------
 
