@@ -477,3 +477,9 @@ def test_scatter_and_gather_rows(variant: str) -> None:
     expected = np.zeros((500, 7), dtype=np.float32)
     expected[positions] = src[positions]
     np.testing.assert_array_equal(out, expected)
+    # The leading columns of wider rows (the embedding of table rows), and no wider.
+    first = np.empty((321, 3), dtype=np.float32)
+    core.gather_rows(src, positions, first)
+    np.testing.assert_array_equal(first, src[positions, :3])
+    with pytest.raises(ValueError, match="columns"):
+        core.gather_rows(src, positions, np.empty((321, 8), dtype=np.float32))

@@ -317,13 +317,15 @@ cdef inline void _scatter_rows(float *out, const int64_t *positions, Py_ssize_t 
         memcpy(out + positions[i] * ncols, rows + i * ncols, nbytes)
 
 
-cdef inline void _gather_rows(const float *src, const int64_t *positions, Py_ssize_t n,
-                              float *out, Py_ssize_t ncols) noexcept nogil:
+cdef inline void _gather_rows(const float *src, Py_ssize_t stride, const int64_t *positions,
+                              Py_ssize_t n, float *out, Py_ssize_t ncols) noexcept nogil:
+    """``out[i] = src[positions[i], :ncols]`` (rows of ``stride`` floats); the rows AHEAD
+    positions on are prefetched, every line of them, so that their misses overlap."""
     cdef Py_ssize_t i, nbytes = 4 * ncols
     for i in range(n):
         if i + AHEAD < n:
-            PS_PREFETCH(src + positions[i + AHEAD] * ncols)
-        memcpy(out + i * ncols, src + positions[i] * ncols, nbytes)
+            _prefetch_row(<const char *>(src + positions[i + AHEAD] * stride), nbytes, NULL)
+        memcpy(out + i * ncols, src + positions[i] * stride, nbytes)
 
 
 cdef inline void _touch_pages(unsigned char *data, Py_ssize_t n) noexcept nogil:
