@@ -703,8 +703,8 @@ class Node:
         if dial:
             self._spawn(self._link(peer, route.text))  # to notice if it is gone
         text = route.text
-        handle = _table.arm_timeout(loop, timeout, table, text, waiter,
-                                    peer.name if peer is not None else None)
+        handle = None if timeout is None else _table.arm_timeout(
+            loop, timeout, table, text, waiter, peer.name if peer is not None else None)
         try:
             return await waiter
         except BaseException:
@@ -717,7 +717,7 @@ class Node:
         finally:
             if handle is not None:
                 handle.cancel()
-            if peer is not None:
+            if peer is not None and core.outstanding:  # (nothing to rebalance otherwise)
                 core.rebalance(step, text, table)
 
     async def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None, step: int = 0,

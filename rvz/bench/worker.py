@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import cProfile
+import functools
 import json
 import math
 import os
@@ -164,25 +165,34 @@ def payloads(size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 async def produce(plan: Plan, send_one: Callable[[Any], Awaitable[None]], body: Any,
-                  last: Any, check_every: int) -> int:
-    """Send one lane's messages through ``send_one``; returns how many were sent."""
-    for _ in range(plan.warmup):
-        await send_one(body)
+                  last: Any, check_every: int,
+                  pause: Callable[[float], Awaitable[None]] | None = None) -> int:
+    """Send one lane's messages through ``send_one``, then ``await pause(0)`` after each one
+    if given; returns how many were sent. (The pause is a parameter, not a wrapper around
+    ``send_one``: a coroutine per message of the harness's own would be counted as rvz's.)"""
+    async def run(count: int, value: Any) -> None:
+        if pause is None:
+            for _ in range(count):
+                await send_one(value)
+        else:
+            for _ in range(count):
+                await send_one(value)
+                await pause(0)
+
+    await run(plan.warmup, body)
     sent = plan.warmup
     if plan.iters is not None:
-        for _ in range(plan.iters - 1):
-            await send_one(body)
+        await run(plan.iters - 1, body)
         sent += plan.iters - 1
     else:
         assert plan.duration is not None
         deadline = time.perf_counter() + plan.duration
         measured = 0
         while time.perf_counter() < deadline or measured < plan.min_messages:
-            for _ in range(check_every):
-                await send_one(body)
+            await run(check_every, body)
             measured += check_every
         sent += measured
-    await send_one(last)
+    await run(1, last)
     return sent + 1
 
 
@@ -260,13 +270,10 @@ async def rvz_stream(case: dict[str, Any], addrs: dict[str, str], role: str) -> 
             sleep = asyncio.sleep
 
             async def lane_a(key: str) -> int:
-                async def one(value: Any) -> None:
-                    await send(key, value)
-                    if yield_each:
-                        # Each lane is one operation in flight; an application task yields
-                        # between steps, and this is where the library may coalesce.
-                        await sleep(0)
-                return await produce(plan, one, body, last, check_every(size))
+                # Each lane is one operation in flight; an application task yields between
+                # steps (``pause``), and this is where the library may coalesce.
+                return await produce(plan, functools.partial(send, key), body, last,
+                                     check_every(size), sleep if yield_each else None)
 
             counts = await asyncio.gather(*(lane_a(k) for k in keys))
             result["sent"] = sum(counts)
@@ -316,13 +323,10 @@ async def rvz_batch_stream(case: dict[str, Any], addrs: dict[str, str], role: st
             send_many = batch_node.send_many
             sleep = asyncio.sleep
 
-            async def one(items: Any) -> None:
-                await send_many(items)
-                await sleep(0)  # an application task yields between steps, as the lanes do
-
+            # an application task yields between steps, as the lanes do
             result["sent"] = batch * await produce(
-                plan, one, [(k, body) for k in keys], [(k, last) for k in keys],
-                max(1, check_every(size) // batch))
+                plan, send_many, [(k, body) for k in keys], [(k, last) for k in keys],
+                max(1, check_every(size) // batch), sleep)
             await finish(node, role)
         else:
             recv_many = batch_node.recv_many
