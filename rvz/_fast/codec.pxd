@@ -79,6 +79,6 @@ cdef class Decoder:
                    payload_len="unsigned long long", dim0="unsigned long long")
     cdef list _parse(self)
     cdef _check_size(self, str key, Py_ssize_t code, tuple shape, object payload_len)
-    @cython.locals(slot=Py_ssize_t, known=object)
+    @cython.locals(slot=Py_ssize_t, known=object, other=object, keys=list)
     cdef str _key(self, bytearray buf, Py_ssize_t start, Py_ssize_t length)
     cdef _requests(self, bytearray buf, object view, Py_ssize_t start, Py_ssize_t length, list events)

@@ -88,7 +88,7 @@ _U8 = np.dtype(np.uint8)
 _ITEMSIZES = bytes(0 if dt is None else dt.itemsize for dt in DTYPES)
 # A 1-D length below this times an item size (16 at most) cannot overflow 64 bits.
 _DIM1_LIMIT = 1 << 59
-KEY_CACHE = 256  # decoded keys remembered per connection (compiled): see Decoder._key
+KEY_CACHE = 256  # sets of the decoder's key cache, 2 keys each (compiled): see Decoder._key
 _MAX_ARRAY_BYTES = (1 << 63) - 1  # numpy's limit on itemsize times the non-zero dims
 _EMPTY_LIST: list = []
 
@@ -298,7 +298,7 @@ class Decoder:
         # The str of each key decoded lately, by a hash of its bytes: a key seen again is
         # the same str object, neither decoded nor hashed again (its hash is cached), so
         # the engine's route and table lookups find it at once.
-        self._keys: list[Any] = [None] * KEY_CACHE
+        self._keys: list[Any] = [None] * (2 * KEY_CACHE)
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._failed is not None:
@@ -602,18 +602,29 @@ class Decoder:
                        f"match dtype {dtype} and shape {shape} ({expected} bytes)")
 
     def _key(self, buf: bytearray, start: int, length: int) -> str:
+        # Compiled, a key seen lately is the same str object again: no decoding, its hash
+        # already computed for the engine's dict lookups. The cache is 2-way set associative
+        # (a set's most recent key first): direct-mapped, a quarter of 64 keys streamed in
+        # turn shared a slot with another and missed every time.
         slot = 0
         if COMPILED:  # the cache's C helpers (_key_slot, _same_key) are in codec.pxd
-            slot = _key_slot(buf, start, length)  # type: ignore[name-defined]  # noqa: F821
-            known = self._keys[slot]
+            slot = 2 * _key_slot(buf, start, length)  # type: ignore[name-defined]  # noqa: F821
+            keys = self._keys
+            known = keys[slot]
             if known is not None and _same_key(known, buf, start, length):  # type: ignore[name-defined]  # noqa: F821
                 return known
+            other = keys[slot + 1]
+            if other is not None and _same_key(other, buf, start, length):  # type: ignore[name-defined]  # noqa: F821
+                keys[slot + 1] = known
+                keys[slot] = other
+                return other
         try:
             # Compiled, a slice of a bytearray decoded at once is read in place (no copy).
             text = buf[start:start + length].decode("utf-8")
         except UnicodeDecodeError:
             raise ProtocolError("key is not valid UTF-8") from None
         if COMPILED:
+            self._keys[slot + 1] = self._keys[slot]
             self._keys[slot] = text
         return text
 
