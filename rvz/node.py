@@ -833,17 +833,14 @@ class Node:
         host, port = split_address(peer.address)
         deadline = self._loop.time() + self.connect_timeout
         delay = 0.01
-        # Each attempt has a bound of its own, doubling from a quarter of connect_timeout (at
-        # least 1 s, TCP's first SYN retransmission time), within the whole budget: a connect
-        # whose completion never reaches the loop is retried on a fresh socket instead of
-        # holding the budget to its end. (Seen on uvloop: a loopback connect in the test
-        # suite that did not complete in 5 s, one run in a few, with no SYN lost.)
-        attempt = max(1.0, self.connect_timeout / 4)
         last: BaseException | None = None
         while True:
             try:
-                conn = await asyncio.wait_for(self._open(peer, host, port),
-                                              max(0.01, min(attempt, deadline - self._loop.time())))
+                _, conn = await asyncio.wait_for(self._loop.create_connection(
+                    lambda: self._connection(outbound=True, peer=peer), host, port,
+                    ssl=self._ssl_client,
+                    server_hostname=host if self._ssl_client is not None else None),
+                    max(0.01, deadline - self._loop.time()))
                 if not conn.ready:  # HELLO may already have arrived
                     if conn.closed:  # ... and failed it (e.g. no common transport)
                         raise conn.lost_error()
@@ -868,7 +865,6 @@ class Node:
                 break
             await asyncio.sleep(min(delay, remaining))  # the last try is at the deadline
             delay = min(delay * 2, 0.5)
-            attempt *= 2
         err: RvzError
         cause = last.__cause__ if last is not None and isinstance(last.__cause__, AuthError) else last
         if isinstance(cause, AuthError):
@@ -884,14 +880,6 @@ class Node:
             result.exception()  # retrieved: waiters get it through the shield
         # The error reaches whoever waited for this dial: logged here only for debugging.
         self._peer_lost(peer, err, level=logging.DEBUG)
-
-    async def _open(self, peer: Any, host: str, port: int) -> Connection:
-        """One attempt to open a connection to ``peer`` (TCP, and TLS when configured)."""
-        assert self._loop is not None
-        _, conn = await self._loop.create_connection(
-            lambda: self._connection(outbound=True, peer=peer), host, port,
-            ssl=self._ssl_client, server_hostname=host if self._ssl_client is not None else None)
-        return conn
 
     def _link_ready(self, peer: Any, conn: Connection) -> None:
         peer.link = conn
