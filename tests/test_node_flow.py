@@ -64,6 +64,12 @@ async def test_send_driven_backpressure_bounds_memory_and_loses_nothing(cluster)
 async def test_recv_driven_hold_limit_slows_the_producer(cluster) -> None:  # type: ignore[no-untyped-def]
     async with pair(cluster, "recv", hold_limit=MIB, claim_timeout=None) as (w, p):
         k = key("held_flood")
+        # Linked first: what this test checks is the hold limit, not the dial. (Dialled right
+        # after the flood, the consumer's connect to the producer stayed pending for 5 s on
+        # uvloop in some runs of .ci/run, even retried on fresh sockets, with no SYN lost and
+        # the loop's timers running: not explained yet, recorded in the issue notes.)
+        await w.send(key("linked"), array(0))
+        assert (await p.recv(key("linked"), timeout=10))[0] == 0
 
         async def produce() -> None:
             for i in range(COUNT):
