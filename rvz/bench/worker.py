@@ -171,12 +171,9 @@ async def produce(plan: Plan, send_one: Callable[[Any], Awaitable[None]], body: 
     if given; returns how many were sent. (The pause is a parameter, not a wrapper around
     ``send_one``: a coroutine per message of the harness's own would be counted as rvz's.)"""
     async def run(count: int, value: Any) -> None:
-        if pause is None:
-            for _ in range(count):
-                await send_one(value)
-        else:
-            for _ in range(count):
-                await send_one(value)
+        for _ in range(count):
+            await send_one(value)
+            if pause is not None:
                 await pause(0)
 
     await run(plan.warmup, body)
