@@ -16,7 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from examples.param_server import SGD, Adagrad, Adam, EmbeddingTable, Ftrl, MinCount, Probability, native
+from examples.param_server import (
+    SGD,
+    Adagrad,
+    Adam,
+    EmbeddingTable,
+    Ftrl,
+    MinCount,
+    Probability,
+    checkpoint,
+    native,
+)
 from examples.param_server.checkpoint import MANIFEST, CheckpointError
 from examples.param_server.sparse import SHARD_SALT, shard_of
 
@@ -425,6 +435,36 @@ def test_checkpoint_detects_corruption_and_keeps_the_last_good_one(tmp_path: Pat
         EmbeddingTable.load(tmp_path)
     with pytest.raises(CheckpointError):
         EmbeddingTable.load(tmp_path / "nothing-here")
+
+
+def test_a_save_killed_before_its_manifest_does_not_block_the_next_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A shard killed between renaming its new entry into place and replacing the manifest
+    # leaves an entry nothing names and a temporary manifest. The restarted shard restores
+    # the previous checkpoint and its next save takes the same entry name: it must succeed.
+    t = EmbeddingTable(dim=4, optimizer=Adam(lr=0.01), initializer="normal", seed=1)
+    train_steps(t, 0, 3)
+    t.save(tmp_path, fsync=False)
+    saved_ids, saved_rows = t.ids(), t.rows(t.ids())
+    train_steps(t, 1, 3)
+
+    def killed(src: object, dst: object) -> None:
+        raise KeyboardInterrupt("killed before the manifest")
+
+    monkeypatch.setattr(checkpoint.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        t.save(tmp_path, incremental=True, fsync=False)
+    monkeypatch.undo()
+    assert (tmp_path / "000002-incr").is_dir()  # the orphan the test is about
+
+    restored = EmbeddingTable.load(tmp_path)
+    np.testing.assert_array_equal(restored.ids(), saved_ids)
+    np.testing.assert_array_equal(restored.rows(saved_ids), saved_rows)
+    train_steps(restored, 2, 3)
+    assert restored.save(tmp_path, incremental=True, fsync=False) == "000002-incr"
+    again = EmbeddingTable.load(tmp_path)
+    np.testing.assert_array_equal(again.rows(restored.ids()), restored.rows(restored.ids()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["000001-full", "000002-incr", MANIFEST]
 
 
 def test_a_large_checkpoint_written_straight_to_disk_loads_bit_identical(tmp_path: Path) -> None:

@@ -5,7 +5,9 @@ each a subdirectory ``NNNNNN-full`` or ``NNNNNN-incr``. An entry is written unde
 temporary name, its files flushed to disk, then renamed into place; ``MANIFEST.json`` (the
 chain, and every file's size and CRC-32) is replaced the same way, last. A crash at any
 moment leaves the previous manifest and the entries it names intact; a reader verifies
-every checksum before using a byte.
+every checksum before using a byte. One process writes a checkpoint directory at a time: the
+next writer removes what a crashed one left (temporary names, and an entry renamed into
+place whose manifest was never written), since only the manifest says what exists.
 """
 
 from __future__ import annotations
@@ -121,8 +123,7 @@ class EntryWriter:
         self.kind = kind
         self.name = f"{self.seq:06d}-{kind}"
         self.tmp = self.root / f".tmp-{self.name}-{os.getpid()}"
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
+        _remove_leftovers(self.root, self.seq)
         self.tmp.mkdir()
         self.fsync = fsync
         self.files: dict[str, dict[str, Any]] = {}
@@ -191,6 +192,23 @@ class EntryWriter:
                 if path.is_dir() and path.name not in chain:
                     shutil.rmtree(path, ignore_errors=True)
         return self.name
+
+
+def _remove_leftovers(root: Path, next_seq: int) -> None:
+    """Remove what a writer that died mid-commit left in ``root``: its temporary files and
+    directories, and entries numbered ``next_seq`` or later. Such an entry was renamed into
+    place but its manifest never replaced the old one (killed between the two), so nothing
+    names it, and the next commit needs its name."""
+    for path in root.iterdir():
+        stale = path.name.startswith(".tmp-")
+        if not stale and path.is_dir():
+            seq = path.name.split("-", 1)[0]
+            stale = seq.isdigit() and int(seq) >= next_seq
+        if stale:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
 
 def read_manifest(root: Path, *, missing_ok: bool = False) -> dict[str, Any] | None:
