@@ -226,13 +226,20 @@ def _alive(pid: int) -> bool:
     return "\nState:\tZ" not in status
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc")
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_stops_every_worker(sig: int) -> None:
+    # Started as from a terminal: a shell runs background jobs (CI's among them, maybe)
+    # with SIGINT ignored, children inherit that, and Python then leaves it ignored.
     proc = subprocess.Popen([sys.executable, "-m", "rvz.bench", "stream", "--sizes", "64",
                              "--duration", "30", "--no-baselines", "--mode", "send"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)
     try:
         workers: set[int] = set()
         deadline = time.monotonic() + 15
@@ -242,8 +249,15 @@ def test_interrupt_stops_every_worker(sig: int) -> None:
         assert len(workers) == 2, "the workers did not start"
         time.sleep(1.0)  # let the case start: both workers are busy measuring
         proc.send_signal(sig)
-        proc.wait(15)
-        assert proc.returncode != 0
+        # communicate, not wait: the CLI and its workers write to these pipes, and a full
+        # pipe must not be what this test measures
+        try:
+            _, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"the CLI did not exit within 15 s of signal {sig}; it printed: {err[-3000:]}")
+        assert proc.returncode != 0, err
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in workers) and time.monotonic() < deadline:
             time.sleep(0.05)

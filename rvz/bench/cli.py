@@ -762,6 +762,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rvz-bench: {exc}", file=err)
         return 1
     except KeyboardInterrupt:
+        # Stop the workers before saying so: if stderr is a pipe nobody drains yet, the
+        # print may block, and the workers must not outlive us waiting on it.
+        bench.close(interrupted=True)
         print("rvz-bench: interrupted; workers stopped", file=err)
         return 130
     finally:
