@@ -174,7 +174,7 @@ class Options:
         if not self.sizes:
             raise UsageError("--sizes is empty")
         self.modes = MODES[args.mode]
-        self.loop = args.loop if args.loop != "auto" else rvz.loop_name(rvz.new_event_loop("auto"))
+        self.loop = args.loop if args.loop != "auto" else _auto_loop_name()
         self.impl = args.impl or rvz.implementation()
         self.transport = args.transport
         self.iters: int | None = args.iters
@@ -717,6 +717,15 @@ def render(results: dict[str, Any], targets: bool = False) -> str:
         parts.append("")
         parts.append(report.targets_table(results["targets"]))
     return "\n".join(parts)
+
+
+def _auto_loop_name() -> str:
+    """What ``--loop auto`` resolves to here (a loop is made to find out, then closed)."""
+    probe = rvz.new_event_loop("auto")
+    try:
+        return rvz.loop_name(probe)
+    finally:
+        probe.close()
 
 
 # -- entry point ---------------------------------------------------------------------------------
