@@ -451,6 +451,7 @@ def test_a_save_killed_before_its_manifest_does_not_block_the_next_one(
     def killed(src: object, dst: object) -> None:
         raise KeyboardInterrupt("killed before the manifest")
 
+    (tmp_path / "2024-notes").mkdir()  # not an entry: never removed
     monkeypatch.setattr(checkpoint.os, "replace", killed)
     with pytest.raises(KeyboardInterrupt):
         t.save(tmp_path, incremental=True, fsync=False)
@@ -464,7 +465,8 @@ def test_a_save_killed_before_its_manifest_does_not_block_the_next_one(
     assert restored.save(tmp_path, incremental=True, fsync=False) == "000002-incr"
     again = EmbeddingTable.load(tmp_path)
     np.testing.assert_array_equal(again.rows(restored.ids()), restored.rows(restored.ids()))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["000001-full", "000002-incr", MANIFEST]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["000001-full", "000002-incr", "2024-notes",
+                                                           MANIFEST]
 
 
 def test_a_large_checkpoint_written_straight_to_disk_loads_bit_identical(tmp_path: Path) -> None:

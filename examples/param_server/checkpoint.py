@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 
 MANIFEST = "MANIFEST.json"
+_ENTRY = re.compile(r"(\d{6,})-(?:full|incr)")  # an entry's name: its sequence number, its kind
 FORMAT = "rvz-param-server-checkpoint/1"
 
 
@@ -188,8 +190,8 @@ class EntryWriter:
         if self.fsync:
             _fsync_dir(self.root)
         if not keep_previous:
-            for path in self.root.iterdir():
-                if path.is_dir() and path.name not in chain:
+            for path in self.root.iterdir():  # entries only: other files are not ours
+                if _ENTRY.fullmatch(path.name) and path.name not in chain:
                     shutil.rmtree(path, ignore_errors=True)
         return self.name
 
@@ -200,11 +202,8 @@ def _remove_leftovers(root: Path, next_seq: int) -> None:
     place but its manifest never replaced the old one (killed between the two), so nothing
     names it, and the next commit needs its name."""
     for path in root.iterdir():
-        stale = path.name.startswith(".tmp-")
-        if not stale and path.is_dir():
-            seq = path.name.split("-", 1)[0]
-            stale = seq.isdigit() and int(seq) >= next_seq
-        if stale:
+        entry = _ENTRY.fullmatch(path.name)
+        if path.name.startswith(".tmp-") or (entry is not None and int(entry[1]) >= next_seq):
             if path.is_dir():
                 shutil.rmtree(path)
             else:
