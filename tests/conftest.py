@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import inspect
 import os
+import socket
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
@@ -93,6 +95,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             marker = item.get_closest_marker("loop_timeout")
             seconds = float(marker.args[0]) if marker else LOOP_TIMEOUT
             item.obj = _on_given_loop(item.obj, seconds)
+
+
+@pytest.fixture(autouse=True)
+def no_socket_left_owning_a_closed_fd() -> Any:
+    """Fail a test that leaves a socket object owning an fd number that is already closed.
+
+    Collected later, such an object closes that number again, by then another socket's, in
+    whatever test runs then (uvloop closes the fd of a transport made with ``sock=`` without
+    detaching the socket when the transport closed before ``create_connection`` returned:
+    a later test's listener was closed that way and its dials hung)."""
+    yield
+    stale = []
+    for obj in gc.get_objects():
+        if isinstance(obj, socket.socket):
+            fd = obj.fileno()
+            if fd >= 0:
+                try:
+                    os.fstat(fd)
+                except OSError:
+                    stale.append(fd)
+    assert not stale, f"socket objects own fds that are already closed: {stale}"
 
 
 @pytest.fixture(params=LOOPS)

@@ -60,12 +60,6 @@ async def test_send_driven_backpressure_bounds_memory_and_loses_nothing(cluster)
         assert queued(p, k) == 0
 
 
-# On the default asyncio loop only, until an open bug is found: in most full runs of
-# .ci/run (5 of 8), this test's uvloop variant failed its first dial, the consumer's connect
-# to the producer pending for 5 s (retried on fresh sockets too) with no SYN lost; run
-# alone, or in the suite's first half, it never failed. The bug is recorded in the issue
-# notes; the hold limit itself is the same code on both loops.
-@pytest.mark.asyncio(loop_factories=["asyncio"])
 @pytest.mark.loop_timeout(30)
 async def test_recv_driven_hold_limit_slows_the_producer(cluster) -> None:  # type: ignore[no-untyped-def]
     async with pair(cluster, "recv", hold_limit=MIB, claim_timeout=None) as (w, p):
