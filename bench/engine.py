@@ -3,7 +3,8 @@ dispatch, and to take a queued value, for whichever implementation loads
 (``RVZ_NO_EXTENSIONS=1 python bench/engine.py`` for the pure-Python one).
 
 No sockets: the producer's wire discards what it would write, the consumer's decoder is fed
-64 encoded DATA frames at a time.  Compare the two implementations in the same session.
+64 encoded DATA frames at a time (then one DATA_MANY frame of 64 values, for the batch API).
+Compare the two implementations in the same session.
 """
 
 from __future__ import annotations
@@ -79,18 +80,38 @@ async def main() -> None:
     decoder.get_buffer(-1)[:len(hello)] = hello
     decoder.buffer_updated(len(hello))
     rounds = max(1, n // 64)
-    fed = taken = 0.0
+
+    def feed_and_take(data: bytes | bytearray, take: Any) -> tuple[float, float]:
+        """ns per message to decode and dispatch ``data`` (64 values), and to take them."""
+        fed = taken = 0.0
+        for _ in range(rounds):
+            decoder.get_buffer(-1)[:len(data)] = data
+            t = time.perf_counter()
+            cwire.feed(len(data))
+            t2 = time.perf_counter()
+            take()
+            fed += t2 - t
+            taken += time.perf_counter() - t2
+        return fed / (rounds * 64) * 1e9, taken / (rounds * 64) * 1e9
+
+    fed, taken = feed_and_take(frames, lambda: [consumer.take(k, 0) for k in KEYS])
+    print(f"decode + dispatch:       {fed:6.0f} ns/message")
+    print(f"take a queued value:     {taken:6.0f} ns/message")
+
+    # The batch API's frames: send_many of 64 keys (one DATA_MANY frame), its decode and
+    # dispatch, and take_many of the 64 values.
+    items = [(k, value) for k in KEYS]
+    t = time.perf_counter()
     for _ in range(rounds):
-        decoder.get_buffer(-1)[:len(frames)] = frames
-        t = time.perf_counter()
-        cwire.feed(len(frames))
-        t2 = time.perf_counter()
-        for k in KEYS:
-            consumer.take(k, 0)
-        fed += t2 - t
-        taken += time.perf_counter() - t2
-    print(f"decode + dispatch:       {fed / (rounds * 64) * 1e9:6.0f} ns/message")
-    print(f"take a queued value:     {taken / (rounds * 64) * 1e9:6.0f} ns/message")
+        producer.send_many(items, None, 0, 0)
+        peer.credit = 64 << 20
+        wire.flush()
+    print(f"send_many (64 x 64 B):   {(time.perf_counter() - t) / (rounds * 64) * 1e9:6.0f} ns/message")
+    frame = codec.encode_data_many(0, [(k.encode(), value) for k in KEYS])
+    routes = consumer.check_routes(KEYS, False)
+    fed, taken = feed_and_take(frame, lambda: consumer.take_many(routes, 0))
+    print(f"DATA_MANY decode+dispatch: {fed:4.0f} ns/message")
+    print(f"take_many (64 keys):     {taken:6.0f} ns/message")
 
 
 if __name__ == "__main__":

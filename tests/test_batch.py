@@ -176,6 +176,51 @@ async def test_a_send_driven_batch_before_the_link_starts_one_link_task_per_peer
             assert ints(await batch) == list(range(2000))
 
 
+@pytest.mark.loop_timeout(30)
+async def test_send_driven_batches_go_as_data_many_frames_and_keep_every_order(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Small pushes of a ``send_many`` to one consumer leave as DATA_MANY frames (far fewer
+    frames than values); a large value, a key local to the producer and a frame bound in
+    between split the runs, and every key still gets its values in order."""
+    from rvz._impl import codec
+    rng = np.random.default_rng(5)
+    names = [key(f"r{i}") for i in range(3)]
+    mine = key("mine", src=WORKER, dst=WORKER)
+    items: list[tuple[Any, Any]] = []
+    for i in range(600):
+        if i % 97 == 50:
+            items.append((names[i % 3], np.full(100_000, i, np.int32)))  # alone: 400 KB
+        elif i % 41 == 7:
+            items.append((mine, v(i)))
+        elif i % 13 == 3:
+            items.append((names[i % 3], f"bytes {i}".encode()))
+        else:
+            items.append((names[i % 3], rng.integers(0, 1 << 40, int(rng.integers(0, 300)))))
+    async with pair(cluster, "send") as (w, p):
+        await w.send(names[0], v(-1))  # the link is up: the batch is not queued behind a dial
+        assert ints([await p.recv(names[0], timeout=5)]) == [-1]
+        before = w.stats()["peers"]["/job:ps/replica:0/task:0"]["messages_out"]
+        await w.send_many(items)
+        frames = w.stats()["peers"]["/job:ps/replica:0/task:0"]["messages_out"] - before
+        sizes = [len(bytes(codec.payload_view(codec.describe(x)[0]))) for _, x in items]
+        small = sum(n for n in sizes if n < 100_000)
+        splits = sum(1 for (k, _), n in zip(items, sizes, strict=True) if k is mine or n >= 100_000)
+        # each split ends a frame (and a large value is one), each frame is at least half
+        # full otherwise; one frame per value would be over 550
+        assert 0 < frames <= 2 * small // codec.MANY_PAYLOAD + 2 * splits + 1, (frames, small)
+        for k in names:
+            expected = [x for kk, x in items if kk is k]
+            got = await p.recv_many([k] * len(expected), timeout=10)
+            for sent, came in zip(expected, got, strict=True):
+                if isinstance(sent, bytes):
+                    assert came == sent
+                else:
+                    assert came.dtype == sent.dtype
+                    np.testing.assert_array_equal(came, sent)
+        assert await drain(w, mine, sum(1 for k, _ in items if k is mine)) == [
+            i for i, (k, _) in enumerate(items) if k is mine]
+        await nothing_more(p, names[0])
+
+
 def test_requests_split_keeps_every_frame_within_bounds() -> None:
     from rvz._fast import codec
     entries = [(i, (f"{i:05d}" + "k" * (i % 300)).encode()) for i in range(3000)]

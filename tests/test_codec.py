@@ -65,18 +65,38 @@ def data_frame(value: Any, step: int = 1, request_id: int = 0, k: bytes = KEYB) 
     return codec.encode_data(step, request_id, k, code, shape, nbytes) + bytes(codec.payload_view(value))
 
 
+def comparable(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return ("array", value.dtype.str, value.shape, value.tobytes())
+    return value
+
+
 def normalize(events: list) -> list:
     """Events with arrays replaced by comparable (dtype, shape, bytes) tuples."""
     out = []
     for event in events:
         if event[0] == codec.DATA:
-            value = event[4]
-            if isinstance(value, np.ndarray):
-                value = ("array", value.dtype.str, value.shape, value.tobytes())
-            out.append(event[:4] + (value,))
+            out.append(event[:4] + (comparable(event[4]),))
+        elif event[0] == codec.DATA_MANY:
+            out.append(event[:3] + ([comparable(v) for v in event[3]],))
         else:
             out.append(event)
     return out
+
+
+def raw_many(step: int, entries: list, count: int | None = None) -> bytes:
+    """A DATA_MANY frame written field by field: ``entries`` of ``(key, code, shape,
+    payload)``, or of raw bytes (one entry as is)."""
+    body = b""
+    for entry in entries:
+        if isinstance(entry, bytes):
+            body += entry
+            continue
+        k, code, shape, payload = entry
+        body += (struct.pack("<HBBI", len(k), code, len(shape), len(payload))
+                 + struct.pack("<" + "Q" * len(shape), *shape) + k + payload)
+    count = len(entries) if count is None else count
+    return header(codec.DATA_MANY, 12, len(body)) + struct.pack("<QI", step, count) + body
 
 
 def all_ways(data: bytes, seed: int = 0) -> list:
@@ -139,6 +159,41 @@ async def test_every_frame_type_round_trips() -> None:
     dec = codec.Decoder()
     feed(dec, stream)
     assert dec.frames == 11 and dec.bytes_in == len(stream)
+
+
+async def test_data_many_round_trips_every_kind_of_value() -> None:
+    keys = [str(key(f"m{i}")).encode() for i in range(len(DTYPE_VALUES) + 3)]
+    values: list[Any] = [*DTYPE_VALUES, b"", b"raw", np.arange(7, dtype=np.int16)]
+    items = list(zip(keys, values, strict=True))
+    frame = codec.encode_data_many(9, items)
+    # As many DATA frames carry the same bytes, plus a 36-byte header each instead of 8.
+    assert len(frame) == 28 + sum(8 + 8 * np.ndim(v) + len(k) + len(bytes(codec.payload_view(
+        codec.describe(v)[0]))) for k, v in items)
+    events = all_ways(HELLO + frame + codec.encode_ping(), seed=4)
+    assert [e[0] for e in events] == [codec.HELLO, codec.DATA_MANY, codec.PING]
+    kind, step, got_keys, got = events[1]
+    assert step == 9 and got_keys == [k.decode() for k in keys]
+    assert got == [comparable(v) for v in values]
+    arrays = feed(codec.Decoder(), HELLO + frame)[1][3]
+    assert type(arrays[-3]) is bytes and arrays[-1].dtype == np.int16
+    assert not np.shares_memory(arrays[0], arrays[-1])  # each value its own array
+
+
+async def test_a_data_many_frame_at_its_bounds() -> None:
+    k = KEYB
+    per = 8 + 8 + len(k)  # entry head, one dim, key; payload below
+    payload = codec.MANY_PAYLOAD - per
+    full = codec.encode_data_many(1, [(k, np.zeros(payload, np.uint8))])
+    assert len(full) == 28 + codec.MANY_PAYLOAD
+    assert feed(codec.Decoder(), HELLO + full, random_chunks(2))[1][3][0].nbytes == payload
+    with pytest.raises(ValueError):
+        codec.encode_data_many(1, [(k, np.zeros(payload + 1, np.uint8))])
+    many = codec.encode_data_many(2, [(b"", b"")] * codec.MAX_MANY)
+    assert len(feed(codec.Decoder(), HELLO + many)[1][3]) == codec.MAX_MANY
+    with pytest.raises(ValueError):
+        codec.encode_data_many(2, [(b"", b"")] * (codec.MAX_MANY + 1))
+    empty = feed(codec.Decoder(), HELLO + codec.encode_data_many(3, []))[1]
+    assert empty == (codec.DATA_MANY, 3, [], [])
 
 
 async def test_max_u64_fields_round_trip() -> None:
@@ -322,6 +377,23 @@ MALFORMED = {
     "request-key-length": HELLO + header(codec.REQUEST, 18 + 3) + struct.pack("<QQH", 1, 1, 5) + b"abc",
     "abort-short": HELLO + header(codec.ABORT_STEP, 4) + b"\0" * 4,
     "bye-with-meta": HELLO + header(codec.BYE, 1) + b"x",
+    "many-meta-13": HELLO + header(codec.DATA_MANY, 13) + b"\0" * 13,
+    "many-payload-over-limit": HELLO + header(codec.DATA_MANY, 12, codec.MANY_PAYLOAD + 1)
+    + struct.pack("<QI", 0, 1),
+    "many-count-over-limit": HELLO + raw_many(0, [], count=codec.MAX_MANY + 1),
+    "many-count-beyond-entries": HELLO + raw_many(0, [(KEYB, 3, (1,), b"\0")], count=2),
+    "many-bytes-after-entries": HELLO + raw_many(0, [(KEYB, 3, (1,), b"\0"), b"\0" * 9], count=1),
+    "many-entry-cut": HELLO + raw_many(0, [b"\0" * 7], count=1),
+    "many-key-beyond-frame": HELLO + raw_many(0, [struct.pack("<HBBI", 50, 3, 0, 0) + b"k"]),
+    "many-payload-beyond-frame": HELLO + raw_many(
+        0, [struct.pack("<HBBI", 1, 3, 1, 9) + struct.pack("<Q", 9) + b"k" + b"\0" * 8]),
+    "many-ndim-33": HELLO + raw_many(0, [(KEYB, 3, (1,) * 33, b"\0")]),
+    "many-unknown-dtype": HELLO + raw_many(0, [(KEYB, 99, (1,), b"\0")]),
+    "many-bytes-with-shape": HELLO + raw_many(0, [(KEYB, 0, (2,), b"\0\0")]),
+    "many-shape-mismatch": HELLO + raw_many(0, [(KEYB, 11, (4,), b"\0" * 15)]),
+    "many-key-not-utf8": HELLO + raw_many(0, [(b"\xff\xfe", 3, (1,), b"\0")]),
+    "many-key-too-long": HELLO + raw_many(0, [(b"k" * (codec.MAX_KEY + 1), 3, (1,), b"\0")]),
+    "many-first": raw_many(0, [(KEYB, 3, (1,), b"\0")]),
     "zero-size-shape-overflow": HELLO + raw_data(0, 0, KEYB, 3, (2 ** 63, 0), b""),
     "zero-size-too-big": HELLO + raw_data(0, 0, KEYB, 3, (2 ** 62, 0, 2 ** 62), b""),
 }
@@ -399,8 +471,11 @@ async def test_encoder_limits() -> None:
 def _valid_stream(rng: random.Random) -> bytes:
     parts = [HELLO]
     for _ in range(rng.randint(1, 8)):
-        choice = rng.randrange(6)
-        if choice == 0:
+        choice = rng.randrange(7)
+        if choice == 6:
+            parts.append(codec.encode_data_many(rng.randint(0, 5), [
+                (KEYB, np.arange(rng.randint(0, 9), dtype=np.int16)) for _ in range(rng.randint(0, 4))]))
+        elif choice == 0:
             parts.append(data_frame(np.arange(rng.randint(0, 20), dtype=np.int16),
                                     step=rng.randint(0, 5), request_id=rng.randint(0, 5)))
         elif choice == 1:

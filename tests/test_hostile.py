@@ -133,6 +133,69 @@ def test_remote_frames_never_touch_a_nodes_local_keys(run) -> None:  # type: ign
     run(body(), timeout=20)
 
 
+def test_a_data_many_frame_with_one_misrouted_key_queues_none_of_its_values(run) -> None:  # type: ignore[no-untyped-def]
+    """A DATA_MANY frame is checked whole before any of its values is queued: one key that
+    does not route from the sender to us (here, the node's own local key) closes that
+    connection, and the frame's valid values are not kept either."""
+    async def body() -> None:
+        cluster = three_tasks()
+        async with pair(cluster, "send") as (w, p):
+            good = key_text("good", W1, PS0)
+            local = key_text("to_myself", PS0, PS0)
+            h = await Hostile.connect(p.address)
+            try:
+                await h.hello("worker", 1, mode="send")
+                await h.send(codec.encode_data_many(0, [(good.encode(), np.arange(3)),
+                                                        (local.encode(), np.arange(2))]))
+                await h.events_until_closed(5)
+            finally:
+                h.close()
+            stats = p.stats()
+            assert stats["steps"].get(0, {}).get("queued_values", 0) == 0, stats["steps"]
+            with pytest.raises(TimeoutError):
+                await p.recv(good, timeout=0.2)
+            # A well-formed frame from the same identity is taken, in order.
+            h = await Hostile.connect(p.address)
+            try:
+                await h.hello("worker", 1, mode="send")
+                await h.send(codec.encode_data_many(0, [(good.encode(), np.arange(i))
+                                                        for i in range(4)]))
+                got = await p.recv_many([good] * 4, timeout=5)
+                assert [g.tolist() for g in got] == [list(range(i)) for i in range(4)]
+            finally:
+                h.close()
+            await w.send(key("after"), np.arange(2))
+            assert (await p.recv(key("after"), timeout=5)).tolist() == [0, 1]
+
+    run(body(), timeout=20)
+
+
+def test_a_producer_that_ignores_credit_with_data_many_frames_is_closed(run) -> None:  # type: ignore[no-untyped-def]
+    """The push window counts every value of a DATA_MANY frame: a producer that sends them
+    past twice the window is closed, and what the node kept stays within that bound."""
+    async def body() -> None:
+        cluster = three_tasks()
+        window = 256 << 10
+        async with pair(cluster, "send", ps={"push_window": window}) as (w, p):
+            k = key_text("flood", W1, PS0)
+            h = await Hostile.connect(p.address)
+            try:
+                await h.hello("worker", 1, mode="send")
+                frame = codec.encode_data_many(0, [(k.encode(), np.full(4000, 7, np.uint8))] * 7)
+                written = await h.flood(frame for _ in range(200))  # 5.6 MB at 256 KiB
+                await h.events_until_closed(10)
+            finally:
+                h.close()
+            assert written < 200
+            queued = p.stats()["steps"].get(0, {}).get("queued_values", 0)
+            assert 7 <= queued and queued * (4000 + COST) <= 2 * window + 7 * (4000 + COST), queued
+            assert all(int(x[0]) == 7 for x in await p.recv_many([k] * queued, timeout=5))
+            await w.send(key("after"), np.arange(2))
+            assert (await p.recv(key("after"), timeout=5)).tolist() == [0, 1]
+
+    run(body(), timeout=30)
+
+
 # -- memory: credit ------------------------------------------------------------------------------
 
 

@@ -1,5 +1,6 @@
 # The C entry points of arrays.pyx that other compiled modules cimport: the decoder builds
-# arrays with new_array_c, the engine frames and measures values with the others.
+# arrays with new_array_c, the engine frames (DATA, DATA_MANY) and measures values with the
+# others.
 
 from libc.stdint cimport uint64_t
 
@@ -9,3 +10,7 @@ cdef tuple describe_c(object value)
 cdef int append_data_c(bytearray out, uint64_t step, uint64_t request_id, bytes key, int code,
                        tuple shape, Py_ssize_t nbytes, object value, bint with_payload) except -1
 cdef Py_ssize_t nbytes_c(object value) except -1
+cdef int many_begin_c(bytearray out, uint64_t step) except -1
+cdef int many_entry_c(bytearray out, bytes key, int code, tuple shape, Py_ssize_t nbytes,
+                      object value) except -1
+cdef int many_end_c(bytearray out, Py_ssize_t start, Py_ssize_t count) except -1

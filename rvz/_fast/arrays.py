@@ -14,11 +14,18 @@ from typing import Any
 
 import numpy as np
 
-from .wire import BYTES_CODE, DATA, DTYPES, MAX_NDIM, VERSION, WIRE_DTYPES
+from .wire import BYTES_CODE, DATA, DATA_MANY, DTYPES, MAX_NDIM, VERSION, WIRE_DTYPES
 from .wire import describe_other as _describe_other
 
 # One struct per ndim packs the whole DATA header (frame header + metadata) in one call.
 _DATA_HEADERS = [struct.Struct("<BBHIQQQHBB" + "Q" * n) for n in range(MAX_NDIM + 1)]
+# DATA_MANY: the frame header and its metadata (step, count), then entries, each
+# ``u16 klen | u8 code | u8 ndim | u32 nbytes | u64 shape[ndim] | key | payload``.
+_MANY_HEAD = struct.Struct("<BBHIQQI")
+MANY_HEAD_SIZE = _MANY_HEAD.size  # 28
+_ENTRY_HEADS = [struct.Struct("<HBBI" + "Q" * n) for n in range(MAX_NDIM + 1)]
+_PAYLOAD_LEN = struct.Struct("<Q")
+_COUNT = struct.Struct("<I")
 
 
 # dtype -> wire code; numpy caches a dtype's hash, where ``dtype.str`` formats a new string
@@ -51,11 +58,36 @@ def append_data(out: bytearray, step: int, request_id: int, key: bytes, code: in
                                     step, request_id, len(key), code, ndim, *shape)
     out += key
     if with_payload and nbytes:
-        if isinstance(value, np.ndarray):
-            array: Any = value  # numpy's stubs do not declare the buffer protocol for 3.10
-            out += memoryview(array).cast("B")
-        else:
-            out += value
+        _append_payload(out, value)
+
+
+def _append_payload(out: bytearray, value: Any) -> None:
+    if isinstance(value, np.ndarray):
+        array: Any = value  # numpy's stubs do not declare the buffer protocol for 3.10
+        out += memoryview(array).cast("B")
+    else:
+        out += value
+
+
+def many_begin(out: bytearray, step: int) -> None:
+    """Open a DATA_MANY frame at the end of ``out``; ``many_end`` completes its header."""
+    out += _MANY_HEAD.pack(VERSION, DATA_MANY, 0, 12, 0, step, 0)
+
+
+def many_entry(out: bytearray, key: bytes, code: int, shape: tuple, nbytes: int,
+               value: Any) -> None:
+    """Append one value to the DATA_MANY frame being written (the caller checked the key's
+    length, the shape's rank and the frame's bound)."""
+    out += _ENTRY_HEADS[len(shape)].pack(len(key), code, len(shape), nbytes, *shape)
+    out += key
+    if nbytes:
+        _append_payload(out, value)
+
+
+def many_end(out: bytearray, start: int, count: int) -> None:
+    """Complete the DATA_MANY frame opened at ``start``: its payload length and count."""
+    _PAYLOAD_LEN.pack_into(out, start + 8, len(out) - start - MANY_HEAD_SIZE)
+    _COUNT.pack_into(out, start + 24, count)
 
 
 def new_array(code: int, shape: tuple, src: bytearray, offset: int, nbytes: int) -> Any:

@@ -22,7 +22,8 @@ cnp.import_array()
 if sys.byteorder != "little":
     raise ImportError("rvz's compiled data path assumes a little-endian host")
 
-from rvz._fast.wire import BYTES_CODE, CODES, DATA, DTYPES, MAX_NDIM, VERSION, WIRE_DTYPES
+from rvz._fast.wire import (BYTES_CODE, CODES, DATA, DATA_MANY, DTYPES, MAX_NDIM, VERSION,
+                           WIRE_DTYPES)
 from rvz._fast.wire import describe_other as _describe_other
 
 # numpy type numbers of the wire codes (index = code)
@@ -87,7 +88,6 @@ cdef int append_data_c(bytearray out, uint64_t step, uint64_t request_id, bytes 
     cdef Py_ssize_t old = PyByteArray_GET_SIZE(out)
     cdef Py_ssize_t i
     cdef char* p
-    cdef Py_buffer view
     if ndim > MAX_NDIM:
         raise ValueError(f"array has {ndim} dimensions; rvz carries at most {MAX_NDIM}")
     if with_payload:
@@ -109,7 +109,11 @@ cdef int append_data_c(bytearray out, uint64_t step, uint64_t request_id, bytes 
     memcpy(p + 36 + 8 * ndim, PyBytes_AS_STRING(key), klen)
     if not with_payload or nbytes == 0:
         return 0
-    p += 16 + meta
+    return _copy_payload(p + 16 + meta, value, nbytes)
+
+
+cdef int _copy_payload(char* p, object value, Py_ssize_t nbytes) except -1:
+    cdef Py_buffer view
     if cnp.PyArray_Check(value):
         memcpy(p, cnp.PyArray_DATA(<cnp.ndarray>value), nbytes)
     elif type(value) is bytes:
@@ -120,6 +124,68 @@ cdef int append_data_c(bytearray out, uint64_t step, uint64_t request_id, bytes 
             memcpy(p, view.buf, nbytes)
         finally:
             PyBuffer_Release(&view)
+    return 0
+
+
+MANY_HEAD_SIZE = 28
+
+
+def many_begin(bytearray out, uint64_t step):
+    many_begin_c(out, step)
+
+
+def many_entry(bytearray out, bytes key, int code, tuple shape, Py_ssize_t nbytes, object value):
+    many_entry_c(out, key, code, shape, nbytes, value)
+
+
+def many_end(bytearray out, Py_ssize_t start, Py_ssize_t count):
+    many_end_c(out, start, count)
+
+
+cdef int many_begin_c(bytearray out, uint64_t step) except -1:
+    """many_begin() for compiled callers."""
+    cdef Py_ssize_t old = PyByteArray_GET_SIZE(out)
+    cdef char* p
+    PyByteArray_Resize(out, old + 28)
+    p = PyByteArray_AS_STRING(out) + old
+    p[0] = <char>VERSION
+    p[1] = <char>DATA_MANY
+    _put16(p + 2, 0)
+    _put32(p + 4, 12)
+    _put64(p + 8, 0)
+    _put64(p + 16, step)
+    _put32(p + 24, 0)
+    return 0
+
+
+cdef int many_entry_c(bytearray out, bytes key, int code, tuple shape, Py_ssize_t nbytes,
+                      object value) except -1:
+    """many_entry() for compiled callers."""
+    cdef Py_ssize_t ndim = len(shape)
+    cdef Py_ssize_t klen = PyBytes_GET_SIZE(key)
+    cdef Py_ssize_t head = 8 + 8 * ndim
+    cdef Py_ssize_t old = PyByteArray_GET_SIZE(out)
+    cdef Py_ssize_t i
+    cdef char* p
+    PyByteArray_Resize(out, old + head + klen + nbytes)
+    p = PyByteArray_AS_STRING(out) + old
+    _put16(p, <uint16_t>klen)
+    p[2] = <char><uint8_t>code
+    p[3] = <char><uint8_t>ndim
+    _put32(p + 4, <uint32_t>nbytes)
+    for i in range(ndim):
+        _put64(p + 8 + 8 * i, <uint64_t>shape[i])
+    memcpy(p + head, PyBytes_AS_STRING(key), klen)
+    if nbytes == 0:
+        return 0
+    return _copy_payload(p + head + klen, value, nbytes)
+
+
+cdef int many_end_c(bytearray out, Py_ssize_t start, Py_ssize_t count) except -1:
+    """many_end() for compiled callers."""
+    cdef char* p = PyByteArray_AS_STRING(out) + start
+    _put64(p + 8, <uint64_t>(PyByteArray_GET_SIZE(out) - start - 28))
+    _put32(p + 24, <uint32_t>count)
     return 0
 
 

@@ -13,6 +13,8 @@ cdef bint COMPILED
 cdef bytes _ITEMSIZES
 cdef unsigned long long _DIM1_LIMIT
 cdef Py_ssize_t KEY_CACHE
+cdef Py_ssize_t _C_HEADER, _C_VERSION, _C_MAX_META, _C_MAX_NDIM, _C_MAX_KEY, _C_NCODES, _C_BYTES
+cdef Py_ssize_t _C_DATA, _C_DATA_MANY, _C_HELLO, _C_ENTRY, _C_MANY_PAYLOAD, _C_MAX_MANY
 
 
 cdef inline Py_ssize_t _key_slot(bytearray buf, Py_ssize_t start, Py_ssize_t length) noexcept:
@@ -76,8 +78,15 @@ cdef class Decoder:
                    mstart=Py_ssize_t, kstart=Py_ssize_t, pstart=Py_ssize_t, pend=Py_ssize_t,
                    avail=Py_ssize_t, meta_len=Py_ssize_t, klen=Py_ssize_t, ndim=Py_ssize_t,
                    code=Py_ssize_t, ftype=int, version=int, flags=int, handshake=bint,
-                   payload_len="unsigned long long", dim0="unsigned long long")
+                   payload_len="unsigned long long")
     cdef list _parse(self)
+    @cython.locals(_k=Py_ssize_t, pos=Py_ssize_t, kstart=Py_ssize_t, klen=Py_ssize_t, code=Py_ssize_t,
+                   ndim=Py_ssize_t, nbytes=Py_ssize_t, count="unsigned long long",
+                   keys=list, values=list)
+    cdef _many(self, bytearray buf, Py_ssize_t start, Py_ssize_t end, list events)
+    @cython.locals(dim0="unsigned long long")
+    cdef tuple _shape(self, bytearray buf, Py_ssize_t pos, Py_ssize_t ndim, Py_ssize_t code,
+                      str key, unsigned long long payload_len)
     cdef _check_size(self, str key, Py_ssize_t code, tuple shape, object payload_len)
     @cython.locals(slot=Py_ssize_t, known=object, other=object, keys=list)
     cdef str _key(self, bytearray buf, Py_ssize_t start, Py_ssize_t length)

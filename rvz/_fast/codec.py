@@ -5,13 +5,18 @@ Every frame starts with a 16-byte header, little-endian::
     u8 version | u8 type | u16 flags (0) | u32 meta_len | u64 payload_len
 
 followed by ``meta_len`` bytes of type-specific metadata and ``payload_len`` bytes of
-payload (only DATA frames carry a payload).  DATA metadata is::
+payload (only DATA and DATA_MANY frames carry a payload).  DATA metadata is::
 
     u64 step | u64 request_id | u16 key_len | u8 dtype | u8 ndim | u64 shape[ndim] | key
 
 ``request_id`` is 0 for a Send-Driven push and the consumer's request id for a
-Recv-Driven answer.  HELLO and ERROR carry msgpack maps: they are rare, and a map lets
-them grow without a new version.  There is no pickle anywhere.
+Recv-Driven answer.  ``send_many`` pushes small values of one step to one consumer as a
+DATA_MANY frame instead: metadata ``u64 step | u32 count``, then a payload of ``count``
+entries, each ``u16 key_len | u8 dtype | u8 ndim | u32 nbytes | u64 shape[ndim] | key |
+payload``; it is bounded (MANY_PAYLOAD), so it is always read whole into the staging
+buffer and decoded into one event for the whole batch.  HELLO and ERROR carry msgpack
+maps: they are rare, and a map lets them grow without a new version.  There is no pickle
+anywhere.
 
 The decoder is fed like an ``asyncio.BufferedProtocol``: ``get_buffer()`` says where the
 next bytes should land and ``buffer_updated(n)`` returns the frames they completed.  Small
@@ -51,10 +56,12 @@ BYE = 9
 ONESIDED = 10  # control of a one-sided transport (rvz.onesided): a msgpack map
 REQUESTS = 11  # several requests of one step in one frame (recv_many): decoded as REQUESTs
 AUTH = 12      # the handshake's proof of the shared secret (a msgpack map), right after HELLO
+DATA_MANY = _wire.DATA_MANY  # 13: small Send-Driven values of one step (send_many), one event
 
 FRAME_NAMES = {HELLO: "HELLO", DATA: "DATA", REQUEST: "REQUEST", CANCEL: "CANCEL",
                ERROR: "ERROR", ABORT_STEP: "ABORT_STEP", PING: "PING", CREDIT: "CREDIT",
-               BYE: "BYE", ONESIDED: "ONESIDED", REQUESTS: "REQUESTS", AUTH: "AUTH"}
+               BYE: "BYE", ONESIDED: "ONESIDED", REQUESTS: "REQUESTS", AUTH: "AUTH",
+               DATA_MANY: "DATA_MANY"}
 
 HEADER_SIZE = 16
 MAX_NDIM = 32
@@ -76,6 +83,28 @@ _REQUESTS_FIXED = struct.Struct("<QI")  # step, count; then count x (u64 id, u16
 _ENTRY = struct.Struct("<QH")
 MAX_REQUESTS = 4096  # entries in one REQUESTS frame (its metadata is bounded by MAX_META too)
 _SHAPES = [struct.Struct("<" + "Q" * n) for n in range(MAX_NDIM + 1)]
+_MANY_FIXED = struct.Struct("<QI")     # step, count
+_MANY_ENTRY = struct.Struct("<HBBI")   # key_len, dtype, ndim, nbytes; then shape, key, payload
+# Bounds of one DATA_MANY frame: its payload (every entry, keys and values) is read whole
+# into the staging buffer, and a batch larger than this goes as several frames.
+MANY_PAYLOAD = 32768
+MAX_MANY = 4096
+MANY_OVERHEAD = _MANY_ENTRY.size  # per entry, besides its shape, key and payload
+# C copies (codec.pxd types them) of what the decoder compares every frame's fields with:
+# compiled, a comparison with a Python global would box the field first.
+_C_HEADER = HEADER_SIZE
+_C_VERSION = VERSION
+_C_MAX_META = MAX_META
+_C_MAX_NDIM = MAX_NDIM
+_C_MAX_KEY = MAX_KEY
+_C_NCODES = len(_wire.DTYPES)
+_C_BYTES = _wire.BYTES_CODE
+_C_DATA = DATA
+_C_DATA_MANY = DATA_MANY
+_C_HELLO = HELLO
+_C_ENTRY = MANY_OVERHEAD
+_C_MANY_PAYLOAD = MANY_PAYLOAD
+_C_MAX_MANY = MAX_MANY
 
 # dtype code 0 is a ``bytes`` value; the others are numpy dtypes, little-endian on the wire.
 BYTES_CODE = _wire.BYTES_CODE
@@ -133,6 +162,22 @@ def append_data(out: bytearray, step: int, request_id: int, key: bytes, code: in
     if len(key) > MAX_KEY:
         raise ValueError(f"key of {len(key)} bytes is longer than {MAX_KEY}")
     _append_data(out, step, request_id, key, code, shape, nbytes, value, with_payload)
+
+
+def encode_data_many(step: int, items: list) -> bytes:
+    """One DATA_MANY frame of ``items``, ``(key bytes, value)`` pairs (the engine writes
+    these frames straight into its write buffer; this is for tools and tests)."""
+    out = bytearray()
+    _arrays.many_begin(out, step)
+    for key, value in items:
+        value, code, shape, nbytes = describe(value)
+        if len(shape) > MAX_NDIM or len(key) > MAX_KEY:
+            raise ValueError(f"value of key {key!r} does not fit a DATA_MANY entry")
+        _arrays.many_entry(out, key, code, shape, nbytes, value)
+    if len(out) - _arrays.MANY_HEAD_SIZE > MANY_PAYLOAD or len(items) > MAX_MANY:
+        raise ValueError(f"{len(items)} values do not fit one DATA_MANY frame")
+    _arrays.many_end(out, 0, len(items))
+    return bytes(out)
 
 
 def encode_request(step: int, request_id: int, key: bytes) -> bytes:
@@ -252,6 +297,7 @@ class Decoder:
 
     Events are tuples whose first item is the frame type:
     ``(HELLO, fields)``, ``(DATA, step, request_id, key, value)``,
+    ``(DATA_MANY, step, keys, values)``,
     ``(REQUEST, step, request_id, key)``, ``(CANCEL, request_id)``,
     ``(ERROR, fields)``, ``(ABORT_STEP, step, message)``, ``(PING,)``,
     ``(CREDIT, nbytes)``, ``(BYE,)``, ``(ONESIDED, fields)``, ``(AUTH, fields)``.  Any malformed input raises
@@ -266,8 +312,9 @@ class Decoder:
 
     def __init__(self, buffer_size: int = 262144, direct_min: int = 65536,
                  max_payload: int = DEFAULT_MAX_PAYLOAD, pool: Any = None) -> None:
-        if buffer_size < HEADER_SIZE + MAX_META + direct_min:
-            buffer_size = HEADER_SIZE + MAX_META + direct_min
+        floor = HEADER_SIZE + MAX_META + max(direct_min, MANY_PAYLOAD)
+        if buffer_size < floor:  # any staged frame fits whole
+            buffer_size = floor
         # Until HELLO only a HELLO can come: a connection that never says it costs a buffer
         # of that size, not the full one (grown in _parse once HELLO is read).
         self._full_size = buffer_size
@@ -376,8 +423,8 @@ class Decoder:
         view = self._view
         pos = self._start
         end = self._end
-        need = HEADER_SIZE
-        while end - pos >= HEADER_SIZE:
+        need = _C_HEADER
+        while end - pos >= _C_HEADER:
             if COMPILED:  # C reads of the little-endian fields; struct is faster in Python
                 version = buf[pos]
                 ftype = buf[pos + 1]
@@ -386,22 +433,22 @@ class Decoder:
                 payload_len = _u64(buf, pos + 8)
             else:
                 version, ftype, flags, meta_len, payload_len = _HEADER.unpack_from(buf, pos)
-            if version != VERSION:
+            if version != _C_VERSION:
                 self._fail(f"unsupported protocol version {version} (this side speaks {VERSION})")
             if flags != 0:
                 self._fail(f"frame flags {flags:#x} are not defined in version {VERSION}")
-            if meta_len > MAX_META:
+            if meta_len > _C_MAX_META:
                 self._fail(f"frame metadata of {meta_len} bytes exceeds the limit of {MAX_META}")
             if self._state != 1:
-                if self._state == 0 and ftype != HELLO:
+                if self._state == 0 and ftype != _C_HELLO:
                     self._fail(f"first frame is {FRAME_NAMES.get(ftype, ftype)}, expected HELLO")
                 if self._state == 2:
                     self._fail(f"{FRAME_NAMES.get(ftype, ftype)} frame after BYE")
-            mstart = pos + HEADER_SIZE
+            mstart = pos + _C_HEADER
             if end - mstart < meta_len:
-                need = HEADER_SIZE + meta_len
+                need = _C_HEADER + meta_len
                 break
-            if ftype == DATA:
+            if ftype == _C_DATA:
                 if meta_len < 20:
                     self._fail(f"DATA metadata of {meta_len} bytes is too short")
                 if COMPILED:
@@ -412,32 +459,18 @@ class Decoder:
                     ndim = buf[mstart + 19]
                 else:
                     step, request_id, klen, code, ndim = _DATA_FIXED.unpack_from(buf, mstart)
-                if ndim > MAX_NDIM:
+                if ndim > _C_MAX_NDIM:
                     self._fail(f"DATA frame has {ndim} dimensions, the limit is {MAX_NDIM}")
-                if klen > MAX_KEY or meta_len != 20 + 8 * ndim + klen:
+                if klen > _C_MAX_KEY or meta_len != 20 + 8 * ndim + klen:
                     self._fail(f"DATA metadata length {meta_len} does not match key length "
                                f"{klen} and {ndim} dimensions")
-                if code >= len(DTYPES):
+                if code >= _C_NCODES:
                     self._fail(f"DATA frame has unknown dtype code {code}")
                 kstart = mstart + 20 + 8 * ndim
                 key = self._key(buf, kstart, klen)
                 value: Any
-                shape: tuple
                 arr: Any
-                if COMPILED and ndim == 1 and code != BYTES_CODE:
-                    # The common tensor, checked in C: no Python int per field.
-                    dim0 = _u64(buf, mstart + 20)
-                    shape = (dim0,)
-                    if dim0 >= _DIM1_LIMIT or dim0 * _ITEMSIZES[code] != payload_len:
-                        self._check_size(key, code, shape, payload_len)
-                else:
-                    if code == BYTES_CODE:
-                        if ndim != 0:
-                            self._fail(f"bytes value for key {key} has a shape")
-                        shape = ()
-                    else:
-                        shape = _SHAPES[ndim].unpack_from(buf, mstart + 20)
-                    self._check_size(key, code, shape, payload_len)
+                shape = self._shape(buf, mstart + 20, ndim, code, key, payload_len)
                 if payload_len > self._max_payload:
                     self._fail(f"DATA frame for key {key}: payload of {payload_len} bytes exceeds "
                                f"the limit of {self._max_payload}")
@@ -486,6 +519,20 @@ class Decoder:
                 self._pending = (DATA, step, request_id, key, value)
                 pos = end
                 break
+            if ftype == _C_DATA_MANY:
+                if meta_len != 12:
+                    self._fail(f"DATA_MANY metadata must be 12 bytes, not {meta_len}")
+                if payload_len > _C_MANY_PAYLOAD:
+                    self._fail(f"DATA_MANY payload of {payload_len} bytes exceeds the limit "
+                               f"of {MANY_PAYLOAD}")
+                pend = mstart + 12 + payload_len
+                if pend > end:
+                    need = _C_HEADER + 12 + payload_len
+                    break
+                self._many(buf, mstart, pend, events)
+                self.frames += 1
+                pos = pend
+                continue
             if payload_len != 0:
                 self._fail(f"{FRAME_NAMES.get(ftype, ftype)} frame carries a payload")
             if ftype == REQUEST:
@@ -579,6 +626,68 @@ class Decoder:
             pos += 10 + klen
         if pos != end:
             self._fail(f"REQUESTS frame has {end - pos} bytes after its {count} entries")
+
+    def _many(self, buf: bytearray, start: int, end: int, events: list) -> None:
+        """Decode a DATA_MANY frame (metadata at ``start``, its payload ending at ``end``)
+        into one ``(DATA_MANY, step, keys, values)`` event."""
+        if COMPILED:
+            step = _u64(buf, start)
+            count = _u32(buf, start + 8)
+        else:
+            step, count = _MANY_FIXED.unpack_from(buf, start)
+        if count > _C_MAX_MANY:
+            self._fail(f"DATA_MANY frame of {count} entries exceeds the limit of {MAX_MANY}")
+        keys = []
+        values = []
+        pos = start + 12
+        for _k in range(count):
+            if end - pos < _C_ENTRY:
+                self._fail("DATA_MANY frame ends inside an entry")
+            if COMPILED:
+                klen = buf[pos] | buf[pos + 1] << 8
+                code = buf[pos + 2]
+                ndim = buf[pos + 3]
+                nbytes = _u32(buf, pos + 4)
+            else:
+                klen, code, ndim, nbytes = _MANY_ENTRY.unpack_from(buf, pos)
+            if ndim > _C_MAX_NDIM:
+                self._fail(f"DATA_MANY entry has {ndim} dimensions, the limit is {MAX_NDIM}")
+            if code >= _C_NCODES:
+                self._fail(f"DATA_MANY entry has unknown dtype code {code}")
+            kstart = pos + _C_ENTRY + 8 * ndim
+            if klen > _C_MAX_KEY or end - kstart < klen or end - kstart - klen < nbytes:
+                self._fail(f"DATA_MANY entry (key of {klen} bytes, payload of {nbytes}) does "
+                           "not fit the frame")
+            key = self._key(buf, kstart, klen)
+            shape = self._shape(buf, pos + _C_ENTRY, ndim, code, key, nbytes)
+            pos = kstart + klen
+            if COMPILED:
+                values.append(new_array_c(code, shape, buf, pos, nbytes))  # type: ignore[name-defined]  # noqa: F821
+            else:
+                values.append(_new_array(code, shape, buf, pos, nbytes))
+            keys.append(key)
+            pos += nbytes
+        if pos != end:
+            self._fail(f"DATA_MANY frame has {end - pos} bytes after its {count} entries")
+        events.append((DATA_MANY, step, keys, values))
+
+    def _shape(self, buf: bytearray, pos: int, ndim: int, code: int, key: str,
+               payload_len: int) -> tuple:
+        """The shape at ``pos`` of a value of dtype ``code``, checked against its payload."""
+        if COMPILED and ndim == 1 and code != _C_BYTES:
+            # The common tensor, checked in C: no Python int per field.
+            dim0 = _u64(buf, pos)
+            shape = (dim0,)
+            if dim0 >= _DIM1_LIMIT or dim0 * _ITEMSIZES[code] != payload_len:
+                self._check_size(key, code, shape, payload_len)
+            return shape
+        if code == _C_BYTES:
+            if ndim != 0:
+                self._fail(f"bytes value for key {key} has a shape")
+            return ()
+        shape = _SHAPES[ndim].unpack_from(buf, pos)
+        self._check_size(key, code, shape, payload_len)
+        return shape
 
     def _check_size(self, key: str, code: int, shape: tuple, payload_len: int) -> None:
         """Fail unless ``payload_len`` bytes are exactly an array of ``shape`` (in Python

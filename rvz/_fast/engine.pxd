@@ -1,8 +1,12 @@
 cimport cython
-from rvz._fast.arrays cimport append_data_c, describe_c, nbytes_c
+from rvz._fast.arrays cimport (append_data_c, describe_c, many_begin_c, many_end_c, many_entry_c,
+                               nbytes_c)
 from rvz._fast.table cimport Table
 
 cdef bint COMPILED
+# The engine's sizes, as C values: each message's accounting does arithmetic with them.
+cdef Py_ssize_t MESSAGE_COST, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY, MANY_OVERHEAD
+cdef Py_ssize_t MAX_NDIM
 cpdef Py_ssize_t nbytes_of(object value) except -1
 cdef tuple describe_value(object value)
 cdef frame_data(bytearray out, object step, object request_id, bytes key, int code,
@@ -93,6 +97,9 @@ cdef class Wire:
     cpdef write_frame(self, bytes frame)
     cpdef write_value(self, object step, object request_id, bytes key, object value, int code,
                       tuple shape, Py_ssize_t nbytes)
+    cpdef Py_ssize_t begin_many(self, object step) except -1
+    cpdef add_many(self, bytes key, object value, int code, tuple shape, Py_ssize_t nbytes)
+    cpdef end_many(self, Py_ssize_t start, Py_ssize_t count)
     cdef _queued(self)
     cpdef flush(self)
     cdef _write_out(self)
@@ -178,7 +185,13 @@ cdef class Core:
     cpdef unconsumed(self, tuple src, object value)
     cpdef flush_credit(self, Peer peer)
     cpdef flush_credit_now(self, object peer)
+    @cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, pushing=bint, item=tuple)
     cpdef object send_many(self, list items, object mode, object step, Py_ssize_t start)
+    @cython.locals(route=Route, peer=Peer, conn=Wire, table=Table, n=Py_ssize_t,
+                   end=Py_ssize_t, size=Py_ssize_t, i=Py_ssize_t, opened=Py_ssize_t,
+                   code=int, nbytes=Py_ssize_t, cost=Py_ssize_t, entry=Py_ssize_t,
+                   shape=tuple)
+    cpdef Py_ssize_t push_many(self, list items, Py_ssize_t start, object step) except -1
     cpdef list check_routes(self, list keys, bint sending)
     @cython.locals(route=Route, table=Table)
     cpdef object take_many(self, list routes, object step)
@@ -186,6 +199,10 @@ cdef class Core:
     cpdef dispatch(self, Wire conn, list events)
     @cython.locals(route=Route, table=Table, peer=Peer)
     cpdef on_data(self, Wire conn, object step, object request_id, str key, object value)
+    @cython.locals(route=Route, table=Table, peer=Peer, n=Py_ssize_t, i=Py_ssize_t,
+                   cost=Py_ssize_t, routes=list)
+    cpdef on_data_many(self, Wire conn, object step, list keys, list values)
+    cpdef Route arriving_route(self, Peer peer, str key)
     @cython.locals(route=Route, table=Table, peer=Peer)
     cpdef on_request(self, Wire conn, object step, object request_id, str key)
     @cython.locals(i=Py_ssize_t, item=tuple)

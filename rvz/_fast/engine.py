@@ -46,12 +46,20 @@ except ImportError:  # pure Python without Cython installed
 
 describe = _codec.describe
 append_data = _arrays.append_data  # checks ndim; a route's key length is checked once
+many_begin = _arrays.many_begin
+many_entry = _arrays.many_entry
+many_end = _arrays.many_end
 encode_request = _codec.encode_request
 encode_requests_split = _codec.encode_requests_split
 encode_credit = _codec.encode_credit
 encode_cancel = _codec.encode_cancel
 encode_error = _codec.encode_error
 DATA = _codec.DATA
+DATA_MANY = _codec.DATA_MANY
+MANY_PAYLOAD = _codec.MANY_PAYLOAD
+MAX_MANY = _codec.MAX_MANY
+MANY_OVERHEAD = _codec.MANY_OVERHEAD
+MAX_NDIM = _codec.MAX_NDIM
 REQUEST = _codec.REQUEST
 CREDIT = _codec.CREDIT
 CANCEL = _codec.CANCEL
@@ -159,8 +167,14 @@ class Peer:
 
     def live_connections(self) -> list:
         conns = [c for c in self.inbound if not c.closed]
-        if self.out is not None and not self.out.closed:
-            conns.append(self.out)
+        out = self.out
+        if out is not None and not out.closed:
+            conns.append(out)
+        # The connection we dialled can be the link before ``out`` is set: uvloop runs its
+        # protocol's callbacks (HELLO both ways included) before create_connection returns.
+        link = self.link
+        if link is not None and not link.closed and link is not out and link not in self.inbound:
+            conns.append(link)
         return conns
 
     def __repr__(self) -> str:
@@ -319,6 +333,33 @@ class Wire:
             frame_data(out, step, request_id, key, code, shape, nbytes, value, False)
             self._out = bytearray()
             self._write(out, _codec.payload_view(value))
+
+    def begin_many(self, step: Any) -> int:
+        """Open a DATA_MANY frame in the coalescing buffer (``send_many``'s pushes to this
+        peer); returns where it starts, for ``end_many``."""
+        start = len(self._out)
+        if COMPILED:
+            many_begin_c(self._out, step)  # type: ignore[name-defined]  # noqa: F821
+        else:
+            many_begin(self._out, step)
+        return start
+
+    def add_many(self, key: bytes, value: Any, code: int, shape: tuple, nbytes: int) -> None:
+        """One value into the open DATA_MANY frame (the caller checked that it fits)."""
+        self.data_out += nbytes + MESSAGE_COST
+        if COMPILED:
+            many_entry_c(self._out, key, code, shape, nbytes, value)  # type: ignore[name-defined]  # noqa: F821
+        else:
+            many_entry(self._out, key, code, shape, nbytes, value)
+
+    def end_many(self, start: int, count: int) -> None:
+        """Close the DATA_MANY frame opened at ``start``; it leaves like any small frame."""
+        if COMPILED:
+            many_end_c(self._out, start, count)  # type: ignore[name-defined]  # noqa: F821
+        else:
+            many_end(self._out, start, count)
+        self.frames_out += 1
+        self._queued()
 
     def _queued(self) -> None:
         """Frames were added: the frames of one loop iteration leave in one write at its end,
@@ -899,16 +940,69 @@ class Core:
 
     def send_many(self, items: list, mode: Any, step: Any, start: int) -> Any:
         """Send ``items[start:]`` until one must wait: returns ``(index, pending)`` of that
-        one (see ``send``), or None when all went."""
+        one (see ``send``), or None when all went.  Send-Driven runs of small values to one
+        peer leave as DATA_MANY frames (``push_many``); the rest as ``send`` would."""
         n = len(items)
         i = start
+        pushing = self._check_mode(mode) == "send"
         while i < n:
+            if pushing:
+                j = self.push_many(items, i, step)
+                if j > i:
+                    i = j
+                    continue
             item = items[i]
             pending = self.send(item[0], item[1], mode, step)
             if pending is not None:
                 return (i, pending)
             i += 1
         return None
+
+    def push_many(self, items: list, start: int, step: Any) -> int:
+        """Push ``items[start:]`` to one peer in one DATA_MANY frame, as far as ``push``
+        would write each at once: the same peer, a clear link (TCP, ready, nothing queued,
+        not paused), credit for each, no parked request for its key; small values only, and
+        within the frame's bounds.  Returns the index of the first item not pushed (``start``
+        when none was: the caller sends that one alone)."""
+        route = self.own_route(items[start][0], True)
+        peer = route.peer
+        if peer is None:
+            return start
+        conn = peer.link
+        if (conn is None or peer.queue or not conn.ready or conn.closed or conn.paused
+                or conn.dataplane is not None):
+            return start
+        table = self.table(step)
+        n = len(items)
+        end = min(n, start + MAX_MANY)
+        size = 0
+        i = start
+        opened = -1
+        try:
+            while i < end:
+                if i > start:
+                    route = self.own_route(items[i][0], True)
+                    if route.peer is not peer:
+                        break
+                if table.waiting(route.text):  # a consumer's request is parked: answer it
+                    break
+                value, code, shape, nbytes = describe_value(items[i][1])
+                cost = nbytes + MESSAGE_COST
+                entry = MANY_OVERHEAD + 8 * len(shape) + len(route.wire) + nbytes
+                if (nbytes > COALESCE_MAX or size + entry > MANY_PAYLOAD
+                        or len(shape) > MAX_NDIM or peer.credit < cost):
+                    break
+                if opened < 0:
+                    self.joined(step, peer)
+                    opened = conn.begin_many(step)
+                peer.credit -= cost
+                conn.add_many(route.wire, value, code, shape, nbytes)
+                size += entry
+                i += 1
+        finally:
+            if opened >= 0:  # what was added leaves, even when describing a value raised
+                conn.end_many(opened, i - start)
+        return i
 
     def check_routes(self, keys: list, sending: bool) -> list:
         """Every key's route, checked before a batch touches anything."""
@@ -950,6 +1044,8 @@ class Core:
                                         "completing its handshake")
                 if kind == DATA:
                     self.on_data(conn, event[1], event[2], event[3], event[4])
+                elif kind == DATA_MANY:
+                    self.on_data_many(conn, event[1], event[2], event[3])
                 elif kind == REQUEST:
                     self.on_request(conn, event[1], event[2], event[3])
                 elif kind == CREDIT:
@@ -1004,11 +1100,7 @@ class Core:
                 self.forget_request(request_id, step, key)
             elif self.cancelled.pop(request_id, None) is not None:
                 asked = True
-        route = self.route(key)
-        if not route.to_me or route.peer is not peer:
-            raise ProtocolError(f"{peer.name} sent key {key} to {self.name}; the key routes from "
-                                f"/job:{route.src[0]}/task:{route.src[1]} to "
-                                f"/job:{route.dst[0]}/task:{route.dst[1]} (cluster specs differ?)")
+        route = self.arriving_route(peer, key)
         cost = nbytes_of(value) + MESSAGE_COST
         if not asked:
             self.check_window(peer, cost)
@@ -1020,6 +1112,41 @@ class Core:
         self.joined(step, peer)
         if table.put(route.text, value):
             self.consumed_from(peer, value)
+
+    def on_data_many(self, conn: Wire, step: Any, keys: list, values: list) -> None:
+        """A DATA_MANY frame: Send-Driven pushes of one step, as many DATA frames would be,
+        with the window checked and the step's table found once.  Every key is checked
+        before any value is queued."""
+        peer = conn.peer
+        if peer is None:
+            raise ProtocolError("DATA before HELLO")
+        n = len(keys)
+        routes = [self.arriving_route(peer, key) for key in keys]
+        cost = 0
+        for i in range(n):
+            cost += nbytes_of(values[i]) + MESSAGE_COST
+        self.check_window(peer, cost)
+        peer.unreturned += cost
+        table = self.remote_table(step, conn)
+        if table is None:  # dropped: the step is gone
+            for i in range(n):
+                self.consumed_from(peer, values[i])
+            return
+        if n:
+            self.joined(step, peer)
+        for i in range(n):
+            route = routes[i]
+            if table.put(route.text, values[i]):
+                self.consumed_from(peer, values[i])
+
+    def arriving_route(self, peer: Peer, key: str) -> Route:
+        """The route of a key ``peer`` sent us data for; it must run from that peer to us."""
+        route = self.route(key)
+        if not route.to_me or route.peer is not peer:
+            raise ProtocolError(f"{peer.name} sent key {key} to {self.name}; the key routes from "
+                                f"/job:{route.src[0]}/task:{route.src[1]} to "
+                                f"/job:{route.dst[0]}/task:{route.dst[1]} (cluster specs differ?)")
+        return route
 
     def on_request(self, conn: Wire, step: Any, request_id: Any, key: str) -> None:
         route = self.route(key)
