@@ -2,8 +2,9 @@
 dispatch, and to take a queued value, for whichever implementation loads
 (``RVZ_NO_EXTENSIONS=1 python bench/engine.py`` for the pure-Python one).
 
-No sockets: the producer's wire discards what it would write, the consumer's decoder is fed
-64 encoded DATA frames at a time (then one DATA_MANY frame of 64 values, for the batch API).
+No sockets: the producer's wire discards what it would write (its pushes are packed into
+DATA_MANY frames), the consumer's decoder is fed 64 DATA frames at a time (what answers
+and large values travel in), then one DATA_MANY frame of 64 values.
 Compare the two implementations in the same session.
 """
 
@@ -95,11 +96,11 @@ async def main() -> None:
         return fed / (rounds * 64) * 1e9, taken / (rounds * 64) * 1e9
 
     fed, taken = feed_and_take(frames, lambda: [consumer.take(k, 0) for k in KEYS])
-    print(f"decode + dispatch:       {fed:6.0f} ns/message")
+    print(f"DATA decode + dispatch:  {fed:6.0f} ns/message")
     print(f"take a queued value:     {taken:6.0f} ns/message")
 
-    # The batch API's frames: send_many of 64 keys (one DATA_MANY frame), its decode and
-    # dispatch, and take_many of the 64 values.
+    # The batch API: send_many of 64 keys, the decode and dispatch of a DATA_MANY frame of
+    # 64 values, and take_many of them.
     items = [(k, value) for k in KEYS]
     t = time.perf_counter()
     for _ in range(rounds):

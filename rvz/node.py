@@ -337,8 +337,8 @@ class Node:
 
         ``peers`` maps each peer's name to its connection ``state`` (``"connected"``,
         ``"dialling"``, ``"idle"``), the ``transport`` in use, ``bytes_in``/``bytes_out``
-        and ``messages_in``/``messages_out`` (frames: the pushes of a ``send_many`` run
-        count once, as one DATA_MANY frame) over its live connections, the push ``credit``
+        and ``messages_in``/``messages_out`` (values and control frames, however values
+        were packed into frames) over its live connections, the push ``credit``
         it granted us, the ``owed`` credit we hold back, ``queued_pushes``, the requests it
         parked here (``parked_requests``) and ours to it (``outstanding_requests``).
         ``steps`` maps each step with a table to its ``queued_values``, ``queued_keys``,

@@ -198,15 +198,25 @@ async def test_send_driven_batches_go_as_data_many_frames_and_keep_every_order(c
     async with pair(cluster, "send") as (w, p):
         await w.send(names[0], v(-1))  # the link is up: the batch is not queued behind a dial
         assert ints([await p.recv(names[0], timeout=5)]) == [-1]
-        before = w.stats()["peers"]["/job:ps/replica:0/task:0"]["messages_out"]
+        stats = w.stats()["peers"]["/job:ps/replica:0/task:0"]
         await w.send_many(items)
-        frames = w.stats()["peers"]["/job:ps/replica:0/task:0"]["messages_out"] - before
-        sizes = [len(bytes(codec.payload_view(codec.describe(x)[0]))) for _, x in items]
-        small = sum(n for n in sizes if n < 100_000)
-        splits = sum(1 for (k, _), n in zip(items, sizes, strict=True) if k is mine or n >= 100_000)
-        # each split ends a frame (and a large value is one), each frame is at least half
-        # full otherwise; one frame per value would be over 550
-        assert 0 < frames <= 2 * small // codec.MANY_PAYLOAD + 2 * splits + 1, (frames, small)
+        after = w.stats()["peers"]["/job:ps/replica:0/task:0"]
+        remote = [x for k, x in items if k is not mine]
+        assert after["messages_out"] - stats["messages_out"] == len(remote)  # values, not frames
+        # The bytes written: a DATA frame per value would be 36 bytes + shape + key +
+        # payload each; packed, a small value costs 8 + shape + key + payload, and each
+        # DATA_MANY frame 28 bytes. Each split (a large value, a key of our own) ends a
+        # frame, and a frame is at least half full otherwise.
+        shapes = [codec.describe(x) for x in remote]
+        small = sum(8 + 8 * len(shape) + len(str(names[0])) + n
+                    for _, _, shape, n in shapes if n <= 16384)
+        large = sum(36 + 8 * len(shape) + len(str(names[0])) + n
+                    for _, _, shape, n in shapes if n > 16384)
+        splits = sum(1 for k, x in items if k is mine or codec.describe(x)[3] > 16384)
+        frames = 2 * small // codec.MANY_PAYLOAD + 2 * splits + 1
+        written = after["bytes_out"] - stats["bytes_out"]
+        assert written <= small + large + 28 * frames, (written, small, large, frames)
+        assert written < small + large + 28 * len(remote) - 8000  # not one frame a value
         for k in names:
             expected = [x for kk, x in items if kk is k]
             got = await p.recv_many([k] * len(expected), timeout=10)
@@ -219,6 +229,24 @@ async def test_send_driven_batches_go_as_data_many_frames_and_keep_every_order(c
         assert await drain(w, mine, sum(1 for k, _ in items if k is mine)) == [
             i for i, (k, _) in enumerate(items) if k is mine]
         await nothing_more(p, names[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.loop_timeout(15)
+async def test_a_value_rvz_cannot_send_stops_a_batch_after_the_ones_before_it(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    """An unsendable value in the middle of a ``send_many`` raises ``TypeError`` there: the
+    values before it were sent (Send-Driven, in the DATA_MANY frame that was being
+    written, which is closed and sent), the ones after it were not."""
+    k = key("k")
+    async with pair(cluster, mode) as (w, p):
+        await w.send(k, v(-1))  # the link is up
+        assert await drain(p, k, 1) == [-1]
+        with pytest.raises(TypeError):
+            await w.send_many([(k, v(0)), (k, v(1)), (k, "not an array"), (k, v(3))])
+        assert await drain(p, k, 2) == [0, 1]
+        await nothing_more(p, k)
+        await w.send_many([(k, v(4))])  # the connection is still good
+        assert await drain(p, k, 1) == [4]
 
 
 def test_requests_split_keeps_every_frame_within_bounds() -> None:

@@ -430,3 +430,63 @@ async def test_recv_driven_exchange_writes_answer_and_next_request_together(clus
             await asyncio.wait_for(echoing, 5)
         finally:
             echoing.cancel()
+
+
+@pytest.mark.loop_timeout(20)
+async def test_the_sends_of_one_iteration_are_packed_into_data_many_frames(cluster) -> None:  # type: ignore[no-untyped-def]
+    # Send-Driven pushes that follow each other in the write buffer go as DATA_MANY frames,
+    # one per run of one step: a push of another step, or any other frame in between, ends
+    # the run. Every key still gets its values in order, in every step.
+    a, b = key("a"), key("b")
+    async with pair(cluster, "send", heartbeat=5.0, peer_timeout=30.0) as (w, p):
+        await w.send(a, np.array([-1]))
+        assert (await p.recv(a, timeout=5))[0] == -1   # linked
+        conn = w._peers[("ps", 0)].link
+        assert conn is not None
+        written: list[bytes] = []
+        transport = conn._transport
+        real_write = transport.write
+
+        class Recording:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(transport, name)
+
+            def write(self, data: Any) -> None:
+                written.append(bytes(data))
+                real_write(data)
+
+        conn._transport = Recording()
+        try:
+            await asyncio.sleep(0)
+            plan = [(a, 0)] * 3 + [(b, 0)] * 3 + [(a, 7), (b, 7)] + [(a, 0), (b, 0)]
+            for i, (k, step) in enumerate(plan):  # no await in between that suspends
+                await w.send(k, np.array([i]), step=step)
+            await asyncio.sleep(0)   # the end of the iteration flushes the rest
+        finally:
+            conn._transport = transport
+        header = struct.Struct("<BBHIQ")
+        frames = []
+        for data in written:
+            pos = 0
+            while pos < len(data):
+                _, ftype, _, meta_len, payload_len = header.unpack_from(data, pos)
+                fields = struct.unpack_from("<QI", data, pos + header.size)
+                frames.append((ftype, *fields))
+                pos += header.size + meta_len + payload_len
+        many = _impl.codec.DATA_MANY
+        assert all(f[0] == many for f in frames), frames
+        # by step, in order: one run of step 0 (the first push may leave alone, at once),
+        # one of step 7, one of step 0 again
+        runs: list[list[int]] = []
+        for _, s, c in frames:
+            if runs and runs[-1][0] == s:
+                runs[-1][1] += c
+            else:
+                runs.append([s, c])
+        assert runs == [[0, 6], [7, 2], [0, 2]], frames
+        assert len(frames) <= 4, frames
+        for step in (0, 7):
+            for k in (a, b):
+                expected = [i for i, (kk, s) in enumerate(plan) if kk is k and s == step]
+                got = await p.recv_many([k] * len(expected), step=step, timeout=5)
+                assert [int(x[0]) for x in got] == expected

@@ -10,13 +10,16 @@ payload (only DATA and DATA_MANY frames carry a payload).  DATA metadata is::
     u64 step | u64 request_id | u16 key_len | u8 dtype | u8 ndim | u64 shape[ndim] | key
 
 ``request_id`` is 0 for a Send-Driven push and the consumer's request id for a
-Recv-Driven answer.  ``send_many`` pushes small values of one step to one consumer as a
-DATA_MANY frame instead: metadata ``u64 step | u32 count``, then a payload of ``count``
-entries, each ``u16 key_len | u8 dtype | u8 ndim | u32 nbytes | u64 shape[ndim] | key |
-payload``; it is bounded (MANY_PAYLOAD), so it is always read whole into the staging
-buffer and decoded into one event for the whole batch.  HELLO and ERROR carry msgpack
-maps: they are rare, and a map lets them grow without a new version.  There is no pickle
-anywhere.
+Recv-Driven answer.  Send-Driven pushes of 16 KiB or less that follow each other in a
+connection's write buffer (a ``send_many``, or the sends of one loop iteration) are packed
+into a DATA_MANY frame instead, when they are of one step.  Its metadata is ``u64 step |
+u32 count``, and its payload ``count`` entries, each::
+
+    u16 key_len | u8 dtype | u8 ndim | u32 nbytes | u64 shape[ndim] | key | payload
+
+It is bounded (MANY_PAYLOAD), so it is always read whole into the staging buffer, and it
+is decoded into one event for the whole batch.  HELLO and ERROR carry msgpack maps: they
+are rare, and a map lets them grow without a new version.  There is no pickle anywhere.
 
 The decoder is fed like an ``asyncio.BufferedProtocol``: ``get_buffer()`` says where the
 next bytes should land and ``buffer_updated(n)`` returns the frames they completed.  Small
@@ -56,7 +59,7 @@ BYE = 9
 ONESIDED = 10  # control of a one-sided transport (rvz.onesided): a msgpack map
 REQUESTS = 11  # several requests of one step in one frame (recv_many): decoded as REQUESTs
 AUTH = 12      # the handshake's proof of the shared secret (a msgpack map), right after HELLO
-DATA_MANY = _wire.DATA_MANY  # 13: small Send-Driven values of one step (send_many), one event
+DATA_MANY = _wire.DATA_MANY  # 13: small Send-Driven values of one step, decoded as one event
 
 FRAME_NAMES = {HELLO: "HELLO", DATA: "DATA", REQUEST: "REQUEST", CANCEL: "CANCEL",
                ERROR: "ERROR", ABORT_STEP: "ABORT_STEP", PING: "PING", CREDIT: "CREDIT",
@@ -529,8 +532,7 @@ class Decoder:
                 if pend > end:
                     need = _C_HEADER + 12 + payload_len
                     break
-                self._many(buf, mstart, pend, events)
-                self.frames += 1
+                self._many(buf, mstart, pend, events)  # its values count as messages
                 pos = pend
                 continue
             if payload_len != 0:
@@ -669,6 +671,7 @@ class Decoder:
             pos += nbytes
         if pos != end:
             self._fail(f"DATA_MANY frame has {end - pos} bytes after its {count} entries")
+        self.frames += len(values)
         events.append((DATA_MANY, step, keys, values))
 
     def _shape(self, buf: bytearray, pos: int, ndim: int, code: int, key: str,

@@ -6,7 +6,7 @@ from rvz._fast.table cimport Table
 cdef bint COMPILED
 # The engine's sizes, as C values: each message's accounting does arithmetic with them.
 cdef Py_ssize_t MESSAGE_COST, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY, MANY_OVERHEAD
-cdef Py_ssize_t MAX_NDIM
+cdef Py_ssize_t MAX_NDIM, MANY_HEAD
 cpdef Py_ssize_t nbytes_of(object value) except -1
 cdef tuple describe_value(object value)
 cdef frame_data(bytearray out, object step, object request_id, bytes key, int code,
@@ -86,6 +86,10 @@ cdef class Wire:
     cdef public Py_ssize_t data_out
     cdef public list deferred
     cdef public bytearray _out
+    cdef Py_ssize_t _many_at
+    cdef Py_ssize_t _many_end
+    cdef object _many_step
+    cdef Py_ssize_t _many_count
     cdef public bint _flush_scheduled
     cdef public bint _hold_first
     cdef public Py_ssize_t _burst
@@ -97,9 +101,9 @@ cdef class Wire:
     cpdef write_frame(self, bytes frame)
     cpdef write_value(self, object step, object request_id, bytes key, object value, int code,
                       tuple shape, Py_ssize_t nbytes)
-    cpdef Py_ssize_t begin_many(self, object step) except -1
-    cpdef add_many(self, bytes key, object value, int code, tuple shape, Py_ssize_t nbytes)
-    cpdef end_many(self, Py_ssize_t start, Py_ssize_t count)
+    @cython.locals(ndim=Py_ssize_t, start=Py_ssize_t, out=bytearray)
+    cdef _pack(self, object step, bytes key, object value, int code, tuple shape,
+               Py_ssize_t nbytes)
     cdef _queued(self)
     cpdef flush(self)
     cdef _write_out(self)
@@ -188,9 +192,7 @@ cdef class Core:
     @cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, pushing=bint, item=tuple)
     cpdef object send_many(self, list items, object mode, object step, Py_ssize_t start)
     @cython.locals(route=Route, peer=Peer, conn=Wire, table=Table, n=Py_ssize_t,
-                   end=Py_ssize_t, size=Py_ssize_t, i=Py_ssize_t, opened=Py_ssize_t,
-                   code=int, nbytes=Py_ssize_t, cost=Py_ssize_t, entry=Py_ssize_t,
-                   shape=tuple)
+                   i=Py_ssize_t, code=int, nbytes=Py_ssize_t, cost=Py_ssize_t, shape=tuple)
     cpdef Py_ssize_t push_many(self, list items, Py_ssize_t start, object step) except -1
     cpdef list check_routes(self, list keys, bint sending)
     @cython.locals(route=Route, table=Table)

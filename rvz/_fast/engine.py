@@ -59,6 +59,7 @@ DATA_MANY = _codec.DATA_MANY
 MANY_PAYLOAD = _codec.MANY_PAYLOAD
 MAX_MANY = _codec.MAX_MANY
 MANY_OVERHEAD = _codec.MANY_OVERHEAD
+MANY_HEAD = _arrays.MANY_HEAD_SIZE   # a DATA_MANY frame's header and metadata
 MAX_NDIM = _codec.MAX_NDIM
 REQUEST = _codec.REQUEST
 CREDIT = _codec.CREDIT
@@ -256,6 +257,13 @@ class Wire:
         self.data_out = 0                 # cost (payload + MESSAGE_COST) of the DATA written
         self.deferred: list = []          # answers held back while the output is backlogged
         self._out = bytearray()
+        # The DATA_MANY frame that small pushes are being packed into: where it starts in
+        # ``_out`` and where it ends (it is open while it is the last thing there), its
+        # step and how many values it holds.
+        self._many_at = -1
+        self._many_end = 0
+        self._many_step: Any = None
+        self._many_count = 0
         self._flush_scheduled = False
         self._hold_first = False          # the last iteration wrote more than one frame
         self._burst = 0                   # frames of this iteration (see ``_queued``)
@@ -318,13 +326,16 @@ class Wire:
         """Queue a DATA frame: header in the coalescing buffer, a large payload by reference."""
         if self.closed:
             raise self.lost_error()
-        self.frames_out += 1
+        self.frames_out += 1  # a message: a value, however it is framed
         self.data_out += nbytes + MESSAGE_COST
         if self.dataplane is not None:  # shm / verbs: the payload goes one-sided
             self.dataplane.write_value(step, request_id, key, value, code, shape, nbytes)
             return
         if nbytes <= COALESCE_MAX:
-            frame_data(self._out, step, request_id, key, code, shape, nbytes, value, True)
+            if request_id == 0:
+                self._pack(step, key, value, code, shape, nbytes)
+            else:
+                frame_data(self._out, step, request_id, key, code, shape, nbytes, value, True)
             self._queued()
         elif not self.closed_here:
             # Pending small frames, this header and the payload leave in one gathered write.
@@ -332,34 +343,39 @@ class Wire:
             out = self._out
             frame_data(out, step, request_id, key, code, shape, nbytes, value, False)
             self._out = bytearray()
+            self._many_at = -1
             self._write(out, _codec.payload_view(value))
 
-    def begin_many(self, step: Any) -> int:
-        """Open a DATA_MANY frame in the coalescing buffer (``send_many``'s pushes to this
-        peer); returns where it starts, for ``end_many``."""
-        start = len(self._out)
-        if COMPILED:
-            many_begin_c(self._out, step)  # type: ignore[name-defined]  # noqa: F821
+    def _pack(self, step: Any, key: bytes, value: Any, code: int, shape: tuple,
+              nbytes: int) -> None:
+        """A small push into the coalescing buffer: into the DATA_MANY frame at its end if
+        there is one of this step with room, else into a new one.  (A value alone costs no
+        more in a DATA_MANY frame than in a DATA frame; consecutive ones cost 28 bytes less
+        each, and their consumer decodes them into one event.)"""
+        ndim = len(shape)
+        if ndim > MAX_NDIM:
+            raise ValueError(f"array has {ndim} dimensions; rvz carries at most {MAX_NDIM}")
+        out = self._out
+        start = self._many_at
+        if (start < 0 or self._many_end != len(out) or self._many_count == MAX_MANY
+                or self._many_end - start - MANY_HEAD + MANY_OVERHEAD + 8 * ndim + len(key)
+                + nbytes > MANY_PAYLOAD
+                or (step is not self._many_step and step != self._many_step)):
+            start = self._many_at = len(out)
+            self._many_step = step
+            self._many_count = 0
+            if COMPILED:
+                many_begin_c(out, step)  # type: ignore[name-defined]  # noqa: F821
+            else:
+                many_begin(out, step)
+        self._many_count += 1
+        if COMPILED:  # arrays.pyx's C calls (cimported in engine.pxd)
+            many_entry_c(out, key, code, shape, nbytes, value)  # type: ignore[name-defined]  # noqa: F821
+            many_end_c(out, start, self._many_count)  # type: ignore[name-defined]  # noqa: F821
         else:
-            many_begin(self._out, step)
-        return start
-
-    def add_many(self, key: bytes, value: Any, code: int, shape: tuple, nbytes: int) -> None:
-        """One value into the open DATA_MANY frame (the caller checked that it fits)."""
-        self.data_out += nbytes + MESSAGE_COST
-        if COMPILED:
-            many_entry_c(self._out, key, code, shape, nbytes, value)  # type: ignore[name-defined]  # noqa: F821
-        else:
-            many_entry(self._out, key, code, shape, nbytes, value)
-
-    def end_many(self, start: int, count: int) -> None:
-        """Close the DATA_MANY frame opened at ``start``; it leaves like any small frame."""
-        if COMPILED:
-            many_end_c(self._out, start, count)  # type: ignore[name-defined]  # noqa: F821
-        else:
-            many_end(self._out, start, count)
-        self.frames_out += 1
-        self._queued()
+            many_entry(out, key, code, shape, nbytes, value)
+            many_end(out, start, self._many_count)
+        self._many_end = len(out)
 
     def _queued(self) -> None:
         """Frames were added: the frames of one loop iteration leave in one write at its end,
@@ -394,6 +410,7 @@ class Wire:
         if self._out and not self.closed:
             data = self._out
             self._out = bytearray()  # the transport may keep a reference to ``data``
+            self._many_at = -1
             self._write(data, None)
 
     def _write(self, data: bytearray, payload: Any) -> None:
@@ -940,8 +957,8 @@ class Core:
 
     def send_many(self, items: list, mode: Any, step: Any, start: int) -> Any:
         """Send ``items[start:]`` until one must wait: returns ``(index, pending)`` of that
-        one (see ``send``), or None when all went.  Send-Driven runs of small values to one
-        peer leave as DATA_MANY frames (``push_many``); the rest as ``send`` would."""
+        one (see ``send``), or None when all went.  Send-Driven runs of values to one peer
+        go by ``push_many``; the rest as ``send`` would."""
         n = len(items)
         i = start
         pushing = self._check_mode(mode) == "send"
@@ -959,11 +976,11 @@ class Core:
         return None
 
     def push_many(self, items: list, start: int, step: Any) -> int:
-        """Push ``items[start:]`` to one peer in one DATA_MANY frame, as far as ``push``
-        would write each at once: the same peer, a clear link (TCP, ready, nothing queued,
-        not paused), credit for each, no parked request for its key; small values only, and
-        within the frame's bounds.  Returns the index of the first item not pushed (``start``
-        when none was: the caller sends that one alone)."""
+        """Push ``items[start:]`` to one peer as far as ``push`` would write each at once
+        (the same peer, a clear TCP link, credit for each, no parked request for its key),
+        without ``send``'s work per item; the link's buffer packs the small ones into
+        DATA_MANY frames.  Returns the index of the first item not pushed (``start`` when
+        none was: the caller sends that one alone)."""
         route = self.own_route(items[start][0], True)
         peer = route.peer
         if peer is None:
@@ -974,34 +991,23 @@ class Core:
             return start
         table = self.table(step)
         n = len(items)
-        end = min(n, start + MAX_MANY)
-        size = 0
         i = start
-        opened = -1
-        try:
-            while i < end:
-                if i > start:
-                    route = self.own_route(items[i][0], True)
-                    if route.peer is not peer:
-                        break
-                if table.waiting(route.text):  # a consumer's request is parked: answer it
+        while i < n:
+            if i > start:
+                route = self.own_route(items[i][0], True)
+                if route.peer is not peer:
                     break
-                value, code, shape, nbytes = describe_value(items[i][1])
-                cost = nbytes + MESSAGE_COST
-                entry = MANY_OVERHEAD + 8 * len(shape) + len(route.wire) + nbytes
-                if (nbytes > COALESCE_MAX or size + entry > MANY_PAYLOAD
-                        or len(shape) > MAX_NDIM or peer.credit < cost):
-                    break
-                if opened < 0:
-                    self.joined(step, peer)
-                    opened = conn.begin_many(step)
-                peer.credit -= cost
-                conn.add_many(route.wire, value, code, shape, nbytes)
-                size += entry
-                i += 1
-        finally:
-            if opened >= 0:  # what was added leaves, even when describing a value raised
-                conn.end_many(opened, i - start)
+            if table.waiting(route.text):  # a consumer's request is parked: answer it
+                break
+            value, code, shape, nbytes = describe_value(items[i][1])
+            cost = nbytes + MESSAGE_COST
+            if peer.credit < cost:
+                break
+            if i == start:
+                self.joined(step, peer)
+            peer.credit -= cost
+            conn.write_value(step, 0, route.wire, value, code, shape, nbytes)
+            i += 1
         return i
 
     def check_routes(self, keys: list, sending: bool) -> list:

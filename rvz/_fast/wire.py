@@ -13,7 +13,7 @@ import numpy as np
 
 VERSION = 3    # 2: REQUESTS (several keys in one frame) was added; 3: DATA_MANY
 DATA = 2       # the DATA frame's type (codec.py lists them all)
-DATA_MANY = 13  # several small Send-Driven values of one step in one frame (send_many)
+DATA_MANY = 13  # several small Send-Driven values of one step in one frame
 MAX_NDIM = 32
 
 # dtype code 0 is a ``bytes`` value; the others are numpy dtypes, little-endian on the wire.
