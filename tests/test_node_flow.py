@@ -341,8 +341,9 @@ async def test_a_batch_waiting_behind_a_full_window_is_asked_for(cluster) -> Non
             producer.cancel()
 
 
-def _record_writes(conn: Any) -> tuple[list[list[int]], Any]:
-    """Route ``conn``'s small writes through a recorder: the frame types of each write."""
+def _record_writes(conn: Any, raw: list[bytes] | None = None) -> tuple[list[list[int]], Any]:
+    """Route ``conn``'s small writes through a recorder: the frame types of each write
+    (and, given ``raw``, the bytes of each write appended to it)."""
     written: list[list[int]] = []
     transport = conn._transport
     real_write = transport.write
@@ -354,6 +355,8 @@ def _record_writes(conn: Any) -> tuple[list[list[int]], Any]:
 
         def write(self, data: Any) -> None:
             data = bytes(data)
+            if raw is not None:
+                raw.append(data)
             types, pos = [], 0
             while pos < len(data):
                 _, ftype, _, meta_len, payload_len = header.unpack_from(data, pos)
@@ -444,18 +447,7 @@ async def test_the_sends_of_one_iteration_are_packed_into_data_many_frames(clust
         conn = w._peers[("ps", 0)].link
         assert conn is not None
         written: list[bytes] = []
-        transport = conn._transport
-        real_write = transport.write
-
-        class Recording:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(transport, name)
-
-            def write(self, data: Any) -> None:
-                written.append(bytes(data))
-                real_write(data)
-
-        conn._transport = Recording()
+        _, transport = _record_writes(conn, written)
         try:
             await asyncio.sleep(0)
             plan = [(a, 0)] * 3 + [(b, 0)] * 3 + [(a, 7), (b, 7)] + [(a, 0), (b, 0)]
