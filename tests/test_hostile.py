@@ -154,6 +154,28 @@ def test_a_data_many_frame_with_one_misrouted_key_queues_none_of_its_values(run)
             assert stats["steps"].get(0, {}).get("queued_values", 0) == 0, stats["steps"]
             with pytest.raises(TimeoutError):
                 await p.recv(good, timeout=0.2)
+            # Empty frames make no step tables (steps a peer makes are a bounded resource).
+            h = await Hostile.connect(p.address)
+            try:
+                await h.hello("worker", 1, mode="send")
+                def made() -> int:  # tables of those steps (a heartbeat drops empty ones)
+                    return len([s for s in p.stats()["steps"] if s >= 100])
+
+                def read() -> int:  # messages p read from us (values and control frames)
+                    return int(p.stats()["peers"].get(W1_NAME, {}).get("messages_in", 0))
+
+                before = read()
+                await h.send(b"".join(codec.encode_data_many(100 + i, []) for i in range(50))
+                             + codec.encode_ping())
+                seen = 0
+                for _ in range(5000):  # every loop iteration until the PING after them is read
+                    seen = max(seen, made())
+                    if read() > before:
+                        break
+                    await asyncio.sleep(0)
+                assert max(seen, made()) == 0, seen
+            finally:
+                h.close()
             # A well-formed frame from the same identity is taken, in order.
             h = await Hostile.connect(p.address)
             try:

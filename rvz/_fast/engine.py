@@ -1127,6 +1127,8 @@ class Core:
         if peer is None:
             raise ProtocolError("DATA before HELLO")
         n = len(keys)
+        if n == 0:
+            return  # nothing to queue: no step table is made for it either
         routes = [self.arriving_route(peer, key) for key in keys]
         cost = 0
         for i in range(n):
@@ -1138,8 +1140,7 @@ class Core:
             for i in range(n):
                 self.consumed_from(peer, values[i])
             return
-        if n:
-            self.joined(step, peer)
+        self.joined(step, peer)
         for i in range(n):
             route = routes[i]
             if table.put(route.text, values[i]):
