@@ -670,15 +670,23 @@ class Core:
              nbytes: int) -> Any:
         """Send-Driven: write the value to its consumer now if the link, its credit and the
         socket allow (returns None), else queue it behind earlier pushes (returns a future)."""
-        conn = peer.link
+        conn = self.open_link(peer)
         cost = nbytes + MESSAGE_COST
-        if (conn is not None and not peer.queue and conn.ready and not conn.closed
-                and not conn.paused and (peer.credit >= cost or peer.credit >= peer.window)):
+        if conn is not None and (peer.credit >= cost or peer.credit >= peer.window):
             peer.credit -= cost
             conn.write_value(step, 0, route.wire, value, code, shape, nbytes)
             return None
         self.waits_producer += 1
         return self.queue_push(peer, step, route, value, code, shape, nbytes)
+
+    def open_link(self, peer: Peer) -> Any:
+        """The link a push to ``peer`` may be written to now (handshake done, open, not
+        paused, no earlier push queued before it), else None."""
+        conn = peer.link
+        if (conn is not None and not peer.queue and conn.ready and not conn.closed
+                and not conn.paused):
+            return conn
+        return None
 
     def queue_push(self, peer: Peer, step: Any, route: Route, value: Any, code: int,
                    shape: tuple, nbytes: int) -> Any:
@@ -977,7 +985,7 @@ class Core:
 
     def push_many(self, items: list, start: int, step: Any) -> int:
         """Push ``items[start:]`` to one peer as far as ``push`` would write each at once
-        (the same peer, a clear TCP link, credit for each, no parked request for its key),
+        (the same peer, an ``open_link``, credit for each, no parked request for its key),
         without ``send``'s work per item; the link's buffer packs the small ones into
         DATA_MANY frames.  Returns the index of the first item not pushed (``start`` when
         none was: the caller sends that one alone)."""
@@ -985,9 +993,8 @@ class Core:
         peer = route.peer
         if peer is None:
             return start
-        conn = peer.link
-        if (conn is None or peer.queue or not conn.ready or conn.closed or conn.paused
-                or conn.dataplane is not None):
+        conn = self.open_link(peer)
+        if conn is None:
             return start
         table = self.table(step)
         n = len(items)
