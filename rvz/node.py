@@ -197,6 +197,7 @@ class Node:
                                   push_window, hold_limit, claim_timeout, max_parked,
                                   max_steps, answer_backlog)
         self._idle_since: dict[int, tuple[Any, float]] = {}  # step -> (activity mark, since)
+        self._empty_seen: dict[int, tuple[Any, Any, Any]] = {}  # step -> (table, stamp, puts) at the last tick
         self._conns: set[Connection] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._deliveries: set[asyncio.Task[Any]] = set()  # the tasks close() must wait for
@@ -992,18 +993,38 @@ class Node:
         if core.asked and self.claim_timeout is not None:
             horizon = now - self.claim_timeout
             core.asked = {k: t for k, t in core.asked.items() if t >= horizon}
-        # A step's table is made on first use; dropping the empty ones keeps finished steps
-        # from piling up (a later use of the step makes a new one).
-        empty = [step for step, table in core.tables.items() if table.empty()]
-        for step in empty:
-            del core.tables[step]
-            self._idle_since.pop(step, None)
+        self._drop_empty_tables()
         if self.step_idle is not None:
             self._expire_idle_steps(now)
         for peer in core.peers.values():
             if peer.owed > 0:  # a batch below a quarter window still goes back when idle
                 core.flush_credit_now(peer)
         self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
+
+    def _drop_empty_tables(self) -> None:
+        """A step's table is made on first use; dropping the empty ones keeps finished steps
+        from piling up (a later use of the step makes a new one).
+
+        A table goes only when two heartbeats in a row find it empty and untouched.  A value
+        delivered to a recv that is then cancelled leaves its table empty until that recv's
+        task wakes and gives the value back; the wake-up is already scheduled, so it runs
+        before the next heartbeat, but it may run after this one.  Dropped at once, the
+        table would take the value back where no recv looks for it.
+        """
+        core = self._core
+        seen = self._empty_seen
+        now_empty: dict[int, tuple[Any, Any, Any]] = {}
+        for step, table in list(core.tables.items()):
+            if not table.empty():
+                continue
+            mark = (table, table.stamp, table.puts)
+            last = seen.get(step)
+            if last is not None and last[0] is table and last[1:] == mark[1:]:
+                del core.tables[step]
+                self._idle_since.pop(step, None)
+            else:
+                now_empty[step] = mark
+        self._empty_seen = now_empty
 
     def _expire_idle_steps(self, now: float) -> None:
         """Drop the tables of steps nothing touched for ``step_idle`` seconds (a peer that

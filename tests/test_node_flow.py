@@ -237,6 +237,41 @@ async def test_cancel_after_delivery_keeps_the_push_window_whole(cluster, next_w
                          f"the producer's window is whole again (credit {credit.credit} of {window})")
 
 
+@pytest.mark.loop_timeout(15)
+async def test_a_value_given_back_survives_the_heartbeat_dropping_empty_tables(cluster) -> None:  # type: ignore[no-untyped-def]
+    """The heartbeat drops step tables that are empty.  A value delivered to a recv that is
+    cancelled before it runs leaves its table empty until the recv gives it back; a
+    heartbeat that runs in between must not drop that table, or the value is given back to
+    a table nobody reads and lost (seen once in CI)."""
+
+    async with pair(cluster, "send") as (w, p):
+        k = key("swept")
+        first = await pending(p.recv(k, timeout=10), 0.02)
+        table = p._tables[0]
+        conns = [c for c in p._conns if not c.closed]
+
+        def hooked(conn):  # type: ignore[no-untyped-def]
+            real_feed = conn.feed
+
+            def feed(nbytes: int) -> None:
+                real_feed(nbytes)
+                if table.waiting(str(k)) == 0:  # delivered to first's waiter ...
+                    first.cancel()               # ... first is cancelled ...
+                    p._tick_handle.cancel()      # ... and a heartbeat runs before it wakes
+                    p._tick()
+                    for c in conns:
+                        c.__dict__.pop("feed", None)
+            return feed
+
+        for conn in conns:
+            conn.feed = hooked(conn)
+        await w.send(k, array(7))
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        got = await p.recv(k, timeout=5)
+        assert got[0] == 7
+
+
 @pytest.mark.parametrize("mode", ["recv", "send"])
 @pytest.mark.loop_timeout(15)
 async def test_cleanup_by_a_producer_that_never_used_the_step(cluster, mode) -> None:  # type: ignore[no-untyped-def]
