@@ -197,7 +197,8 @@ class Node:
                                   push_window, hold_limit, claim_timeout, max_parked,
                                   max_steps, answer_backlog)
         self._idle_since: dict[int, tuple[Any, float]] = {}  # step -> (activity mark, since)
-        self._empty_seen: dict[int, tuple[Any, Any, Any]] = {}  # step -> (table, stamp, puts) at the last tick
+        # step -> (table, stamp, puts) of the tables the last tick found empty
+        self._empty_seen: dict[int, tuple[Any, Any, Any]] = {}
         self._conns: set[Connection] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._deliveries: set[asyncio.Task[Any]] = set()  # the tasks close() must wait for
@@ -694,14 +695,12 @@ class Node:
         """
         self._entry(timeout)
         core = self._core
-        value = core.take(key, step)
-        if value is not EMPTY:
-            return value
+        got = core.recv(key, step, mode)
+        if type(got) is not tuple:
+            return got
         # Nothing queued: wait here (one coroutine per recv, no nested one).
+        waiter, route, table, peer, dial, stamp = got
         loop = self._loop
-        assert loop is not None
-        waiter = loop.create_future()
-        route, table, peer, dial, stamp = core.park(key, step, mode, waiter)
         if dial:
             self._spawn(self._link(peer, route.text))  # to notice if it is gone
         text = route.text

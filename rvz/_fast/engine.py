@@ -798,36 +798,45 @@ class Core:
             self.consumed_from(route.peer, value)
         return value
 
-    def park(self, key: Any, step: Any, mode: Any, waiter: Any) -> tuple:
-        """The rest of a recv that found nothing queued (``take`` returned ``EMPTY``): queue
-        ``waiter`` and, Recv-Driven, ask the producer.
+    def recv(self, key: Any, step: Any, mode: Any) -> Any:
+        """The synchronous part of ``Node.recv`` (one call: the route and the table are
+        looked up once): the oldest queued value of ``key``; else a new future of the loop
+        queued for the next value and, Recv-Driven, the producer asked for it.
 
-        Returns ``(route, table, peer, dial, stamp)``: ``peer`` is None for a local key,
-        ``dial`` says a Send-Driven consumer has no connection to the producer yet (the node
-        then dials it, to notice if it is gone), and ``stamp`` is the waiter's place in the
-        key's order (for ``give_back``).
+        The latter returns the tuple ``(waiter, route, table, peer, dial, stamp)`` (a value
+        is never a tuple): ``peer`` is None for a local key, ``dial`` says a Send-Driven
+        consumer has no connection to the producer yet (the node then dials it, to notice
+        if it is gone), and ``stamp`` is the waiter's place in the key's order (for
+        ``give_back``).
         """
-        route = self.route(key)
+        route = self.own_route(key, False)
         table = self.table(step)
-        self.waits_consumer += 1
-        table.take_or_wait(route.text, waiter)
+        text = route.text
+        value = table.take(text)
         peer = route.peer
+        if value is not EMPTY:
+            if peer is not None:
+                self.consumed_from(peer, value)
+            return value
+        waiter = self.loop.create_future()
+        self.waits_consumer += 1
+        table.take_or_wait(text, waiter)  # (nothing queued: it queues the waiter)
         if peer is None:
-            return (route, table, None, False, table.stamp)
+            return (waiter, route, table, None, False, table.stamp)
         self.joined(step, peer)
         try:
             mode = self.recv_mode(peer, mode)
         except ValueError:
-            table.remove_waiter(route.text, waiter)
+            table.remove_waiter(text, waiter)
             raise
         # Send-Driven too while the producer is blocked on a window full of other keys'
         # values (see ``unblock``, which asked for the recvs already waiting).
         if mode == "recv" or peer.owe_now:
             self.request(peer, step, route)
-            return (route, table, peer, False, table.stamp)
+            return (waiter, route, table, peer, False, table.stamp)
         link = peer.link
         dial = (link is None or link.closed) and not peer.live_connections()
-        return (route, table, peer, dial, table.stamp)
+        return (waiter, route, table, peer, dial, table.stamp)
 
     def recv_mode(self, peer: Peer, mode: Any) -> str:
         """The mode a recv of a key from ``peer`` runs in.

@@ -6,6 +6,7 @@ cdef class Table:
     cdef dict _back
     cdef public long long stamp
     cdef public long long puts
+    cdef list _spare
 
     cpdef object aborted_error(self, str key)
     cpdef bint put(self, str key, object value) except -1
@@ -18,6 +19,8 @@ cdef class Table:
     cpdef list abort(self, str message, object cause)
     cpdef bint put_back(self, str key, object value, long long stamp) except -1
     cdef _took_back(self, str key)
+    cdef object _queue(self, object item)
+    cdef _retire(self, object queue)
 
 
 cdef class Batch:

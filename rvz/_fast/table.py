@@ -24,13 +24,14 @@ from typing import Any
 from ..errors import Aborted
 
 EMPTY = object()  # what take() returns when no value is queued
+SPARE = 32  # emptied queues a table keeps for reuse
 
 
 class Table:
     """Per-key FIFO of values or waiters, with abort (TF LocalRendezvous)."""
 
     __slots__ = ("_values", "_waiters", "_abort_cause", "_abort_message", "_back", "stamp",
-                 "puts")
+                 "puts", "_spare")
 
     def __init__(self) -> None:
         self._values: dict[str, deque[Any]] = {}   # key -> values nobody received yet
@@ -41,6 +42,23 @@ class Table:
         self._back: dict[str, list] = {}
         self.stamp = 0  # the stamp of the last take or queued waiter
         self.puts = 0   # values put (with ``stamp``, a mark of activity)
+        # A key's queue comes and goes with every value of a stream (a waiter, then its
+        # value): emptied deques are kept for the next key rather than freed and made again.
+        self._spare: list = []
+
+    def _queue(self, item: Any) -> deque:
+        """A new queue holding ``item``, from the spares when there is one."""
+        spare = self._spare
+        if spare:
+            queue = spare.pop()
+            queue.append(item)
+            return queue
+        return deque((item,))
+
+    def _retire(self, queue: Any) -> None:
+        """``queue`` is empty and out of the table: keep it for reuse."""
+        if len(self._spare) < SPARE:
+            self._spare.append(queue)
 
     def aborted_error(self, key: str) -> Aborted:
         """A fresh ``Aborted`` for ``key`` carrying the abort's original cause."""
@@ -64,12 +82,14 @@ class Table:
                 if not waiter.done():
                     if not waiters:
                         del self._waiters[key]
+                        self._retire(waiters)
                     waiter.set_result(value)
                     return True
             del self._waiters[key]
+            self._retire(waiters)
         values = self._values.get(key)
         if values is None:
-            self._values[key] = deque((value,))
+            self._values[key] = self._queue(value)
         else:
             values.append(value)
         return False
@@ -121,6 +141,7 @@ class Table:
         value = values.popleft()
         if not values:
             del self._values[key]
+            self._retire(values)
         self.stamp += 1
         if self._back:
             self._took_back(key)
@@ -136,12 +157,13 @@ class Table:
             value = values.popleft()
             if not values:
                 del self._values[key]
+                self._retire(values)
             if self._back:
                 self._took_back(key)
             return value
         waiters = self._waiters.get(key)
         if waiters is None:
-            self._waiters[key] = deque((waiter,))
+            self._waiters[key] = self._queue(waiter)
         else:
             waiters.append(waiter)
         return EMPTY
@@ -157,6 +179,7 @@ class Table:
             return False
         if not waiters:
             del self._waiters[key]
+            self._retire(waiters)
         return True
 
     def waiting(self, key: str) -> int:
