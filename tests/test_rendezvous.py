@@ -243,6 +243,59 @@ async def test_table_holds_values_or_waiters_never_both() -> None:
     assert (table.queued(k), table.waiting(k)) == (0, 0)
 
 
+async def test_tables_match_a_model_under_random_operations() -> None:
+    """Random puts, takes, waits, withdrawn waiters and values put back at the front, on
+    several keys of several tables, against a plain model of per-key FIFOs.  A key's queue
+    comes and goes with its values and waiters, and emptied queues are reused across keys
+    and tables: none may carry anything over."""
+    import random
+
+    rng = random.Random(7)
+    tables = [_impl.table.Table() for _ in range(3)]
+    keys = [f"k{i}" for i in range(5)]
+    values: dict[tuple[int, str], list[object]] = {}   # the model: queued values ...
+    waiters: dict[tuple[int, str], list[FakeWaiter]] = {}  # ... or live waiters, in order
+    counter = 0
+    for _ in range(20000):
+        t, k = rng.randrange(len(tables)), rng.choice(keys)
+        table, vs, ws = tables[t], values.setdefault((t, k), []), waiters.setdefault((t, k), [])
+        op = rng.random()
+        if op < 0.35:  # put: to the oldest waiter, else queued
+            counter += 1
+            taken = table.put(k, counter)
+            assert taken == bool(ws)
+            if ws:
+                assert ws.pop(0).result == counter
+            else:
+                vs.append(counter)
+        elif op < 0.6:  # take
+            got = table.take(k)
+            assert got == (vs.pop(0) if vs else _impl.table.EMPTY)
+        elif op < 0.85:  # take, else wait
+            w = FakeWaiter()
+            got = table.take_or_wait(k, w)
+            if vs:
+                assert got == vs.pop(0)
+            else:
+                assert got is _impl.table.EMPTY
+                ws.append(w)
+        elif op < 0.95:  # a waiter withdrawn (a cancelled recv)
+            if ws:
+                w = ws.pop(rng.randrange(len(ws)))
+                assert table.remove_waiter(k, w) is True
+        else:  # a value given back ahead of the others (to the oldest waiter, if any)
+            counter += 1
+            assert table.put_front(k, counter) == bool(ws)
+            if ws:
+                assert ws.pop(0).result == counter
+            else:
+                vs.insert(0, counter)
+        assert (table.queued(k), table.waiting(k)) == (len(vs), len(ws))
+    for (t, k), vs in values.items():
+        assert [tables[t].take(k) for _ in vs] == vs
+        assert tables[t].take(k) is _impl.table.EMPTY
+
+
 async def test_table_skips_done_waiters_and_removes_one() -> None:
     table = _impl.table.Table()
     k = str(K)

@@ -1,3 +1,5 @@
+cdef list _spare
+
 cdef class Table:
     cdef dict _values
     cdef dict _waiters
@@ -6,7 +8,6 @@ cdef class Table:
     cdef dict _back
     cdef public long long stamp
     cdef public long long puts
-    cdef list _spare
 
     cpdef object aborted_error(self, str key)
     cpdef bint put(self, str key, object value) except -1

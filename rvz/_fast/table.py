@@ -24,14 +24,19 @@ from typing import Any
 from ..errors import Aborted
 
 EMPTY = object()  # what take() returns when no value is queued
-SPARE = 32  # emptied queues a table keeps for reuse
+SPARE = 1024  # emptied queues kept for reuse, across the process's tables
+
+# A key's queue comes and goes with every value of a stream (a waiter, then its value):
+# emptied deques are kept here for the next key rather than freed and made again.
+# (One thread at a time per table; list.pop and list.append are atomic among threads.)
+_spare: list = []
 
 
 class Table:
     """Per-key FIFO of values or waiters, with abort (TF LocalRendezvous)."""
 
     __slots__ = ("_values", "_waiters", "_abort_cause", "_abort_message", "_back", "stamp",
-                 "puts", "_spare")
+                 "puts")
 
     def __init__(self) -> None:
         self._values: dict[str, deque[Any]] = {}   # key -> values nobody received yet
@@ -42,23 +47,19 @@ class Table:
         self._back: dict[str, list] = {}
         self.stamp = 0  # the stamp of the last take or queued waiter
         self.puts = 0   # values put (with ``stamp``, a mark of activity)
-        # A key's queue comes and goes with every value of a stream (a waiter, then its
-        # value): emptied deques are kept for the next key rather than freed and made again.
-        self._spare: list = []
 
     def _queue(self, item: Any) -> deque:
         """A new queue holding ``item``, from the spares when there is one."""
-        spare = self._spare
-        if spare:
-            queue = spare.pop()
+        if _spare:
+            queue = _spare.pop()
             queue.append(item)
             return queue
         return deque((item,))
 
     def _retire(self, queue: Any) -> None:
         """``queue`` is empty and out of the table: keep it for reuse."""
-        if len(self._spare) < SPARE:
-            self._spare.append(queue)
+        if len(_spare) < SPARE:
+            _spare.append(queue)
 
     def aborted_error(self, key: str) -> Aborted:
         """A fresh ``Aborted`` for ``key`` carrying the abort's original cause."""
