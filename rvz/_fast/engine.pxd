@@ -160,6 +160,7 @@ cdef class Core:
     cpdef object send(self, object key, object value, object mode, object step)
     cpdef bint hold_full(self, Table table, Route route, Py_ssize_t nbytes) except -1
     cpdef hold(self, Table table, object step, Route route, object value, Py_ssize_t nbytes)
+    @cython.locals(conn=Wire)
     cdef Wire open_link(self, Peer peer)
     @cython.locals(conn=Wire)
     cpdef object push(self, Peer peer, object step, Route route, object value, int code,
