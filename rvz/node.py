@@ -39,7 +39,6 @@ import logging
 import os
 import ssl as _ssl
 import sys
-from asyncio.events import _get_running_loop
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from threading import get_ident
@@ -189,7 +188,6 @@ class Node:
         self._state = "new"
         self._close_cause: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread = 0  # the thread that started the node (its loop's, so far)
         self._server: asyncio.AbstractServer | None = None
         self._tick_handle: asyncio.TimerHandle | None = None
         # The protocol engine: tables, routes, requests, credit (see rvz/_fast/engine.py).
@@ -245,7 +243,7 @@ class Node:
     async def start(self) -> Node:
         """Listen on this task's address and start the heartbeat."""
         self._loop = asyncio.get_running_loop()
-        self._loop_thread = get_ident()
+        self._core.loop_thread = get_ident()
         self._core.loop = self._loop
         host, port = split_address(self.address)
         if self._host is not None:
@@ -301,19 +299,9 @@ class Node:
             raise err from self._close_cause
 
     def _entry(self, timeout: float | None) -> None:
-        """Checks every public call makes: the calling thread and the timeout."""
-        loop = self._loop
-        # The exact test is "is our loop the running one", but on Python before 3.12 asking
-        # for the running loop makes a getpid() system call: a fifth of a microsecond on
-        # every send and recv. On the loop's own thread, while it runs, it is the running
-        # loop (a thread runs one loop at a time), and that test costs no system call.
-        if (loop is not None and (get_ident() != self._loop_thread or not loop.is_running())
-                and _get_running_loop() is not loop):
-            raise RuntimeError(
-                f"node {self.name} runs on another thread's event loop; call it from that "
-                "thread, e.g. asyncio.run_coroutine_threadsafe(node.recv(key), node_loop)")
-        if timeout is not None and not timeout >= 0:
-            raise ValueError(f"timeout must be None or >= 0 seconds, not {timeout!r}")
+        """Checks every public call makes: the calling thread and the timeout (``send`` and
+        ``recv`` have the engine make them in the same call as the rest)."""
+        self._core.enter(timeout)
 
     def transport_for(self, peer: str | TaskId) -> str:
         """The transport used toward ``peer`` (a device name or ``(job, task)``).
@@ -590,8 +578,7 @@ class Node:
         (Recv-Driven), or on the wire (Send-Driven).  Waits only for backpressure; a send
         that fits the push window completes without suspending.
         """
-        self._entry(timeout)
-        pending = self._core.send(key, value, mode, step)
+        pending = self._core.send(key, value, mode, step, timeout)
         if pending is not None:
             await self._send_wait(pending, step, timeout)
 
@@ -693,9 +680,8 @@ class Node:
         ``TimeoutError``; cancelling the awaiting task cancels just this recv.  Remote
         failures raise ``PeerLost`` or ``Aborted`` with the original cause.
         """
-        self._entry(timeout)
         core = self._core
-        got = core.recv(key, step, mode)
+        got = core.recv(key, step, mode, timeout)
         if type(got) is not tuple:
             return got
         # Nothing queued: wait here (one coroutine per recv, no nested one).

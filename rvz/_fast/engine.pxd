@@ -1,4 +1,5 @@
 cimport cython
+from cpython.pythread cimport PyThread_get_thread_ident
 from rvz._fast.arrays cimport (append_data_c, describe_c, many_begin_c, many_end_c, many_entry_c,
                                nbytes_c)
 from rvz._fast.table cimport Table
@@ -8,6 +9,7 @@ cdef bint COMPILED
 cdef Py_ssize_t MESSAGE_COST, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY, MANY_OVERHEAD
 cdef Py_ssize_t MAX_NDIM, MANY_HEAD
 cpdef Py_ssize_t nbytes_of(object value) except -1
+cdef unsigned long thread_ident()
 cdef tuple describe_value(object value)
 cdef frame_data(bytearray out, object step, object request_id, bytes key, int code,
                 tuple shape, Py_ssize_t nbytes, object value, bint with_payload)
@@ -116,6 +118,7 @@ cdef class Core:
     cdef public str name
     cdef public str mode
     cdef public object loop
+    cdef public unsigned long loop_thread
     cdef public bint running
     cdef public bint closed
     cdef public Py_ssize_t push_window
@@ -157,7 +160,8 @@ cdef class Core:
     cpdef joined(self, object step, Peer peer)
     cpdef str _check_mode(self, object mode)
     @cython.locals(route=Route, table=Table, peer=Peer)
-    cpdef object send(self, object key, object value, object mode, object step)
+    cpdef enter(self, object timeout)
+    cpdef object send(self, object key, object value, object mode, object step, object timeout)
     cpdef bint hold_full(self, Table table, Route route, Py_ssize_t nbytes) except -1
     cpdef hold(self, Table table, object step, Route route, object value, Py_ssize_t nbytes)
     @cython.locals(conn=Wire)
@@ -176,7 +180,7 @@ cdef class Core:
     @cython.locals(route=Route, table=Table)
     cpdef object take(self, object key, object step)
     @cython.locals(route=Route, table=Table, peer=Peer, link=Wire, text=str)
-    cpdef object recv(self, object key, object step, object mode)
+    cpdef object recv(self, object key, object step, object mode, object timeout)
     cpdef str recv_mode(self, Peer peer, object mode)
     cpdef Request new_request(self, Peer peer, object step, Route route)
     cpdef request(self, Peer peer, object step, Route route)

@@ -21,7 +21,9 @@ close) stays in ``rvz.node.Node``; this module calls back into it only for those
 from __future__ import annotations
 
 import itertools
+from asyncio.events import _get_running_loop
 from collections import deque
+from threading import get_ident
 from typing import Any
 
 from ..errors import (
@@ -99,6 +101,13 @@ def frame_data(out: bytearray, step: Any, request_id: Any, key: bytes, code: int
             out, step, request_id, key, code, shape, nbytes, value, with_payload)
     else:
         append_data(out, step, request_id, key, code, shape, nbytes, value, with_payload)
+
+
+def thread_ident() -> int:
+    """The calling thread's id (``threading.get_ident``; compiled, the C call itself)."""
+    if COMPILED:
+        return PyThread_get_thread_ident()  # type: ignore[name-defined]  # noqa: F821
+    return get_ident()
 
 
 def nbytes_of(value: Any) -> int:
@@ -459,6 +468,7 @@ class Core:
         self.name = name
         self.mode = mode
         self.loop = loop
+        self.loop_thread = 0               # the thread that runs ``loop`` (Node.start's)
         self.running = False               # sends and recvs accepted
         self.closed = False                # nothing is served any more
         self.push_window = push_window
@@ -623,14 +633,31 @@ class Core:
 
     # -- send -----------------------------------------------------------------------------
 
-    def send(self, key: Any, value: Any, mode: Any, step: Any) -> Any:
-        """The synchronous part of ``Node.send``.
+    def enter(self, timeout: Any) -> None:
+        """The checks every public call of the node makes first: the calling thread and the
+        timeout."""
+        loop = self.loop
+        # The exact test is "is our loop the running one", but on Python before 3.12 asking
+        # for the running loop makes a getpid() system call: a fifth of a microsecond on
+        # every send and recv. On the loop's own thread, while it runs, it is the running
+        # loop (a thread runs one loop at a time), and that test costs no system call.
+        if (loop is not None and (thread_ident() != self.loop_thread or not loop.is_running())
+                and _get_running_loop() is not loop):
+            raise RuntimeError(
+                f"node {self.name} runs on another thread's event loop; call it from that "
+                "thread, e.g. asyncio.run_coroutine_threadsafe(node.recv(key), node_loop)")
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be None or >= 0 seconds, not {timeout!r}")
+
+    def send(self, key: Any, value: Any, mode: Any, step: Any, timeout: Any) -> Any:
+        """The synchronous part of ``Node.send`` (``enter`` first).
 
         Returns None when the value is queued, on the wire or in a table; a future when the
         push waits in its peer's queue (for the link, credit or the socket); or a
         ``(table, route, value, nbytes, peer)`` tuple when a Recv-Driven value must first
         wait for room under ``hold_limit`` (``Node`` waits, then calls ``hold``).
         """
+        self.enter(timeout)
         route = self.own_route(key, True)
         value, code, shape, nbytes = describe_value(value)
         table = self.table(step)
@@ -798,10 +825,10 @@ class Core:
             self.consumed_from(route.peer, value)
         return value
 
-    def recv(self, key: Any, step: Any, mode: Any) -> Any:
-        """The synchronous part of ``Node.recv`` (one call: the route and the table are
-        looked up once): the oldest queued value of ``key``; else a new future of the loop
-        queued for the next value and, Recv-Driven, the producer asked for it.
+    def recv(self, key: Any, step: Any, mode: Any, timeout: Any) -> Any:
+        """The synchronous part of ``Node.recv`` (one call, ``enter`` first; the route and
+        the table are looked up once): the oldest queued value of ``key``; else a new future
+        of the loop queued for the next value and, Recv-Driven, the producer asked for it.
 
         The latter returns the tuple ``(waiter, route, table, peer, dial, stamp)`` (a value
         is never a tuple): ``peer`` is None for a local key, ``dial`` says a Send-Driven
@@ -809,6 +836,7 @@ class Core:
         if it is gone), and ``stamp`` is the waiter's place in the key's order (for
         ``give_back``).
         """
+        self.enter(timeout)
         route = self.own_route(key, False)
         table = self.table(step)
         text = route.text
@@ -986,7 +1014,7 @@ class Core:
                     i = j
                     continue
             item = items[i]
-            pending = self.send(item[0], item[1], mode, step)
+            pending = self.send(item[0], item[1], mode, step, None)
             if pending is not None:
                 return (i, pending)
             i += 1
