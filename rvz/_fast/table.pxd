@@ -1,4 +1,5 @@
 cdef list _spare
+cdef object _each(object waiters)
 
 cdef class Table:
     cdef dict _values

@@ -40,7 +40,9 @@ class Table:
 
     def __init__(self) -> None:
         self._values: dict[str, deque[Any]] = {}   # key -> values nobody received yet
-        self._waiters: dict[str, deque[Any]] = {}  # key -> waiters no value reached yet
+        # key -> waiters no value reached yet: the waiter itself while it is the only one
+        # (the usual case: a recv waits, its value comes), a deque of them when there are more
+        self._waiters: dict[str, Any] = {}
         self._abort_cause: Any = None
         self._abort_message: Any = None
         # key -> stamps of the values at the head of its queue that came back (ascending)
@@ -78,6 +80,12 @@ class Table:
         self.puts += 1
         waiters = self._waiters.get(key)
         if waiters is not None:
+            if type(waiters) is not deque:  # one waiter
+                del self._waiters[key]
+                if not waiters.done():
+                    waiters.set_result(value)
+                    return True
+                waiters = None
             while waiters:
                 waiter = waiters.popleft()
                 if not waiter.done():
@@ -86,8 +94,9 @@ class Table:
                         self._retire(waiters)
                     waiter.set_result(value)
                     return True
-            del self._waiters[key]
-            self._retire(waiters)
+            if waiters is not None:
+                del self._waiters[key]
+                self._retire(waiters)
         values = self._values.get(key)
         if values is None:
             self._values[key] = self._queue(value)
@@ -108,8 +117,7 @@ class Table:
         """
         if self._abort_message is not None:
             return False
-        waiters = self._waiters.get(key)
-        if waiters:
+        if key in self._waiters:
             return self.put(key, value)
         values = self._values.get(key)
         if values is None:
@@ -164,9 +172,13 @@ class Table:
             return value
         waiters = self._waiters.get(key)
         if waiters is None:
-            self._waiters[key] = self._queue(waiter)
-        else:
+            self._waiters[key] = waiter
+        elif type(waiters) is deque:
             waiters.append(waiter)
+        else:  # a second waiter
+            queue = self._queue(waiters)
+            queue.append(waiter)
+            self._waiters[key] = queue
         return EMPTY
 
     def remove_waiter(self, key: str, waiter: object) -> bool:
@@ -174,6 +186,11 @@ class Table:
         waiters = self._waiters.get(key)
         if waiters is None:
             return False
+        if type(waiters) is not deque:
+            if waiters is not waiter:
+                return False
+            del self._waiters[key]
+            return True
         try:
             waiters.remove(waiter)
         except ValueError:
@@ -189,7 +206,7 @@ class Table:
         if waiters is None:
             return 0
         n = 0
-        for waiter in waiters:
+        for waiter in _each(waiters):
             if not waiter.done():
                 n += 1
         return n
@@ -225,7 +242,7 @@ class Table:
         if waiters is None:
             return 0
         n = 0
-        for waiter in waiters:
+        for waiter in _each(waiters):
             if not waiter.done():
                 waiter.set_exception(exc_factory())
                 n += 1
@@ -250,10 +267,15 @@ class Table:
         waiters_by_key = self._waiters
         self._waiters = {}
         for key, waiters in waiters_by_key.items():
-            for waiter in waiters:
+            for waiter in _each(waiters):
                 if not waiter.done():
                     waiter.set_exception(self.aborted_error(key))
         return dropped
+
+
+def _each(waiters: Any) -> Any:
+    """The waiters of a key as an iterable (one is kept alone, more in a deque)."""
+    return waiters if type(waiters) is deque else (waiters,)
 
 
 class Slot:
