@@ -848,7 +848,7 @@ class Core:
             return value
         waiter = self.loop.create_future()
         self.waits_consumer += 1
-        table.take_or_wait(text, waiter)  # (nothing queued: it queues the waiter)
+        table.wait(text, waiter)
         if peer is None:
             return (waiter, route, table, None, False, table.stamp)
         self.joined(step, peer)

@@ -15,6 +15,7 @@ cdef class Table:
     cpdef bint put_front(self, str key, object value) except -1
     cpdef object take(self, str key)
     cpdef object take_or_wait(self, str key, object waiter)
+    cpdef wait(self, str key, object waiter)
     cpdef bint remove_waiter(self, str key, object waiter) except -1
     cpdef Py_ssize_t waiting(self, str key) except -1
     cpdef Py_ssize_t queued(self, str key) except -1

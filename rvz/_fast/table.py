@@ -85,17 +85,16 @@ class Table:
                 if not waiters.done():
                     waiters.set_result(value)
                     return True
-                waiters = None
-            while waiters:
-                waiter = waiters.popleft()
-                if not waiter.done():
-                    if not waiters:
-                        del self._waiters[key]
-                        self._retire(waiters)
-                    waiter.set_result(value)
-                    return True
-            if waiters is not None:
-                del self._waiters[key]
+            else:
+                while waiters:
+                    waiter = waiters.popleft()
+                    if not waiter.done():
+                        if not waiters:
+                            del self._waiters[key]
+                            self._retire(waiters)
+                        waiter.set_result(value)
+                        return True
+                del self._waiters[key]  # only waiters already done
                 self._retire(waiters)
         values = self._values.get(key)
         if values is None:
@@ -158,18 +157,14 @@ class Table:
 
     def take_or_wait(self, key: str, waiter: object) -> object:
         """Pop the oldest value of ``key``; if there is none, queue ``waiter`` and return EMPTY."""
-        if self._abort_message is not None:
-            raise self.aborted_error(key)
-        values = self._values.get(key)
+        value = self.take(key)
+        if value is EMPTY:
+            self.wait(key, waiter)
+        return value
+
+    def wait(self, key: str, waiter: object) -> None:
+        """Queue ``waiter`` for the next value of ``key`` (the caller's ``take`` found none)."""
         self.stamp += 1
-        if values is not None:
-            value = values.popleft()
-            if not values:
-                del self._values[key]
-                self._retire(values)
-            if self._back:
-                self._took_back(key)
-            return value
         waiters = self._waiters.get(key)
         if waiters is None:
             self._waiters[key] = waiter
@@ -179,7 +174,6 @@ class Table:
             queue = self._queue(waiters)
             queue.append(waiter)
             self._waiters[key] = queue
-        return EMPTY
 
     def remove_waiter(self, key: str, waiter: object) -> bool:
         """Drop one waiter (a cancelled or timed-out recv); later values skip it."""
