@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from typing import Any
 
@@ -48,6 +49,7 @@ class NullWire(engine.Wire):  # type: ignore[misc,name-defined]
 
 def core(job: str, peer: str, loop: Any) -> Any:
     c = engine.Core(Shell(), CLUSTER, (job, 0), job, "send", loop, 64 << 20, 256 << 20, None)
+    c.loop_thread = threading.get_ident()  # as Node.start sets it
     c.running = True
     return c
 
@@ -63,7 +65,7 @@ async def main() -> None:
     peer.link = wire
     t = time.perf_counter()
     for i in range(n):
-        producer.send(KEYS[i & 63], value, None, 0)
+        producer.send(KEYS[i & 63], value, None, 0, None)
         if peer.credit < 1 << 20:
             peer.credit = 64 << 20
         if i & 63 == 63:
@@ -95,7 +97,7 @@ async def main() -> None:
             taken += time.perf_counter() - t2
         return fed / (rounds * 64) * 1e9, taken / (rounds * 64) * 1e9
 
-    fed, taken = feed_and_take(frames, lambda: [consumer.take(k, 0) for k in KEYS])
+    fed, taken = feed_and_take(frames, lambda: [consumer.recv(k, 0, None, None) for k in KEYS])
     print(f"DATA decode + dispatch:  {fed:6.0f} ns/message")
     print(f"take a queued value:     {taken:6.0f} ns/message")
 

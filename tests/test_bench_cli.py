@@ -492,3 +492,21 @@ def test_targets_use_the_rows_they_name() -> None:
     assert t["holds-previous-recv"]["met"] is False
     assert t["pingpong-recv-64B"]["met"] is False and t["pingpong-send-64B"]["met"] is True
     assert t["rendezvous-consumer-first"]["met"] is None
+
+
+@pytest.mark.timeout(60)
+def test_engine_microbench_runs_on_this_implementation() -> None:
+    """``bench/engine.py`` drives the engine's internals directly (no node), so a change
+    to their signatures breaks it without any other test noticing: run it small."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "engine.py"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=50, env={**os.environ, "N": "640"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"rvz {rvz.implementation()} engine"
+    rows = dict(re.fullmatch(r"(.+?):\s+(\d+) ns/message", line).groups()  # type: ignore[union-attr]
+                for line in lines[1:])
+    assert set(rows) == {"send (push, 64 B)", "DATA decode + dispatch", "take a queued value",
+                         "send_many (64 x 64 B)", "DATA_MANY decode+dispatch",
+                         "take_many (64 keys)"}, rows
+    assert all(int(ns) > 0 for ns in rows.values()), rows

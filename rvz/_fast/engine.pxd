@@ -177,8 +177,6 @@ cdef class Core:
     cpdef answer_deferred(self, Wire conn)
     cpdef undefer(self, Wire conn)
     cpdef released_held(self, Py_ssize_t nbytes)
-    @cython.locals(route=Route, table=Table)
-    cpdef object take(self, object key, object step)
     @cython.locals(route=Route, table=Table, peer=Peer, link=Wire, text=str)
     cpdef object recv(self, object key, object step, object mode, object timeout)
     cpdef str recv_mode(self, Peer peer, object mode)

@@ -815,16 +815,6 @@ class Core:
 
     # -- recv -----------------------------------------------------------------------------
 
-    def take(self, key: Any, step: Any) -> Any:
-        """The synchronous part of ``Node.recv``: the oldest queued value of ``key``, or
-        ``EMPTY`` (then the node waits)."""
-        route = self.own_route(key, False)
-        table = self.table(step)
-        value = table.take(route.text)
-        if value is not EMPTY and route.peer is not None:
-            self.consumed_from(route.peer, value)
-        return value
-
     def recv(self, key: Any, step: Any, mode: Any, timeout: Any) -> Any:
         """The synchronous part of ``Node.recv`` (one call, ``enter`` first; the route and
         the table are looked up once): the oldest queued value of ``key``; else a new future
