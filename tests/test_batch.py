@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import sys
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -88,6 +90,43 @@ async def test_fifo_with_repeated_keys(cluster, mode, consumer_first) -> None:  
         assert ints(got) == [0, 10, 1, 2, 11, 3, 12]
         await nothing_more(p, a)
         await nothing_more(p, b)
+
+
+@pytest.mark.parametrize("where", ["remote", "local"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.loop_timeout(15)
+async def test_values_of_a_batch_that_waited_are_freed_with_the_result(cluster, mode, where) -> None:  # type: ignore[no-untyped-def]
+    """Dropping ``recv_many``'s list frees its arrays at once, not at the next cyclic GC.
+
+    A waiting batch and its per-key waiters refer to each other; left so, the batch's values
+    lived until the cyclic GC ran, and a large array kept its receive-pool block busy: the
+    pool then allocated (and faulted in) a new block for every batch."""
+    keys = [key("big"), key("big2")] if where == "remote" else [local("l1"), local("l2")]
+    size = 1 << 18  # received straight into a pool block when it comes from a peer
+    async with pair(cluster, mode) as (w, p):
+        sender = w if where == "remote" else p
+        gc_was = gc.isenabled()
+        gc.disable()
+        try:
+            for round_ in range(3):
+                batch = await pending(p.recv_many(keys, timeout=10))
+                await sender.send_many([(k, np.full(size, round_, np.uint8)) for k in keys])
+                got = await batch
+                assert [int(x[0]) for x in got] == [round_, round_]
+                refs = [weakref.ref(x) for x in got]
+                del got, batch
+                # asyncio's loop holds the wake-up that ran this step, and through it the
+                # batch's result, until the step ends.
+                await asyncio.sleep(0)
+                assert [i for i, r in enumerate(refs) if r() is not None] == []  # none alive
+        finally:
+            if gc_was:
+                gc.enable()
+        pool = p.stats()["recv_pool"]
+        if where == "remote" and pool:
+            # Both blocks came back after each round: no more than a round's worth, plus
+            # the pool's spare, were ever made.
+            assert sum(blocks for blocks, _free, _target in pool.values()) <= 3
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -291,8 +291,13 @@ class Slot:
         batch = self.batch
         batch.values[self.index] = value
         batch.missing -= 1
-        if batch.missing == 0 and not batch.future.done():
-            batch.future.set_result(batch.values)
+        if batch.missing == 0:
+            # Every slot is filled, so none is in a queue: drop them. A slot refers to its
+            # batch, so until then the batch's values live in a reference cycle, and large
+            # arrays would keep their receive-pool blocks until the cyclic GC ran.
+            batch.slots = []
+            if not batch.future.done():
+                batch.future.set_result(batch.values)
 
     def set_exception(self, exc: BaseException) -> None:
         if not self.batch.future.done():
@@ -356,6 +361,7 @@ class Batch:
                 if not table.put_back(keys[i], value, self.stamps[i]):
                     if not table.aborted:
                         queued.append((keys[i], value))
+        self.slots = []  # none waits any more (see Slot.set_result)
         return queued
 
 
