@@ -3,7 +3,8 @@ segment.
 
 * After a large payload the decoder reads the next header alone (``codec.PEEK`` bytes), so
   the next large payload goes straight into its array instead of through the staging
-  buffer; small frames bring back full-size reads.
+  buffer; a read that fills that peek (small frames streaming in) brings back full-size
+  reads, a shorter one (a credit or a request alone) does not.
 * While a large payload arrives, the socket's ``SO_RCVLOWAT`` is what is left of it
   (capped at ``connection.LOWAT_MAX``), and 1 again once it is in.
 """
@@ -74,6 +75,34 @@ def test_the_next_large_payload_is_not_staged_and_small_frames_read_in_full() ->
     events, _, largest = feed(decoder, stream, end_second, len(stream))
     assert [int(e[4][0]) for e in events] == [i % 256 for i in range(2000)]
     assert largest > codec.PEEK
+
+
+def test_a_short_read_of_small_frames_between_large_payloads_keeps_the_peek() -> None:
+    """A credit or a request between two large payloads (a read that did not fill the peek:
+    the socket had nothing more) keeps the next read short, so the next payload is not
+    staged and copied; a read that fills the peek means small frames stream in."""
+    decoder = codec.Decoder()
+    key = key_text("big", W1, PS0)
+    size = 1 << 20
+    hello = codec.encode_hello({"v": codec.VERSION, "job": "worker", "task": 1, "inc": 1})
+    small = data_frame(0, 0, key, np.full(8, 7, np.uint8))
+    large = data_frame(0, 0, key, np.full(size, 3, np.uint8))
+    stream = hello + large + small + large
+    end_first = len(hello) + len(large)
+    events, _, _ = feed(decoder, stream, 0, end_first)
+    assert [e[0] for e in events] == [codec.HELLO, codec.DATA]
+    # The small frame comes alone (all the socket had), read into the peek.
+    assert len(decoder.get_buffer(-1)) == codec.PEEK
+    events, _, _ = feed(decoder, stream, end_first, end_first + len(small))
+    assert len(events) == 1 and int(events[0][4][0]) == 7
+    assert len(decoder.get_buffer(-1)) == codec.PEEK  # still peeking
+    events, staged, _ = feed(decoder, stream, end_first + len(small), len(stream))
+    assert len(events) == 1 and events[0][4].nbytes == size and int(events[0][4][-1]) == 3
+    assert staged <= codec.PEEK
+    # Small frames that fill the peek: full-size reads again.
+    many = b"".join(data_frame(0, 0, key, np.full(8, i % 256, np.uint8)) for i in range(500))
+    events, _, _ = feed(decoder, many, 0, codec.PEEK)
+    assert len(decoder.get_buffer(-1)) > codec.PEEK
 
 
 def lowat(sock: socket.socket) -> int:

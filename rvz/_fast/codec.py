@@ -334,7 +334,7 @@ class Decoder:
         self._dest_len = 0
         self._pending: Any = None
         self._state = 0  # 0: expect HELLO, 1: open, 2: BYE received
-        self._peek = False  # a large payload just ended: read the next header alone
+        self._peek = False  # since a large payload, until a read fills PEEK: read the next header alone
         self._failed: Any = None
         self._pool = pool  # a RecvPool for large arrays, or None
         # Called with (step, request_id, key, payload_len) at a large DATA frame's header,
@@ -389,8 +389,12 @@ class Decoder:
         except ProtocolError as exc:
             self._failed = str(exc)
             raise
-        if self._peek and events and self._dest is None:
-            self._peek = False  # small frames follow: back to reading as much as there is
+        if self._peek and nbytes >= PEEK and self._dest is None:
+            # The read filled the peek: small frames stream in, so read as much as there is
+            # again.  A shorter read (a credit, a request, the socket drained) keeps peeking:
+            # on a connection that carries large payloads the next may be one, and it
+            # would otherwise land in the staging buffer and be copied out once more.
+            self._peek = False
         return events
 
     def more(self) -> list:
