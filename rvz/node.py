@@ -1002,9 +1002,8 @@ class Node:
         for step, table in list(core.tables.items()):
             if not table.empty():
                 continue
-            mark = (table, table.stamp, table.puts)
-            last = seen.get(step)
-            if last is not None and last[0] is table and last[1:] == mark[1:]:
+            mark = (table, table.stamp, table.puts)  # a table compares by identity
+            if seen.get(step) == mark:
                 del core.tables[step]
                 self._idle_since.pop(step, None)
             else:

@@ -122,10 +122,11 @@ async def test_values_of_a_batch_that_waited_are_freed_with_the_result(cluster, 
         finally:
             if gc_was:
                 gc.enable()
-        pool = p.stats()["recv_pool"]
-        if where == "remote" and pool:
+        if where == "remote":
             # Both blocks came back after each round: no more than a round's worth, plus
             # the pool's spare, were ever made.
+            pool = p.stats()["recv_pool"]
+            assert pool, "the arrays were expected on receive-pool blocks"
             assert sum(blocks for blocks, _free, _target in pool.values()) <= 3
 
 
