@@ -376,9 +376,11 @@ async def test_a_batch_waiting_behind_a_full_window_is_asked_for(cluster) -> Non
             producer.cancel()
 
 
-def _record_writes(conn: Any, raw: list[bytes] | None = None) -> tuple[list[list[int]], Any]:
+def _record_writes(conn: Any, raw: list[bytes] | None = None,
+                   early: list[bool] | None = None) -> tuple[list[list[int]], Any]:
     """Route ``conn``'s small writes through a recorder: the frame types of each write
-    (and, given ``raw``, the bytes of each write appended to it)."""
+    (and, given ``raw``, the bytes of each write appended to it; given ``early``, whether
+    each write left before its iteration's end-of-iteration flush ran)."""
     written: list[list[int]] = []
     transport = conn._transport
     real_write = transport.write
@@ -392,6 +394,8 @@ def _record_writes(conn: Any, raw: list[bytes] | None = None) -> tuple[list[list
             data = bytes(data)
             if raw is not None:
                 raw.append(data)
+            if early is not None:
+                early.append(bool(conn._flush_scheduled))
             types, pos = [], 0
             while pos < len(data):
                 _, ftype, _, meta_len, payload_len = header.unpack_from(data, pos)
@@ -409,7 +413,8 @@ async def test_recv_driven_exchange_writes_answer_and_next_request_together(clus
     # A node that answers a request and then asks for its reply (Recv-Driven ping-pong)
     # writes the two frames in one write once it has seen that pattern: not the answer at
     # once and the request at the end of the iteration, which costs a second write here and
-    # a second wake-up at the peer.  A lone frame goes back to leaving at once.
+    # a second wake-up at the peer.  That write leaves as the recv that queued the request
+    # suspends, not one loop iteration later.  A lone frame goes back to leaving at once.
     ping, pong = key("ping", src=PS, dst=WORKER), key("pong")
     # No heartbeat within the test: a ping or a credit return of its own would be a lone
     # frame between the exchanges.
@@ -432,7 +437,8 @@ async def test_recv_driven_exchange_writes_answer_and_next_request_together(clus
 
         echoing = asyncio.ensure_future(echo())
         try:
-            written, transport = _record_writes(conn)
+            early: list[bool] = []
+            written, transport = _record_writes(conn, early=early)
             try:
                 rounds = 12
                 for i in range(rounds):
@@ -449,6 +455,9 @@ async def test_recv_driven_exchange_writes_answer_and_next_request_together(clus
                 assert exchanges[0] == [data], written
                 assert all(t == [data, request] for t in exchanges[1:]), written
                 assert len(written) == rounds + 1, written
+                # ... each from within the recv call: its iteration's flush had not run yet
+                paired = [e for t, e in zip(written, early, strict=True) if t == [data, request]]
+                assert paired == [True] * (rounds - 1), (written, early)
                 # A lone answer (no request after it in its iteration): held once, as the
                 # last iteration wrote two frames, and written at the end of the iteration;
                 # the next lone answer leaves within the send call.

@@ -95,6 +95,7 @@ cdef class Wire:
     cdef public bint _flush_scheduled
     cdef public bint _hold_first
     cdef public Py_ssize_t _burst
+    cdef public bint _answer_queued
     cdef object _call_soon
     cdef dict __dict__
 
@@ -108,6 +109,7 @@ cdef class Wire:
                Py_ssize_t nbytes)
     cdef _queued(self)
     cpdef flush(self)
+    cdef requests_queued(self)
     cdef _write_out(self)
 
 

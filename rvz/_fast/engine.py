@@ -276,6 +276,7 @@ class Wire:
         self._flush_scheduled = False
         self._hold_first = False          # the last iteration wrote more than one frame
         self._burst = 0                   # frames of this iteration (see ``_queued``)
+        self._answer_queued = False       # an answer waits in ``_out`` (see ``requests_queued``)
         self._call_soon = core.loop.call_soon
         if decoder is not None:
             decoder.admit = self.admit
@@ -345,6 +346,7 @@ class Wire:
                 self._pack(step, key, value, code, shape, nbytes)
             else:
                 frame_data(self._out, step, request_id, key, code, shape, nbytes, value, True)
+                self._answer_queued = True
             self._queued()
         elif not self.closed_here:
             # Pending small frames, this header and the payload leave in one gathered write.
@@ -396,7 +398,8 @@ class Wire:
         next request of a Recv-Driven exchange, a burst of sends), and writing the first
         alone costs a second write here and a second wake-up at the peer, which may act on
         half the group meanwhile (an answer held there because its request is still in the
-        second write).  An iteration that writes one frame only switches back."""
+        second write; ``requests_queued`` writes such a group as soon as its request is
+        queued).  An iteration that writes one frame only switches back."""
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._burst = 1
@@ -415,7 +418,18 @@ class Wire:
         self._burst = 0
         self._write_out()
 
+    def requests_queued(self) -> None:
+        """A recv that is about to wait queued its request(s).  If they follow an answer
+        held back in this iteration, and nothing else did (``_burst`` counts the frames since
+        the last end-of-iteration flush), the answer and the request(s) are the group the
+        hold waited for: they leave now, in one write, rather than one loop iteration later
+        (a Recv-Driven ping-pong's critical path).  Later groups of the same iteration (more
+        tasks exchanging on this connection) still leave together at its end."""
+        if self._answer_queued and self._burst <= 2:
+            self._write_out()
+
     def _write_out(self) -> None:
+        self._answer_queued = False
         if self._out and not self.closed:
             data = self._out
             self._out = bytearray()  # the transport may keep a reference to ``data``
@@ -915,11 +929,12 @@ class Core:
             request = requests[0]
             conn.write_frame(encode_request(request.step, request.id,
                                             request.key.encode("utf-8")))
-            return
-        step = requests[0].step
-        entries = [(r.id, r.key.encode("utf-8")) for r in requests]
-        for frame in encode_requests_split(step, entries):
-            conn.write_frame(frame)
+        else:
+            step = requests[0].step
+            entries = [(r.id, r.key.encode("utf-8")) for r in requests]
+            for frame in encode_requests_split(step, entries):
+                conn.write_frame(frame)
+        conn.requests_queued()
 
     def forget_request(self, request_id: Any, step: Any, key: str) -> None:
         pending = self.outstanding.get((step, key))
