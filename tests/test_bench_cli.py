@@ -72,6 +72,11 @@ def run_json(tmp_path: Path, *args: str, timeout: float = 40.0,
     results: dict[str, Any] = json.loads(out.read_text())
     results["_stdout"] = proc.stdout
     assert TOP_LEVEL <= set(results), TOP_LEVEL - set(results)
+    # the machine's speed, measured in the run and printed with its figures
+    cal = results["machine"]["calibration"]
+    assert set(cal) == {"python_step_ns", "syscall_ns", "copy_gb_per_s"}, cal
+    assert all(v > 0 for v in cal.values()), cal
+    assert f"getppid() {cal['syscall_ns'] / 1000:.2f} us" in proc.stdout
     assert {t["id"] for t in results["targets"]} == TARGET_IDS
     for target in results["targets"]:
         assert TARGET <= set(target)

@@ -30,7 +30,7 @@ import rvz
 from . import control, report
 from .control import LocalWorker, RemoteWorker, WorkerError, WorkerLink
 from .report import rate_label, ratio_label, size_label
-from .worker import machine, versions, zmq_available
+from .worker import calibrate, machine, versions, zmq_available
 
 COMMANDS = ("stream", "pingpong", "rendezvous", "all")
 MODES = {"recv": ["recv"], "send": ["send"], "both": ["send", "recv"]}
@@ -591,7 +591,7 @@ class Bench:
             "tool": "rvz-bench", "schema": 1, "command": opts.command,
             "argv": sys.argv[1:], "options": opts.record(),
             "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(), "versions": versions(),
+            "machine": dict(machine(), calibration=calibrate()), "versions": versions(),
             "transport": opts.transport, "loop": opts.loop, "impl": opts.impl,
             "stream": [], "pingpong": [], "rendezvous": [], "rendezvous_summary": [],
             "impl_compare": None,
@@ -666,6 +666,11 @@ def render(results: dict[str, Any], targets: bool = False) -> str:
                  f"{results['impl']} hot paths, {results['loop']}, {results['transport']}, "
                  f"2 processes on {m.get('hostname')} ({m.get('cpus')} CPUs, "
                  f"{m.get('cpu_model', m.get('machine'))}); {results['elapsed_s']:.1f} s")
+    cal = m.get("calibration")
+    if cal:  # (absent from the JSON of runs before it was measured)
+        parts.append(f"machine speed (same run): Python loop step {cal['python_step_ns']:.0f} ns, "
+                     f"getppid() {cal['syscall_ns'] / 1000:.2f} us, "
+                     f"64 MiB copy {cal['copy_gb_per_s']:.1f} GB/s")
     if results["stream"]:
         rows = []
         for r in results["stream"]:

@@ -895,6 +895,48 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def calibrate(rounds: int = 5) -> dict[str, float]:
+    """How fast this machine is at what rvz's figures are made of, best of ``rounds``.
+
+    Ratios against same-run baselines cancel most of a machine's speed, not all of it: a
+    small message costs rvz interpreter steps and a few syscalls where pyzmq spends mostly
+    C, and a large one costs memory copies.  These three figures, printed with every run,
+    tell whether two runs' ratios came from machines alike: interpreter time per loop step
+    (``x = x + i``), one ``getppid()`` (a syscall with its Python call around it), and a
+    64 MiB copy between resident arrays (GB/s counts bytes read plus bytes written).
+    """
+    clock = time.perf_counter_ns
+
+    def best(run: Callable[[], int]) -> float:
+        return float(min(run() for _ in range(rounds)))
+
+    def loop() -> int:
+        x, t = 0, clock()
+        for i in range(100_000):
+            x = x + i
+        return (clock() - t) // 100_000
+
+    getppid = os.getppid
+
+    def syscalls() -> int:
+        t = clock()
+        for _ in range(20_000):
+            getppid()
+        return (clock() - t) // 20_000
+
+    src = np.ones(64 << 20, np.uint8)
+    dst = np.ones_like(src)
+
+    def copy() -> int:
+        t = clock()
+        np.copyto(dst, src)
+        return clock() - t
+
+    copy_ns = best(copy)
+    return {"python_step_ns": best(loop), "syscall_ns": best(syscalls),
+            "copy_gb_per_s": 2 * src.nbytes / copy_ns}
+
+
 def free_addr(host: str) -> str:
     """A free TCP port on ``host`` for an rvz node to listen on."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
