@@ -106,7 +106,8 @@ class Node:
     a peer that sends nothing (not even its ``heartbeat`` pings) for ``peer_timeout`` seconds
     is lost.  ``push_window`` bytes may be pushed to one consumer before it consumes them;
     ``hold_limit`` bytes of Recv-Driven values may wait for their consumers before ``send``
-    waits.  ``linger`` bounds how long ``close()`` keeps serving held values.
+    waits (both count 64 bytes more per message).  ``linger`` bounds how long ``close()``
+    keeps serving held values.
     Up to ``recv_pool`` bytes of memory for large received arrays are kept and used again once
     every array on a block is gone (0: allocate each array anew).
     """

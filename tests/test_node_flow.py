@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import struct
 from typing import Any
@@ -78,6 +79,54 @@ async def test_recv_driven_hold_limit_slows_the_producer(cluster) -> None:  # ty
             got = await p.recv(k, timeout=10)
             assert got[0] == i and got[-1] == i
         await producer
+        assert w._held_bytes == 0 and w._held_count == 0
+
+
+@pytest.mark.loop_timeout(30)
+async def test_recv_driven_hold_limit_counts_each_value_and_wakes_producers_in_bulk(cluster) -> None:  # type: ignore[no-untyped-def]
+    # Held values count MESSAGE_COST bytes each, as in the push window, so tiny values are
+    # bounded in number too.  Producers waiting for room look again once an eighth of the
+    # limit is free, not at every value taken: each look wakes every waiting task.
+    cost = 64  # MESSAGE_COST, "64 B per value" in the docs
+    fits = 64
+    async with pair(cluster, "recv", hold_limit=fits * (8 + cost), claim_timeout=None) as (w, p):
+        await w.send(key("linked"), array(0))  # linked first: this test is about the hold limit
+        assert (await p.recv(key("linked"), timeout=10))[0] == 0
+        core = w._core
+        looks = 0
+
+        class Counting(collections.deque):  # type: ignore[type-arg]
+            def append(self, waiter: Any) -> None:  # every wait for room, first or again
+                nonlocal looks
+                looks += 1
+                super().append(waiter)
+
+        core.hold_waiters = Counting()
+        keys = [key(f"tiny{j}") for j in range(16)]
+        per_key = 8
+
+        async def produce(k: rvz.Key) -> None:
+            for i in range(per_key):
+                await w.send(k, np.full(1, i, np.int64))   # 8 bytes each
+
+        producers = [asyncio.ensure_future(produce(k)) for k in keys]
+        try:
+            # (sends that fit complete at once: the first producers are done)
+            await eventually(lambda: w._held_count == fits and len(core.hold_waiters) == sum(
+                not t.done() for t in producers) > 0, "the limit reached, the other producers wait")
+            assert w._held_count == fits, w._held_count   # 8-byte values: 64 of them, not 576
+            for k in keys:
+                for i in range(per_key):
+                    assert (await p.recv(k, timeout=10))[0] == i
+            await asyncio.wait_for(asyncio.gather(*producers), 10)
+        finally:
+            for task in producers:
+                task.cancel()
+        # 64 values waited for room, taken one by one: waking all 8 waiting producers at
+        # every value taken would be up to 8 looks per value; an eighth of the limit at a
+        # time, up to 8 looks per 8 values.
+        waited = len(keys) * per_key - fits
+        assert looks <= 2 * waited, (looks, waited)
         assert w._held_bytes == 0 and w._held_count == 0
 
 

@@ -6,7 +6,7 @@ from rvz._fast.table cimport Table
 
 cdef bint COMPILED
 # The engine's sizes, as C values: each message's accounting does arithmetic with them.
-cdef Py_ssize_t MESSAGE_COST, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY, MANY_OVERHEAD
+cdef Py_ssize_t MESSAGE_COST, HOLD_LOW_WATER, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY, MANY_OVERHEAD
 cdef Py_ssize_t MAX_NDIM, MANY_HEAD
 cpdef Py_ssize_t nbytes_of(object value) except -1
 cdef unsigned long thread_ident()
@@ -178,6 +178,7 @@ cdef class Core:
     cpdef answer(self, Wire conn, object step, object request_id, Route route, object value)
     cpdef answer_deferred(self, Wire conn)
     cpdef undefer(self, Wire conn)
+    cpdef Py_ssize_t held_cost(self)
     cpdef released_held(self, Py_ssize_t nbytes)
     @cython.locals(route=Route, table=Table, peer=Peer, link=Wire, text=str)
     cpdef object recv(self, object key, object step, object mode, object timeout)

@@ -74,8 +74,14 @@ PING = _codec.PING
 AUTH = _codec.AUTH
 
 # What one message costs in the push window beyond its payload: it bounds the count of tiny
-# (or empty) messages in flight, not only their bytes.  Both ends use the same figure.
+# (or empty) messages in flight, not only their bytes.  Both ends use the same figure.  The
+# hold limit counts held Recv-Driven values the same way: 256 MiB of 64-byte values would
+# otherwise be four million arrays, each with more memory around it than in it.
 MESSAGE_COST = 64
+# Producers waiting for room under hold_limit are woken once an eighth of it is free, not at
+# every value taken (each wake-up of every waiting task, most of which find no room, cost
+# more than the value it waited for).
+HOLD_LOW_WATER = 8
 # A payload up to this size is copied into the coalescing buffer; above it, it is written
 # as a separate view.  Copying 16 KiB costs less than a second write call.
 COALESCE_MAX = 16384
@@ -686,7 +692,7 @@ class Core:
         # Recv-Driven (or a consumer already asked for it): a parked request takes it now.
         # Else wait for room under hold_limit *before* queuing it, so that a send that times
         # out or is cancelled did not send (one value alone may exceed the limit).
-        if self.held_count and self.held_bytes + nbytes > self.hold_limit:
+        if self.held_count and self.held_cost() + nbytes + MESSAGE_COST > self.hold_limit:
             if not table.waiting(route.text):
                 self.waits_producer += 1
                 return (table, route, value, nbytes, peer)
@@ -695,7 +701,7 @@ class Core:
 
     def hold_full(self, table: Table, route: Route, nbytes: int) -> bool:
         """Whether a Recv-Driven value of ``nbytes`` must still wait for room."""
-        return bool(self.held_count and self.held_bytes + nbytes > self.hold_limit
+        return bool(self.held_count and self.held_cost() + nbytes + MESSAGE_COST > self.hold_limit
                     and not table.waiting(route.text))
 
     def hold(self, table: Table, step: Any, route: Route, value: Any, nbytes: int) -> None:
@@ -819,10 +825,18 @@ class Core:
             step, request_id, route, value = deferred[i]
             self.answer(conn, step, request_id, route, value)
 
+    def held_cost(self) -> int:
+        """What the held Recv-Driven values count against ``hold_limit``: their bytes and
+        MESSAGE_COST for each."""
+        return self.held_bytes + MESSAGE_COST * self.held_count
+
     def released_held(self, nbytes: int) -> None:
         self.held_bytes -= nbytes
         self.held_count -= 1
-        if self.hold_waiters and self.held_bytes <= self.hold_limit:
+        # Below the low-water mark (or empty: a value larger than the limit goes alone), the
+        # waiting producers look again; those that still find no room wait again.
+        if self.hold_waiters and (self.held_count == 0 or self.held_cost()
+                                  <= self.hold_limit - self.hold_limit // HOLD_LOW_WATER):
             for waiter in self.hold_waiters:
                 if not waiter.done():
                     waiter.set_result(None)
