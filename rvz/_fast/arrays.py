@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .wire import BYTES_CODE, DATA, DATA_MANY, DTYPES, MAX_NDIM, VERSION, WIRE_DTYPES
+from .wire import BYTES_CODE, DATA, DATA_MANY, DTYPES, MAX_NDIM, REQUEST, VERSION, WIRE_DTYPES
 from .wire import describe_other as _describe_other
 
 # One struct per ndim packs the whole DATA header (frame header + metadata) in one call.
@@ -25,6 +25,8 @@ _MANY_HEAD = struct.Struct("<BBHIQQI")
 MANY_HEAD_SIZE = _MANY_HEAD.size  # 28
 _ENTRY_HEADS = [struct.Struct("<HBBI" + "Q" * n) for n in range(MAX_NDIM + 1)]
 _PAYLOAD_LEN = struct.Struct("<Q")
+# REQUEST: the frame header, then ``u64 step | u64 request_id | u16 klen | key``.
+_REQUEST_HEAD = struct.Struct("<BBHIQQQH")
 _COUNT = struct.Struct("<I")
 
 
@@ -67,6 +69,12 @@ def _append_payload(out: bytearray, value: Any) -> None:
         out += memoryview(array).cast("B")
     else:
         out += value
+
+
+def append_request(out: bytearray, step: int, request_id: int, key: bytes) -> None:
+    """Append a REQUEST frame for ``key`` to ``out`` (the caller checked the key's length)."""
+    out += _REQUEST_HEAD.pack(VERSION, REQUEST, 0, 18 + len(key), 0, step, request_id, len(key))
+    out += key
 
 
 def many_begin(out: bytearray, step: int) -> None:

@@ -22,8 +22,8 @@ cnp.import_array()
 if sys.byteorder != "little":
     raise ImportError("rvz's compiled data path assumes a little-endian host")
 
-from rvz._fast.wire import (BYTES_CODE, CODES, DATA, DATA_MANY, DTYPES, MAX_NDIM, VERSION,
-                           WIRE_DTYPES)
+from rvz._fast.wire import (BYTES_CODE, CODES, DATA, DATA_MANY, DTYPES, MAX_NDIM, REQUEST,
+                           VERSION, WIRE_DTYPES)
 from rvz._fast.wire import describe_other as _describe_other
 
 # numpy type numbers of the wire codes (index = code)
@@ -128,6 +128,30 @@ cdef int _copy_payload(char* p, object value, Py_ssize_t nbytes) except -1:
 
 
 MANY_HEAD_SIZE = 28
+
+
+def append_request(bytearray out, uint64_t step, uint64_t request_id, bytes key):
+    append_request_c(out, step, request_id, key)
+
+
+cdef int append_request_c(bytearray out, uint64_t step, uint64_t request_id,
+                          bytes key) except -1:
+    """append_request() for compiled callers: a REQUEST frame in a few stores."""
+    cdef Py_ssize_t klen = PyBytes_GET_SIZE(key)
+    cdef Py_ssize_t old = PyByteArray_GET_SIZE(out)
+    cdef char* p
+    PyByteArray_Resize(out, old + 34 + klen)
+    p = PyByteArray_AS_STRING(out) + old
+    p[0] = <char>VERSION
+    p[1] = <char>REQUEST
+    _put16(p + 2, 0)
+    _put32(p + 4, <uint32_t>(18 + klen))
+    _put64(p + 8, 0)
+    _put64(p + 16, step)
+    _put64(p + 24, request_id)
+    _put16(p + 32, <uint16_t>klen)
+    memcpy(p + 34, PyBytes_AS_STRING(key), klen)
+    return 0
 
 
 def many_begin(bytearray out, uint64_t step):

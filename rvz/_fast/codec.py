@@ -48,8 +48,8 @@ except ImportError:  # pure Python without Cython installed
 VERSION = _wire.VERSION
 
 HELLO = 1
-DATA = 2
-REQUEST = 3
+DATA = _wire.DATA
+REQUEST = _wire.REQUEST
 CANCEL = 4
 ERROR = 5
 ABORT_STEP = 6
@@ -187,8 +187,9 @@ def encode_request(step: int, request_id: int, key: bytes) -> bytes:
     klen = len(key)
     if klen > MAX_KEY:
         raise ValueError(f"key of {klen} bytes is longer than {MAX_KEY}")
-    return (_HEADER.pack(VERSION, REQUEST, 0, 18 + klen, 0)
-            + _REQUEST_FIXED.pack(step, request_id, klen) + key)
+    out = bytearray()
+    _arrays.append_request(out, step, request_id, key)
+    return bytes(out)
 
 
 def encode_requests(step: int, entries: list) -> bytes:

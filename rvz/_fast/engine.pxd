@@ -1,7 +1,7 @@
 cimport cython
 from cpython.pythread cimport PyThread_get_thread_ident
-from rvz._fast.arrays cimport (append_data_c, describe_c, many_begin_c, many_end_c, many_entry_c,
-                               nbytes_c)
+from rvz._fast.arrays cimport (append_data_c, append_request_c, describe_c, many_begin_c,
+                               many_end_c, many_entry_c, nbytes_c)
 from rvz._fast.table cimport Table
 
 cdef bint COMPILED
@@ -58,6 +58,7 @@ cdef class Request:
     cdef public Peer peer
     cdef public object step
     cdef public str key
+    cdef public bytes wire
     cdef public object conn
 
 
@@ -102,6 +103,7 @@ cdef class Wire:
     cpdef feed(self, Py_ssize_t nbytes)
     cpdef deliver(self, list events)
     cpdef write_frame(self, bytes frame)
+    cpdef write_request(self, object step, object request_id, bytes key)
     cpdef write_value(self, object step, object request_id, bytes key, object value, int code,
                       tuple shape, Py_ssize_t nbytes)
     @cython.locals(ndim=Py_ssize_t, start=Py_ssize_t, out=bytearray)

@@ -49,9 +49,9 @@ except ImportError:  # pure Python without Cython installed
 describe = _codec.describe
 append_data = _arrays.append_data  # checks ndim; a route's key length is checked once
 many_begin = _arrays.many_begin
+append_request = _arrays.append_request
 many_entry = _arrays.many_entry
 many_end = _arrays.many_end
-encode_request = _codec.encode_request
 encode_requests_split = _codec.encode_requests_split
 encode_credit = _codec.encode_credit
 encode_cancel = _codec.encode_cancel
@@ -200,13 +200,14 @@ class Peer:
 class Request:
     """A Recv-Driven request we sent and that has not been answered yet."""
 
-    __slots__ = ("id", "peer", "step", "key", "conn")
+    __slots__ = ("id", "peer", "step", "key", "wire", "conn")
 
-    def __init__(self, request_id: int, peer: Peer, step: Any, key: str) -> None:
+    def __init__(self, request_id: int, peer: Peer, step: Any, key: str, wire: bytes) -> None:
         self.id = request_id
         self.peer = peer
         self.step = step
         self.key = key
+        self.wire = wire      # the key as it goes on the wire (its route's)
         self.conn: Any = None  # where it went: a CANCEL must follow it there
 
 
@@ -334,6 +335,18 @@ class Wire:
         if self.closed:
             return
         self._out += frame
+        self.frames_out += 1
+        self._queued()
+
+    def write_request(self, step: Any, request_id: Any, key: bytes) -> None:
+        """Queue a REQUEST frame, built in the coalescing buffer (``key``: a route's bytes,
+        whose length was checked)."""
+        if self.closed:
+            return
+        if COMPILED:
+            append_request_c(self._out, step, request_id, key)  # type: ignore[name-defined]  # noqa: F821
+        else:
+            append_request(self._out, step, request_id, key)
         self.frames_out += 1
         self._queued()
 
@@ -790,7 +803,9 @@ class Core:
             if (conn.dataplane is None and link is not None and link is not conn and link.ready
                     and not link.closed and link.dataplane is None):
                 conn = link
-        if conn.deferred or conn.backlog() > self.answer_backlog:
+        # (Unless the transport paused us, it holds at most its high-water mark, which the
+        # connection sets at or below answer_backlog: no call to ask it for every answer.)
+        if conn.deferred or (conn.paused and conn.backlog() > self.answer_backlog):
             # The peer does not read what we send: its requests are answered once it has
             # (reading goes on, so nothing it sends can make us buffer without bound).
             conn.deferred.append((step, request_id, route, value))
@@ -896,7 +911,7 @@ class Core:
 
     def new_request(self, peer: Peer, step: Any, route: Route) -> Request:
         request_id = next(self._request_ids)
-        request = Request(request_id, peer, step, route.text)
+        request = Request(request_id, peer, step, route.text, route.wire)
         self.requests[request_id] = request
         pending = self.outstanding.get((step, route.text))
         if pending is None:
@@ -941,11 +956,10 @@ class Core:
                 dataplane.on_request(request.step, request.id, request.key)
         if len(requests) == 1:
             request = requests[0]
-            conn.write_frame(encode_request(request.step, request.id,
-                                            request.key.encode("utf-8")))
+            conn.write_request(request.step, request.id, request.wire)
         else:
             step = requests[0].step
-            entries = [(r.id, r.key.encode("utf-8")) for r in requests]
+            entries = [(r.id, r.wire) for r in requests]
             for frame in encode_requests_split(step, entries):
                 conn.write_frame(frame)
         conn.requests_queued()

@@ -13,6 +13,7 @@ import numpy as np
 
 VERSION = 3    # 2: REQUESTS (several keys in one frame) was added; 3: DATA_MANY
 DATA = 2       # the DATA frame's type (codec.py lists them all)
+REQUEST = 3    # the REQUEST frame's type
 DATA_MANY = 13  # several small Send-Driven values of one step in one frame
 MAX_NDIM = 32
 
