@@ -6,8 +6,8 @@ from rvz._fast.table cimport Table
 
 cdef bint COMPILED
 # The engine's sizes, as C values: each message's accounting does arithmetic with them.
-cdef Py_ssize_t MESSAGE_COST, HOLD_LOW_WATER, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY, MANY_OVERHEAD
-cdef Py_ssize_t MAX_NDIM, MANY_HEAD
+cdef Py_ssize_t MESSAGE_COST, HOLD_LOW_WATER, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY
+cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD
 cpdef Py_ssize_t nbytes_of(object value) except -1
 cdef unsigned long thread_ident()
 cdef tuple describe_value(object value)

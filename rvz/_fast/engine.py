@@ -705,10 +705,9 @@ class Core:
         # Recv-Driven (or a consumer already asked for it): a parked request takes it now.
         # Else wait for room under hold_limit *before* queuing it, so that a send that times
         # out or is cancelled did not send (one value alone may exceed the limit).
-        if self.held_count and self.held_cost() + nbytes + MESSAGE_COST > self.hold_limit:
-            if not table.waiting(route.text):
-                self.waits_producer += 1
-                return (table, route, value, nbytes, peer)
+        if self.hold_full(table, route, nbytes):
+            self.waits_producer += 1
+            return (table, route, value, nbytes, peer)
         self.hold(table, step, route, value, nbytes)
         return None
 
