@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import rvz
+from rvz import _impl
 
 from .conftest import PS, WORKER, key
 
@@ -83,6 +84,37 @@ async def test_malformed_strings_raise_key_format_error_naming_the_string(text: 
         rvz.Key.parse(text)
     assert repr(text) in str(info.value) or text in str(info.value)
     assert isinstance(info.value, rvz.RvzError)
+
+
+# Spellings a node may be handed: canonical ones, and near misses of each field.
+SPELLINGS = [s.values[0] for s in BAD] + [
+    f"{SRC};000000000000001f;{DST};x;0:0",
+    f"{SRC};000000000000001F;{DST};x;0:0",      # upper-case hex: parses, not canonical
+    f"{SRC};1f;{DST};x;0:0",                    # unpadded: parses, not canonical
+    f"{SRC};ffffffffffffffff;{DST};x;10:0",
+    f"{SRC};000000000000000g;{DST};x;0:0",
+    f"{SRC};0000000000000001;{DST};x;00:0",     # leading zero: parses, not canonical
+    f"{SRC};0000000000000001;{DST};x;0:07",
+    f"{SRC};0000000000000001;{DST};x;0:\u00b2",
+    f"{SRC};0000000000000001;{DST};edge/a:b;123:456",
+    f"{SRC};0000000000000001;{DST};\u00fc;0:0",
+    f"{SRC};0000000000000001;{DST};;0:0",
+]
+
+
+@pytest.mark.parametrize("text", SPELLINGS)
+async def test_a_string_is_routed_unparsed_exactly_when_it_is_canonical(text: str) -> None:
+    """The node's shortcut (``canonical_devices``) must agree with ``str(Key.parse(s)) == s``:
+    a non-canonical spelling routed unparsed would be a second name for one key."""
+    try:
+        canonical = str(rvz.Key.parse(text)) == text
+    except rvz.KeyFormatError:
+        canonical = False
+    devices = _impl.keys.canonical_devices(text)
+    assert (devices is not None) == canonical, text
+    if canonical:
+        parsed = rvz.Key.parse(text)
+        assert devices == (parsed.src, parsed.dst)
 
 
 async def test_constructor_rejects_bad_fields() -> None:

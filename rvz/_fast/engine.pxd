@@ -2,12 +2,13 @@ cimport cython
 from cpython.pythread cimport PyThread_get_thread_ident
 from rvz._fast.arrays cimport (append_data_c, append_request_c, describe_c, many_begin_c,
                                many_end_c, many_entry_c, nbytes_c)
+from rvz._fast.keys cimport canonical_devices as canonical_devices_c
 from rvz._fast.table cimport Table
 
 cdef bint COMPILED
 # The engine's sizes, as C values: each message's accounting does arithmetic with them.
 cdef Py_ssize_t MESSAGE_COST, HOLD_LOW_WATER, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY
-cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD
+cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, MAX_KEY
 cpdef Py_ssize_t nbytes_of(object value) except -1
 cdef unsigned long thread_ident()
 cdef tuple describe_value(object value)

@@ -63,6 +63,7 @@ MAX_MANY = _codec.MAX_MANY
 MANY_OVERHEAD = _codec.MANY_OVERHEAD
 MANY_HEAD = _arrays.MANY_HEAD_SIZE   # a DATA_MANY frame's header and metadata
 MAX_NDIM = _codec.MAX_NDIM
+MAX_KEY = _codec.MAX_KEY
 REQUEST = _codec.REQUEST
 CREDIT = _codec.CREDIT
 CANCEL = _codec.CANCEL
@@ -133,13 +134,14 @@ class Route:
     def __init__(self, text: str, src: tuple, dst: tuple, me: tuple, peer: Any) -> None:
         self.text = text
         self.wire = text.encode("utf-8")
-        if len(self.wire) > _codec.MAX_KEY:
+        if len(self.wire) > MAX_KEY:
             raise KeyFormatError(f"key of {len(self.wire)} bytes is longer than the "
-                                 f"{_codec.MAX_KEY} bytes rvz carries: {text[:80]}...")
+                                 f"{MAX_KEY} bytes rvz carries: {text[:80]}...")
         self.src = src
         self.dst = dst
-        self.from_me = src == me
-        self.to_me = dst == me
+        # ``Core._task_of`` hands out the node's own id for its own tasks: mostly one test
+        self.from_me = src is me or src == me
+        self.to_me = dst is me or dst == me
         self.peer = peer
 
 
@@ -541,7 +543,12 @@ class Core:
         if route is None:
             # Keys change every step (frame:iter), devices do not: those are parsed once,
             # and a key string already in canonical form is not parsed into a Key at all.
-            devices = _keys.canonical_devices(text) if type(key) is str else None
+            if type(key) is not str:
+                devices = None
+            elif COMPILED:
+                devices = canonical_devices_c(text)  # type: ignore[name-defined]  # noqa: F821
+            else:
+                devices = _keys.canonical_devices(text)
             if devices is not None:
                 canonical = text
                 src_device, dst_device = devices
@@ -551,10 +558,9 @@ class Core:
                 src_device, dst_device = parsed.src, parsed.dst
             src = self._task_of(src_device, canonical)
             dst = self._task_of(dst_device, canonical)
-            me = self.id
-            other = dst if src == me else src if dst == me else None
-            peer = self.peer(other) if other is not None and other != me else None
-            route = Route(canonical, src, dst, me, peer)
+            route = Route(canonical, src, dst, self.id, None)
+            if route.from_me != route.to_me:  # else a key from this node to itself, or a
+                route.peer = self.peer(dst if route.from_me else src)  # stranger's
             if len(self.routes) >= _ROUTE_CACHE_MAX:
                 self.routes.clear()
             self.routes[text] = route
@@ -565,6 +571,8 @@ class Core:
         task_id = self.devices.get(device)
         if task_id is None:
             task_id = _keys.parse_device(device)
+            if task_id == self.id:
+                task_id = self.id  # one object: a route's from_me / to_me is an identity test
             try:  # here, before a recv queues its waiter: not a KeyError from deep inside
                 self.cluster.address(*task_id)
             except KeyError:

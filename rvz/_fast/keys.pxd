@@ -1,3 +1,5 @@
+cimport cython
+
 cdef class Key:
     cdef readonly str src
     cdef readonly str dst
@@ -12,5 +14,10 @@ cdef class Key:
 cpdef tuple parse_device(str device)
 cpdef tuple route_of(str device)
 cpdef Key as_key(object key)
+@cython.locals(a=Py_ssize_t, b=Py_ssize_t, c=Py_ssize_t, d=Py_ssize_t, colon=Py_ssize_t)
 cpdef object canonical_devices(str text)
-cdef bint _canonical_number(str text) except -1
+# The character loops compile to C compares of code points.
+@cython.locals(i=Py_ssize_t, c=Py_UCS4)
+cdef bint _lower_hex(str text, Py_ssize_t start, Py_ssize_t end) except -1
+@cython.locals(i=Py_ssize_t, c=Py_UCS4)
+cdef bint _canonical_number(str text, Py_ssize_t start, Py_ssize_t end) except -1
