@@ -244,8 +244,7 @@ class Node:
     async def start(self) -> Node:
         """Listen on this task's address and start the heartbeat."""
         self._loop = asyncio.get_running_loop()
-        self._core.loop_thread = get_ident()
-        self._core.loop = self._loop
+        self._core.attach(self._loop, get_ident())
         host, port = split_address(self.address)
         if self._host is not None:
             host = self._host
@@ -1170,7 +1169,7 @@ class Node:
             peer.credit += window - peer.window
             peer.window = window
         peer.incarnation = incarnation
-        peer.mode = str(fields.get("mode", ""))
+        peer.mode = _engine.canonical_mode(str(fields.get("mode", "")))
         conn.ready = True
         if peer.link is None or peer.link.closed:
             # The first ready connection either side dialled carries our traffic: a push

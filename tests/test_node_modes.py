@@ -116,6 +116,27 @@ async def test_per_call_mode_override_to_recv(cluster) -> None:  # type: ignore[
         assert queued(w, key()) == 0
 
 
+def spelled(mode: str) -> str:
+    """The mode as a string built at run time: equal to the literal, not the same object."""
+    built = "".join(list(mode))
+    assert built == mode and built is not mode
+    return built
+
+
+@pytest.mark.loop_timeout(15)
+async def test_modes_spelled_at_run_time_behave_as_the_literals(cluster) -> None:  # type: ignore[no-untyped-def]
+    # The engine tests modes by identity once it has made them its own constants: a mode
+    # read from a config file or built by a program must be the same mode.
+    async with pair(cluster, spelled("recv"), claim_timeout=None) as (w, p):
+        pushed, pulled = key("pushed"), key("pulled")
+        await w.send(pushed, np.arange(2), mode=spelled("send"))
+        await eventually(lambda: queued(p, pushed) == 1, "the push arrived")
+        await w.send(pulled, np.arange(3))  # the node's default, Recv-Driven: held
+        assert queued(w, pulled) == 1 and queued(p, pulled) == 0
+        assert (await p.recv(pulled, mode=spelled("recv"), timeout=5)).tolist() == [0, 1, 2]
+        assert (await p.recv(pushed, mode=spelled("send"), timeout=5)).tolist() == [0, 1]
+
+
 @pytest.mark.loop_timeout(15)
 async def test_bad_mode_is_refused(cluster) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError):

@@ -6,6 +6,7 @@ from rvz._fast.keys cimport canonical_devices as canonical_devices_c
 from rvz._fast.table cimport Table
 
 cdef bint COMPILED
+cdef str RECV, SEND
 # The engine's sizes, as C values: each message's accounting does arithmetic with them.
 cdef Py_ssize_t MESSAGE_COST, HOLD_LOW_WATER, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY
 cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, MAX_KEY
@@ -124,6 +125,7 @@ cdef class Core:
     cdef public str mode
     cdef public object loop
     cdef public unsigned long loop_thread
+    cdef public object loop_running
     cdef public bint running
     cdef public bint closed
     cdef public Py_ssize_t push_window
@@ -163,6 +165,7 @@ cdef class Core:
     cpdef admit(self, Wire conn, object step, object request_id, str key, object nbytes)
     cpdef check_window(self, Peer peer, object cost)
     cpdef joined(self, object step, Peer peer)
+    cpdef attach(self, object loop, unsigned long thread)
     cpdef str _check_mode(self, object mode)
     @cython.locals(route=Route, table=Table, peer=Peer)
     cpdef enter(self, object timeout)
@@ -171,7 +174,7 @@ cdef class Core:
     cpdef hold(self, Table table, object step, Route route, object value, Py_ssize_t nbytes)
     @cython.locals(conn=Wire)
     cdef Wire open_link(self, Peer peer)
-    @cython.locals(conn=Wire)
+    @cython.locals(conn=Wire, cost=Py_ssize_t)
     cpdef object push(self, Peer peer, object step, Route route, object value, int code,
                       tuple shape, Py_ssize_t nbytes)
     cpdef object queue_push(self, Peer peer, object step, Route route, object value, int code,

@@ -92,6 +92,20 @@ FLUSH_AT = 65536
 _ROUTE_CACHE_MAX = 1 << 16
 _DEVICES_MAX = 4096
 
+# The two modes.  The engine keeps only these two objects as modes (``canonical_mode``,
+# ``Core._check_mode``), so that the per-message tests are identity tests.
+RECV = "recv"
+SEND = "send"
+
+
+def canonical_mode(mode: Any) -> Any:
+    """``RECV`` or ``SEND`` for a mode spelled either way; anything else unchanged."""
+    if mode == RECV:
+        return RECV
+    if mode == SEND:
+        return SEND
+    return mode
+
 
 def describe_value(value: Any) -> tuple:
     """``(value, code, shape, nbytes)`` of a value to send (arrays.pyx's C call, compiled)."""
@@ -501,9 +515,8 @@ class Core:
         self.cluster = cluster
         self.id = task_id
         self.name = name
-        self.mode = mode
-        self.loop = loop
-        self.loop_thread = 0               # the thread that runs ``loop`` (Node.start's)
+        self.mode = canonical_mode(mode)
+        self.attach(loop, 0)
         self.running = False               # sends and recvs accepted
         self.closed = False                # nothing is served any more
         self.push_window = push_window
@@ -665,12 +678,21 @@ class Core:
         elif peer not in peers:
             peers.add(peer)
 
+    def attach(self, loop: Any, thread: int) -> None:
+        """The event loop the node runs on, and the thread that runs it (Node.start's)."""
+        self.loop = loop
+        self.loop_thread = thread
+        self.loop_running: Any = None if loop is None else loop.is_running  # bound once
+
     def _check_mode(self, mode: Any) -> str:
         if mode is None:
             return self.mode
-        if mode != "recv" and mode != "send":
+        if mode is RECV or mode is SEND:
+            return mode
+        canonical = canonical_mode(mode)
+        if canonical is not RECV and canonical is not SEND:
             raise ValueError(f"mode must be 'recv' or 'send', not {mode!r}")
-        return mode
+        return canonical
 
     # -- send -----------------------------------------------------------------------------
 
@@ -682,7 +704,7 @@ class Core:
         # for the running loop makes a getpid() system call: a fifth of a microsecond on
         # every send and recv. On the loop's own thread, while it runs, it is the running
         # loop (a thread runs one loop at a time), and that test costs no system call.
-        if (loop is not None and (thread_ident() != self.loop_thread or not loop.is_running())
+        if (loop is not None and (thread_ident() != self.loop_thread or not self.loop_running())
                 and _get_running_loop() is not loop):
             raise RuntimeError(
                 f"node {self.name} runs on another thread's event loop; call it from that "
@@ -708,7 +730,7 @@ class Core:
             return None
         self.joined(step, peer)
         mode = self._check_mode(mode)
-        if mode == "send" and not table.waiting(route.text):
+        if mode is SEND and not table.waiting(route.text):
             return self.push(peer, step, route, value, code, shape, nbytes)
         # Recv-Driven (or a consumer already asked for it): a parked request takes it now.
         # Else wait for room under hold_limit *before* queuing it, so that a send that times
@@ -899,7 +921,7 @@ class Core:
             raise
         # Send-Driven too while the producer is blocked on a window full of other keys'
         # values (see ``unblock``, which asked for the recvs already waiting).
-        if mode == "recv" or peer.owe_now:
+        if mode is RECV or peer.owe_now:
             self.request(peer, step, route)
             return (waiter, route, table, peer, False, table.stamp)
         link = peer.link
@@ -913,7 +935,7 @@ class Core:
         Send-Driven consumer: default modes that disagree still cost no claim_timeout.
         """
         if mode is None:
-            return "recv" if self.mode == "recv" or peer.mode == "recv" else "send"
+            return RECV if self.mode is RECV or peer.mode is RECV else SEND
         return self._check_mode(mode)
 
     def new_request(self, peer: Peer, step: Any, route: Route) -> Request:
@@ -1046,7 +1068,7 @@ class Core:
         go by ``push_many``; the rest as ``send`` would."""
         n = len(items)
         i = start
-        pushing = self._check_mode(mode) == "send"
+        pushing = self._check_mode(mode) is SEND
         while i < n:
             if pushing:
                 j = self.push_many(items, i, step)
