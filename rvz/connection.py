@@ -10,7 +10,6 @@ import.
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import sys
 from typing import TYPE_CHECKING, Any, Protocol
@@ -64,7 +63,7 @@ class Connection(Wire, asyncio.BufferedProtocol):
         self.opened = 0.0                 # loop time of connection_made (HELLO deadline)
         self._transport: Any = None
         self._gather = False
-        self._lowat_sock: socket.socket | None = None  # our handle on the socket (SO_RCVLOWAT)
+        self._lowat_sock: Any = None      # the plain TCP socket whose SO_RCVLOWAT we tune
         self._lowat = 1
         self._drain_waiters: list[asyncio.Future[None]] = []
 
@@ -90,7 +89,7 @@ class Connection(Wire, asyncio.BufferedProtocol):
             # Not under TLS: what is left of a payload then says nothing of the bytes the
             # socket must hold (the TLS layer may already have buffered them).
             if transport.get_extra_info("sslcontext") is None and hasattr(socket, "SO_RCVLOWAT"):
-                self._lowat_sock = _own_handle(sock)
+                self._lowat_sock = sock
         # Writing pauses (and held-back answers resume) below answer_backlog at the latest.
         high = min(WRITE_HIGH_WATER, self.core.answer_backlog)
         transport.set_write_buffer_limits(high=high, low=min(WRITE_LOW_WATER, high // 4))
@@ -111,32 +110,25 @@ class Connection(Wire, asyncio.BufferedProtocol):
                 self._set_lowat(min(left, LOWAT_MAX) if left >= LOWAT_MIN else 1)
 
     def _set_lowat(self, lowat: int) -> None:
-        handle = self._lowat_sock
-        if handle is not None and lowat != self._lowat and not self.closed:
+        if lowat != self._lowat and not self.closed:
             self._lowat = lowat
             try:
-                handle.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+                self._lowat_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
             except OSError:
-                self._drop_lowat()  # not supported here: wake per segment
+                self._lowat_sock = None  # not supported here: wake per segment
 
     def read_stalled(self) -> None:
         """A heartbeat went by without a read.  In the middle of a payload that means a
         slow link: from now on this connection wakes for every segment."""
         if self._lowat_sock is not None and self._lowat > 1:
             self._set_lowat(1)
-            self._drop_lowat()
-
-    def _drop_lowat(self) -> None:
-        handle, self._lowat_sock = self._lowat_sock, None
-        if handle is not None:
-            handle.close()  # our duplicate descriptor only; the transport's stays open
+            self._lowat_sock = None
 
     def eof_received(self) -> bool:
         return False  # close the transport; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._drop_lowat()
         if self.close_reason is None:
             if exc is not None:
                 self.close_reason = exc
@@ -229,17 +221,6 @@ class Connection(Wire, asyncio.BufferedProtocol):
             self.close_reason = reason
         if self._transport is not None:
             self._transport.abort()
-
-
-def _own_handle(sock: Any) -> socket.socket | None:
-    """A socket object of our own on a duplicate of the transport's descriptor (socket
-    options belong to the socket, not to the descriptor).  uvloop's transport socket asks
-    the kernel for the socket's name before every setsockopt: through it, tuning
-    SO_RCVLOWAT twice per large payload would cost four system calls instead of two."""
-    try:
-        return socket.socket(sock.family, sock.type, sock.proto, os.dup(sock.fileno()))
-    except (OSError, ValueError):  # no descriptor to share: wake per segment
-        return None
 
 
 def _connected_to_itself(sock: Any) -> bool:
