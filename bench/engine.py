@@ -49,7 +49,7 @@ class NullWire(engine.Wire):  # type: ignore[misc,name-defined]
 
 def core(job: str, peer: str, loop: Any) -> Any:
     c = engine.Core(Shell(), CLUSTER, (job, 0), job, "send", loop, 64 << 20, 256 << 20, None)
-    c.loop_thread = threading.get_ident()  # as Node.start sets it
+    c.attach(loop, threading.get_ident())  # as Node.start does
     c.running = True
     return c
 
