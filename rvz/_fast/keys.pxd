@@ -20,4 +20,5 @@ cpdef object canonical_devices(str text)
 @cython.locals(i=Py_ssize_t, c=Py_UCS4)
 cdef bint _lower_hex(str text, Py_ssize_t start, Py_ssize_t end) except -1
 @cython.locals(i=Py_ssize_t, c=Py_UCS4)
+cdef bint _digits(str text, Py_ssize_t start, Py_ssize_t end) except -1
 cdef bint _canonical_number(str text, Py_ssize_t start, Py_ssize_t end) except -1

@@ -13,13 +13,23 @@ from typing import Any
 from ..errors import KeyFormatError
 
 _MAX_U64 = (1 << 64) - 1
-_DIGITS = "0123456789"
 _HEX_DIGITS = "0123456789abcdefABCDEF"
 
 
 def _is_digits(text: str) -> bool:
     """Only ASCII digits: ``str.isdigit`` and ``int`` also take '²', signs, '_' and spaces."""
-    return bool(text) and not text.strip(_DIGITS)
+    return _digits(text, 0, len(text))
+
+
+def _digits(text: str, start: int, end: int) -> bool:
+    """``text[start:end]`` is one or more ASCII digits (compiled: C compares of code points)."""
+    if end <= start:
+        return False
+    for i in range(start, end):
+        c = text[i]
+        if not "0" <= c <= "9":
+            return False
+    return True
 
 
 def parse_device(device: str) -> tuple:
@@ -158,13 +168,7 @@ def _lower_hex(text: str, start: int, end: int) -> bool:
 def _canonical_number(text: str, start: int, end: int) -> bool:
     """``text[start:end]`` is a number as ``str(int)`` writes it: ASCII digits, no leading
     zero."""
-    if end <= start or (text[start] == "0" and end - start > 1):
-        return False
-    for i in range(start, end):
-        c = text[i]
-        if not "0" <= c <= "9":
-            return False
-    return True
+    return _digits(text, start, end) and (text[start] != "0" or end - start == 1)
 
 
 def canonical_devices(text: str) -> Any:
