@@ -1,15 +1,19 @@
 """The TCP transport: the asyncio shell around one ``Wire`` of the protocol engine.
 
-This is where bytes hit the socket (``Connection._write``) and where they come off it
-(``get_buffer`` / ``buffer_updated``, served by the wire's decoder, which hands every frame
-of a read to the engine in one call).  Everything protocol-level is in ``rvz._fast.engine``;
-connection life-cycle events go to the ``Owner`` (the node), which this module does not
+Bytes come off the socket into the buffer the wire's ``get_buffer`` offers, and
+``Wire.buffer_updated`` hands every frame of a read to the engine in one call; bytes go
+to the socket through ``Wire._write`` and the transport's ``write`` / ``writelines``.  Those
+are compiled (``rvz._fast.engine``): a message passes no interpreted frame of this module.
+What is here is the connection's life-cycle (handshake deadline, pause and resume, drain,
+close), the socket's options, and the tuning of large reads (``after_large_read``).
+Connection life-cycle events go to the ``Owner`` (the node), which this module does not
 import.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import socket
 import sys
 from typing import TYPE_CHECKING, Any, Protocol
@@ -23,7 +27,6 @@ else:
 
 WRITE_HIGH_WATER = 8 << 20
 WRITE_LOW_WATER = 2 << 20
-LARGE_READ = 65536  # a read this large means large payloads: the receive pool has work
 # While a large payload arrives, the socket's SO_RCVLOWAT is raised to what is left of it
 # (capped), so the loop wakes once per that many bytes instead of once per segment: each
 # wake-up costs a trip through the loop and the decoder, the blocking socket pays none.
@@ -31,6 +34,28 @@ LARGE_READ = 65536  # a read this large means large payloads: the receive pool h
 # slow link; a connection that still goes a heartbeat without a read stops using it.
 LOWAT_MIN = 32768
 LOWAT_MAX = 1 << 20
+
+
+def _libc_setsockopt() -> Any:
+    """The C library's ``setsockopt``, or None where it cannot be loaded.
+
+    SO_RCVLOWAT changes twice per large payload.  uvloop's transport socket builds a
+    ``socket.socket`` for every such call (a ``getsockname`` system call and an object):
+    measured at 2.5 times the option's own system call, and a sixth of a 256 KiB stream
+    consumer's time.  The fd goes to the C call directly.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.setsockopt
+    except (OSError, AttributeError):  # no C library to load symbols from (not POSIX)
+        return None
+    call.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint)
+    call.restype = ctypes.c_int
+    return call
+
+
+_SETSOCKOPT = _libc_setsockopt()
+_INT_SIZE = ctypes.sizeof(ctypes.c_int)
 
 
 class Owner(Protocol):
@@ -61,20 +86,20 @@ class Connection(Wire, asyncio.BufferedProtocol):
         self.nonce = b""                  # ours, in our HELLO (the handshake's challenge)
         self.hello: Any = None            # the peer's (incarnation, window, nonce, fields)
         self.opened = 0.0                 # loop time of connection_made (HELLO deadline)
-        self._transport: Any = None
-        self._gather = False
-        self._lowat_sock: Any = None      # the plain TCP socket whose SO_RCVLOWAT we tune
+        self.lowat_sock: Any = None       # the plain TCP socket whose SO_RCVLOWAT we tune
+        self._lowat_fd = -1
         self._lowat = 1
+        self._lowat_value = ctypes.c_int(1)  # the C call's argument, kept for its address
         self._drain_waiters: list[asyncio.Future[None]] = []
 
     # -- asyncio protocol callbacks -------------------------------------------------------
 
     def connection_made(self, transport: Any) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
-        self._transport = transport
+        self.transport = transport
         # uvloop's writelines is a real writev, asyncio's is one from Python 3.12 (before,
         # it joins the buffers: a copy of the payload).
-        self._gather = sys.version_info >= (3, 12) or type(transport).__module__.startswith("uvloop")
+        self.gather = sys.version_info >= (3, 12) or type(transport).__module__.startswith("uvloop")
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             if self.outbound and _connected_to_itself(sock):
@@ -89,40 +114,48 @@ class Connection(Wire, asyncio.BufferedProtocol):
             # Not under TLS: what is left of a payload then says nothing of the bytes the
             # socket must hold (the TLS layer may already have buffered them).
             if transport.get_extra_info("sslcontext") is None and hasattr(socket, "SO_RCVLOWAT"):
-                self._lowat_sock = sock
+                self.lowat_sock = sock
+                self._lowat_fd = sock.fileno()
         # Writing pauses (and held-back answers resume) below answer_backlog at the latest.
         high = min(WRITE_HIGH_WATER, self.core.answer_backlog)
         transport.set_write_buffer_limits(high=high, low=min(WRITE_LOW_WATER, high // 4))
         self.write_frame(_impl.codec.encode_hello(self.owner.hello_fields(self)))
         self.owner.connection_made(self)
 
-    def get_buffer(self, sizehint: int) -> memoryview:
-        view: memoryview = self.decoder.get_buffer(sizehint)
-        return view
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.feed(nbytes)
-        if nbytes >= LARGE_READ:
+    def after_large_read(self, large: bool) -> None:
+        """After a read of or into a large payload (see ``Wire.buffer_updated``): prepare
+        the receive pool, and set SO_RCVLOWAT to what is left of the payload arriving."""
+        if large:
             self.owner.received_large()
-        if self._lowat_sock is not None:
+        if self.lowat_sock is not None:
             left = self.decoder.payload_left()
-            if left or self._lowat != 1:  # between small frames: nothing to do, no call
-                self._set_lowat(min(left, LOWAT_MAX) if left >= LOWAT_MIN else 1)
+            self._set_lowat(min(left, LOWAT_MAX) if left >= LOWAT_MIN else 1)
 
     def _set_lowat(self, lowat: int) -> None:
-        if lowat != self._lowat and not self.closed:
-            self._lowat = lowat
+        if lowat == self._lowat or self.closed or self.transport.is_closing():
+            return  # (closing: the descriptor may be closed already, its number reused)
+        self._lowat = lowat
+        self.tuning = lowat != 1  # while raised, every read comes back here
+        if _SETSOCKOPT is not None:
+            self._lowat_value.value = lowat
+            if _SETSOCKOPT(self._lowat_fd, socket.SOL_SOCKET, socket.SO_RCVLOWAT,
+                           ctypes.addressof(self._lowat_value), _INT_SIZE) == 0:
+                return
+        else:
             try:
-                self._lowat_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+                self.lowat_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+                return
             except OSError:
-                self._lowat_sock = None  # not supported here: wake per segment
+                pass
+        self.lowat_sock = None  # not supported here: wake per segment
+        self.tuning = False
 
     def read_stalled(self) -> None:
         """A heartbeat went by without a read.  In the middle of a payload that means a
         slow link: from now on this connection wakes for every segment."""
-        if self._lowat_sock is not None and self._lowat > 1:
+        if self.lowat_sock is not None and self._lowat > 1:
             self._set_lowat(1)
-            self._lowat_sock = None
+            self.lowat_sock = None
 
     def eof_received(self) -> bool:
         return False  # close the transport; connection_lost follows
@@ -152,28 +185,11 @@ class Connection(Wire, asyncio.BufferedProtocol):
             self.on_resume = None
             callback(self)
 
-    # -- writing ----------------------------------------------------------------------------
-
-    def _write(self, data: bytearray, payload: memoryview | None = None) -> None:
-        """Where bytes hit the socket: ``data``, then a large ``payload`` by reference."""
-        transport = self._transport
-        assert transport is not None
-        if self.closed_here:
-            return  # after write_eof() the transport refuses writes; nothing more may go out
-        self.bytes_out += len(data)
-        if payload is None:
-            transport.write(data)
-            return
-        self.bytes_out += payload.nbytes
-        if self._gather:
-            transport.writelines((data, payload))  # one writev: no copy, one system call
-        else:
-            transport.write(data)
-            transport.write(payload)
+    # -- writing: Wire._write (compiled) hands bytes to self.transport --------------------
 
     def backlog(self) -> int:
         """Bytes written to the transport and not sent yet."""
-        transport = self._transport
+        transport = self.transport
         return int(transport.get_write_buffer_size()) if transport is not None else 0
 
     async def drain(self) -> None:
@@ -205,7 +221,7 @@ class Connection(Wire, asyncio.BufferedProtocol):
         """
         self.flush()
         self.closed_here = True
-        transport = self._transport
+        transport = self.transport
         if transport is not None and not transport.is_closing():
             if transport.can_write_eof():
                 try:
@@ -219,8 +235,8 @@ class Connection(Wire, asyncio.BufferedProtocol):
         """Close at once: a protocol error, a heartbeat timeout, an abort."""
         if self.close_reason is None:
             self.close_reason = reason
-        if self._transport is not None:
-            self._transport.abort()
+        if self.transport is not None:
+            self.transport.abort()
 
 
 def _connected_to_itself(sock: Any) -> bool:

@@ -64,7 +64,7 @@ async def test_large_payload_is_written_from_the_callers_memory(cluster) -> None
         conn = w._peers[("ps", 0)].link  # the connection our traffic to it uses
         assert conn is not None
         written: list[Any] = []
-        transport = conn._transport
+        transport = conn.transport
         real_write = transport.write
         real_writelines = transport.writelines
 
@@ -83,12 +83,12 @@ async def test_large_payload_is_written_from_the_callers_memory(cluster) -> None
                 written.extend(chunks)
                 real_writelines(chunks)
 
-        conn._transport = Recording()
+        conn.transport = Recording()
         try:
             await w.send(key(), value)
             got = await p.recv(key(), timeout=10)
         finally:
-            conn._transport = transport
+            conn.transport = transport
         np.testing.assert_array_equal(got, value)
         # The payload went to the transport as a view of the sender's array, not copied
         # into a frame buffer, and the header went as a buffer of its own (with uvloop
@@ -119,7 +119,7 @@ async def test_small_frames_of_one_iteration_leave_in_at_most_two_writes(cluster
         conn = p._peers[("worker", 0)].link  # the connection our traffic to it uses
         assert conn is not None
         written: list[bytes] = []
-        transport = conn._transport
+        transport = conn.transport
         real_write = transport.write
 
         class Recording:
@@ -130,7 +130,7 @@ async def test_small_frames_of_one_iteration_leave_in_at_most_two_writes(cluster
                 written.append(bytes(data))
                 real_write(data)
 
-        conn._transport = Recording()
+        conn.transport = Recording()
         try:
             keys = [key(f"many{i}") for i in range(20)]
             recvs = asyncio.gather(*(p.recv(k, timeout=5) for k in keys))
@@ -139,7 +139,7 @@ async def test_small_frames_of_one_iteration_leave_in_at_most_two_writes(cluster
                 await w.send(k, np.array([i]))
             got = await recvs
         finally:
-            conn._transport = transport
+            conn.transport = transport
         assert [int(v[0]) for v in got] == list(range(20))
         with_requests = [frame_types(d).count(_impl.codec.REQUEST) for d in written]
         assert sum(with_requests) == 20

@@ -130,7 +130,7 @@ async def test_the_socket_wakes_the_loop_per_chunk_of_a_large_payload() -> None:
             await eventually(lambda: any(0 < c.decoder.payload_left() < size for c in conns()),
                              "the node read the header and the start of the payload")
             (conn,) = conns()
-            sock = conn._lowat_sock
+            sock = conn.lowat_sock
             assert sock is not None, "plain TCP: SO_RCVLOWAT is in use"
             # The loop is woken when a chunk of what is left is there, not for every segment
             # (so some of the part we sent may still wait in the socket).
@@ -142,3 +142,37 @@ async def test_the_socket_wakes_the_loop_per_chunk_of_a_large_payload() -> None:
             assert lowat(sock) == 1  # between frames the loop wakes for any byte
         finally:
             h.close()
+
+
+@pytest.mark.loop_timeout(20)
+async def test_only_reads_of_large_payloads_reach_the_transports_tuning(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Small frames are read and dispatched by the engine alone (compiled, no interpreted
+    frame of the transport); a large payload's reads go on to ``after_large_read``, which
+    raises SO_RCVLOWAT while it arrives and is called again until it is back at 1."""
+    async with pair(cluster, "send") as (w, p):
+        k = key_text("big", ("worker", 0), PS0)
+        await w.send(k, np.arange(4, dtype=np.uint8))   # connected, window granted
+        await p.recv(k, timeout=5)
+        (conn,) = [c for c in p._conns if c.peer is not None and c.peer.name.endswith("task:0")]
+        calls: list[tuple[bool, int]] = []
+        real = conn.after_large_read
+
+        def recording(large: bool) -> None:
+            real(large)
+            calls.append((large, conn.decoder.payload_left()))
+
+        conn.after_large_read = recording  # type: ignore[method-assign]
+        for i in range(200):
+            await w.send(k, np.full(64, i % 256, np.uint8))
+        for i in range(200):
+            assert int((await p.recv(k, timeout=5))[0]) == i % 256
+        assert calls == [], "reads of small frames went past the engine"
+        size = 8 << 20
+        value = np.arange(size, dtype=np.uint8)
+        await w.send(k, value)
+        np.testing.assert_array_equal(await p.recv(k, timeout=10), value)
+        assert calls, "no read of an 8 MiB payload reached the transport"
+        assert any(large for large, _ in calls)
+        assert calls[-1][1] == 0 and not conn.tuning  # the payload is in: tuning ended
+        if conn.lowat_sock is not None:  # plain TCP (not a heartbeat's slow-link fallback)
+            assert lowat(conn.lowat_sock) == 1

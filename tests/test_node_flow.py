@@ -52,7 +52,7 @@ async def test_send_driven_backpressure_bounds_memory_and_loses_nothing(cluster)
         # ... and nothing is piled up in its socket buffer either.
         conn = w._peers[("ps", 0)].link  # the connection our traffic to it uses
         assert conn is not None
-        assert conn._transport.get_write_buffer_size() <= MIB + SIZE
+        assert conn.transport.get_write_buffer_size() <= MIB + SIZE
         # Once the consumer drains, everything arrives, in order.
         for i in range(COUNT):
             got = await p.recv(k, timeout=10)
@@ -431,7 +431,7 @@ def _record_writes(conn: Any, raw: list[bytes] | None = None,
     (and, given ``raw``, the bytes of each write appended to it; given ``early``, whether
     each write left before its iteration's end-of-iteration flush ran)."""
     written: list[list[int]] = []
-    transport = conn._transport
+    transport = conn.transport
     real_write = transport.write
     header = struct.Struct("<BBHIQ")
 
@@ -453,7 +453,7 @@ def _record_writes(conn: Any, raw: list[bytes] | None = None,
             written.append(types)
             real_write(data)
 
-    conn._transport = Recording()
+    conn.transport = Recording()
     return written, transport
 
 
@@ -519,7 +519,7 @@ async def test_recv_driven_exchange_writes_answer_and_next_request_together(clus
                     assert written[before:] == [[data]], written
                     assert (await p.recv(pong, timeout=5))[0] == i
             finally:
-                conn._transport = transport
+                conn.transport = transport
             await eventually(asked, "the echo asked for a ping")
             await p.send(ping, np.array([-1]))
             await p.recv(pong, timeout=5)
@@ -548,7 +548,7 @@ async def test_the_sends_of_one_iteration_are_packed_into_data_many_frames(clust
                 await w.send(k, np.array([i]), step=step)
             await asyncio.sleep(0)   # the end of the iteration flushes the rest
         finally:
-            conn._transport = transport
+            conn.transport = transport
         header = struct.Struct("<BBHIQ")
         frames = []
         for data in written:

@@ -2,6 +2,7 @@ cimport cython
 from cpython.pythread cimport PyThread_get_thread_ident
 from rvz._fast.arrays cimport (append_data_c, append_request_c, describe_c, many_begin_c,
                                many_end_c, many_entry_c, nbytes_c)
+from rvz._fast.codec cimport Decoder
 from rvz._fast.keys cimport canonical_devices as canonical_devices_c
 from rvz._fast.table cimport Table
 
@@ -9,7 +10,7 @@ cdef bint COMPILED
 cdef str RECV, SEND
 # The engine's sizes, as C values: each message's accounting does arithmetic with them.
 cdef Py_ssize_t MESSAGE_COST, HOLD_LOW_WATER, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY
-cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, MAX_KEY
+cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, MAX_KEY, LARGE_READ
 cpdef Py_ssize_t nbytes_of(object value) except -1
 cdef unsigned long thread_ident()
 cdef tuple describe_value(object value)
@@ -77,7 +78,7 @@ cdef class Wire:
     cdef public Core core
     cdef public bint outbound
     cdef public object peer
-    cdef public object decoder
+    cdef public Decoder decoder  # typed: its reads are C calls
     cdef public bint ready
     cdef public bint closed
     cdef public bint closed_here
@@ -100,6 +101,9 @@ cdef class Wire:
     cdef public Py_ssize_t _burst
     cdef public bint _answer_queued
     cdef object _call_soon
+    cdef public object transport
+    cdef public bint gather
+    cdef public bint tuning
     cdef dict __dict__
 
     cpdef feed(self, Py_ssize_t nbytes)
@@ -115,6 +119,7 @@ cdef class Wire:
     cpdef flush(self)
     cdef requests_queued(self)
     cdef _write_out(self)
+    cdef _write(self, bytearray data, object payload)
 
 
 cdef class Core:

@@ -4,8 +4,11 @@ No sockets and no awaits here (the event loop is used only to create futures and
 callbacks); the transports feed it bytes and the node calls it from its public API.
 
 * ``Wire`` is one connection's protocol state: its decoder, the coalescing write buffer, the
-  requests of the peer parked in our tables.  ``rvz.connection.Connection`` (TCP) is a
-  ``Wire`` with the asyncio callbacks added; a one-sided channel delivers through the same
+  requests of the peer parked in our tables.  It also takes the stream transport's reads
+  (``get_buffer`` / ``buffer_updated``) and hands its writes to it (``Wire._write``, where
+  bytes reach the transport), so that a message passes no interpreted frame between the
+  loop and the engine.  ``rvz.connection.Connection`` (TCP) is a ``Wire`` with the asyncio
+  life-cycle and the socket's tuning added; a one-sided channel delivers through the same
   ``Wire.deliver``.
 * ``Core`` is the node's protocol state: the per-step tables, the route of each key, the
   requests we sent (Recv-Driven), the pushes and the credit of each peer (Send-Driven).
@@ -89,6 +92,9 @@ COALESCE_MAX = 16384
 # A producer that never yields to the loop still gets its frames out once this many bytes
 # are pending, so the consumer can work in parallel.
 FLUSH_AT = 65536
+# A read at least this large means large payloads: the transport's ``after_large_read``
+# runs (the receive pool has work, and the socket's wake-up threshold may be tuned).
+LARGE_READ = 65536
 _ROUTE_CACHE_MAX = 1 << 16
 _DEVICES_MAX = 4096
 
@@ -266,7 +272,9 @@ class Wire:
     ``call_soon`` callback at the end of the iteration (see ``_queued`` for the first one).
     A large payload is not copied into that buffer: the pending frames and its header go
     first, then the payload is handed to the transport as a view of the caller's array.
-    The transport subclass provides ``_write`` (where bytes hit the socket) and ``fail``.
+    ``_write`` hands bytes to ``transport`` (where they go to the socket); ``get_buffer`` and
+    ``buffer_updated`` take them from it.  The transport subclass sets ``transport`` and
+    provides ``fail`` and ``after_large_read``.
     """
 
     def __init__(self, core: Core, outbound: bool, peer: Any, decoder: Any) -> None:
@@ -301,11 +309,34 @@ class Wire:
         self._burst = 0                   # frames of this iteration (see ``_queued``)
         self._answer_queued = False       # an answer waits in ``_out`` (see ``requests_queued``)
         self._call_soon = core.loop.call_soon
+        self.transport: Any = None        # the stream transport bytes are written to
+        self.gather = False               # its ``writelines`` is one gathered write (no copy)
+        self.tuning = False               # the transport tunes its reads: tell it of each one
         if decoder is not None:
             decoder.admit = self.admit
             decoder.stop_at_handshake = True
 
     # -- reading --------------------------------------------------------------------------
+
+    # A stream transport's read callbacks (asyncio's BufferedProtocol): compiled, the loop
+    # calls into the engine without an interpreted frame (ping-pong's path pays them on
+    # every message).
+
+    def get_buffer(self, sizehint: int) -> Any:
+        """Where the transport reads into: the decoder's buffer, or a large payload's array."""
+        return self.decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """``nbytes`` landed where ``get_buffer`` said: decode and dispatch, then tell the
+        transport if the read was large, is part of a large payload, or ends one it tuned
+        its reads for (``tuning``).  Reads of small frames go no further."""
+        self.feed(nbytes)
+        large = nbytes >= LARGE_READ
+        if large or self.tuning or self.decoder.payload_left():
+            self.after_large_read(large)
+
+    def after_large_read(self, large: bool) -> None:
+        """The transport's (see ``buffer_updated``; ``large``: this read was, itself)."""
 
     def feed(self, nbytes: int) -> None:
         """``nbytes`` arrived in the decoder's buffer: decode and dispatch every frame."""
@@ -472,7 +503,21 @@ class Wire:
             self._write(data, None)
 
     def _write(self, data: bytearray, payload: Any) -> None:
-        raise NotImplementedError  # the transport's: where bytes hit the socket
+        """Where bytes reach the transport (and from it the socket): ``data``, then a
+        large ``payload`` by reference."""
+        transport = self.transport
+        if self.closed_here or transport is None:
+            return  # after write_eof() the transport refuses writes; nothing more may go out
+        self.bytes_out += len(data)
+        if payload is None:
+            transport.write(data)
+            return
+        self.bytes_out += payload.nbytes
+        if self.gather:
+            transport.writelines((data, payload))  # one writev: no copy, one system call
+        else:
+            transport.write(data)
+            transport.write(payload)
 
     def backlog(self) -> int:
         """Bytes written but not yet sent (the transport's buffer)."""
