@@ -1188,9 +1188,7 @@ class Node:
             for key in table.keys_waiting():
                 route = core.route(key)
                 if route.src == peer.id:
-                    missing = table.waiting(key) - len(core.outstanding.get((step, key), ()))
-                    for _ in range(missing):
-                        core.request(peer, step, route)
+                    core.ask_stuck(peer, step, route, table)
 
     def _on_error(self, conn: Connection, fields: dict[str, Any]) -> None:
         core = self._core
@@ -1274,9 +1272,7 @@ class Node:
             del core.dead_steps[next(iter(core.dead_steps))]
         core.dead_steps[step] = message
         self._drop_table(step, message, cause)
-        for key in [k for k in core.outstanding if k[0] == step]:
-            for request_id in core.outstanding.pop(key):
-                core.requests.pop(request_id, None)
+        core.drop_outstanding(step)
         for peer in core.step_peers.pop(step, ()):
             peer.joined_step = None
             if peer is origin:

@@ -55,6 +55,41 @@ def test_recv_driven_stats_count_requests(run, cluster) -> None:  # type: ignore
     run(main(), timeout=15)
 
 
+def test_recv_driven_requests_of_one_key_are_counted_as_recvs_come_and_go(run, cluster) -> None:  # type: ignore[no-untyped-def]
+    """One waiting recv, three, one of them cancelled, all answered: the count of requests
+    out for the key follows (a lone request and several are kept differently)."""
+    async def main() -> None:
+        async with pair(cluster, "recv") as (w, p):
+            core = p._core
+            k = key("n")
+            text = str(k)
+
+            def parked() -> int:
+                return int(w.stats()["peers"].get(p.name, {}).get("parked_requests", 0))
+
+            first = await pending(p.recv(k, timeout=5))
+            await eventually(lambda: parked() == 1, "one request parked")
+            assert core.outstanding_count(0, text) == 1
+            more = [await pending(p.recv(k, timeout=5)) for _ in range(2)]
+            await eventually(lambda: parked() == 3, "three requests parked")
+            assert core.outstanding_count(0, text) == 3
+            more[0].cancel()
+            await eventually(lambda: parked() == 2, "the cancelled recv's request withdrawn")
+            assert core.outstanding_count(0, text) == 2
+            for i in range(2):
+                await w.send(k, np.array([i]))
+            assert (await first).tolist() == [0]
+            assert (await more[1]).tolist() == [1]
+            assert core.outstanding_count(0, text) == 0 and not core.outstanding
+            lone = await pending(p.recv(k, timeout=5))
+            await eventually(lambda: parked() == 1, "a lone request parked again")
+            await w.send(k, np.array([7]))
+            assert (await lone).tolist() == [7]
+            assert core.outstanding_count(0, text) == 0 and not core.requests
+
+    run(main(), timeout=15)
+
+
 def test_a_call_from_another_loop_on_the_same_thread_is_refused(loop_name, cluster) -> None:  # type: ignore[no-untyped-def]
     """The node's loop is stopped and another loop runs on its thread: refused, as from
     another thread (the check's cheap path, same thread, must not let this through)."""

@@ -64,6 +64,8 @@ cdef class Request:
     cdef public bytes wire
     cdef public object conn
 
+    cdef init(self, object request_id, Peer peer, object step, str key, bytes wire)
+
 
 cdef class RemoteWaiter:
     cdef public Core core
@@ -186,6 +188,7 @@ cdef class Core:
                             tuple shape, Py_ssize_t nbytes)
     @cython.locals(conn=Wire)
     cpdef pump(self, Peer peer)
+    @cython.locals(peer=Peer, link=Wire, code=int, shape=tuple, nbytes=Py_ssize_t)
     cpdef answer(self, Wire conn, object step, object request_id, Route route, object value)
     cpdef answer_deferred(self, Wire conn)
     cpdef undefer(self, Wire conn)
@@ -194,11 +197,16 @@ cdef class Core:
     @cython.locals(route=Route, table=Table, peer=Peer, link=Wire, text=str)
     cpdef object recv(self, object key, object step, object mode, object timeout)
     cpdef str recv_mode(self, Peer peer, object mode)
+    @cython.locals(request=Request)
     cpdef Request new_request(self, Peer peer, object step, Route route)
+    cpdef Py_ssize_t outstanding_count(self, object step, str key) except -1
+    cpdef drop_outstanding(self, object step)
+    @cython.locals(request=Request, conn=Wire)
     cpdef request(self, Peer peer, object step, Route route)
     @cython.locals(table=Table, route=Route)
     cpdef unblock(self, Peer peer)
     cpdef ask_stuck(self, Peer peer, object step, Route route, Table table)
+    @cython.locals(request=Request)
     cpdef send_requests(self, Wire conn, list requests)
     cpdef forget_request(self, object request_id, object step, str key)
     cpdef rebalance(self, object step, str key, Table table)

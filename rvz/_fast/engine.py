@@ -225,6 +225,9 @@ class Request:
     __slots__ = ("id", "peer", "step", "key", "wire", "conn")
 
     def __init__(self, request_id: int, peer: Peer, step: Any, key: str, wire: bytes) -> None:
+        self.init(request_id, peer, step, key, wire)
+
+    def init(self, request_id: int, peer: Peer, step: Any, key: str, wire: bytes) -> None:
         self.id = request_id
         self.peer = peer
         self.step = step
@@ -574,7 +577,7 @@ class Core:
         self.routes: dict = {}             # key text -> Route
         self.devices: dict = {}            # device name -> (job, task)
         self.requests: dict = {}           # request id -> Request
-        self.outstanding: dict = {}        # (step, key) -> deque of request ids, oldest first
+        self.outstanding: dict = {}        # (step, key) -> request id, or a deque of them (new_request)
         # Requests we cancelled recently: the producer may have answered before the CANCEL
         # reached it, and such an answer is still one we asked for (not a push).
         self.cancelled: dict = {}
@@ -985,14 +988,34 @@ class Core:
 
     def new_request(self, peer: Peer, step: Any, route: Route) -> Request:
         request_id = next(self._request_ids)
-        request = Request(request_id, peer, step, route.text, route.wire)
+        request = Request.__new__(Request)  # compiled: no argument tuple parsed by __init__
+        request.init(request_id, peer, step, route.text, route.wire)
         self.requests[request_id] = request
-        pending = self.outstanding.get((step, route.text))
+        # ``outstanding``: a lone request's id as it is (the common case: one recv waiting
+        # on a key), a deque of ids, oldest first, once a second one is asked.
+        where = (step, route.text)
+        pending = self.outstanding.get(where)
         if pending is None:
-            self.outstanding[(step, route.text)] = deque((request_id,))
-        else:
+            self.outstanding[where] = request_id
+        elif type(pending) is deque:
             pending.append(request_id)
+        else:
+            self.outstanding[where] = deque((pending, request_id))
         return request
+
+    def outstanding_count(self, step: Any, key: str) -> int:
+        """How many requests we sent for ``key`` in ``step`` are not answered yet."""
+        pending = self.outstanding.get((step, key))
+        if pending is None:
+            return 0
+        return len(pending) if type(pending) is deque else 1
+
+    def drop_outstanding(self, step: Any) -> None:
+        """Forget every request of ``step`` (the step was aborted)."""
+        for where in [w for w in self.outstanding if w[0] == step]:
+            pending = self.outstanding.pop(where)
+            for request_id in (pending if type(pending) is deque else (pending,)):
+                self.requests.pop(request_id, None)
 
     def request(self, peer: Peer, step: Any, route: Route) -> None:
         """Recv-Driven: ask ``peer`` for the next value of ``route``."""
@@ -1016,8 +1039,7 @@ class Core:
 
     def ask_stuck(self, peer: Peer, step: Any, route: Route, table: Table) -> None:
         """Request one value of ``route`` for each waiter not yet covered by a request."""
-        pending = self.outstanding.get((step, route.text))
-        missing = table.waiting(route.text) - (len(pending) if pending is not None else 0)
+        missing = table.waiting(route.text) - self.outstanding_count(step, route.text)
         for _ in range(missing):
             self.request(peer, step, route)
 
@@ -1039,20 +1061,29 @@ class Core:
         conn.requests_queued()
 
     def forget_request(self, request_id: Any, step: Any, key: str) -> None:
-        pending = self.outstanding.get((step, key))
-        if pending is not None:
-            try:
-                pending.remove(request_id)
-            except ValueError:
-                pass
-            if not pending:
-                del self.outstanding[(step, key)]
+        where = (step, key)
+        pending = self.outstanding.get(where)
+        if pending is None:
+            return
+        if type(pending) is not deque:
+            if pending == request_id:
+                del self.outstanding[where]
+            return
+        try:
+            pending.remove(request_id)
+        except ValueError:
+            pass
+        if not pending:
+            del self.outstanding[where]
 
     def rebalance(self, step: Any, key: str, table: Table) -> None:
         """Cancel requests that no local waiter needs any more (newest first)."""
-        pending = self.outstanding.get((step, key))
+        where = (step, key)
+        pending = self.outstanding.get(where)
         if pending is None:
             return
+        if type(pending) is not deque:
+            pending = self.outstanding[where] = deque((pending,))  # (rare: one shape below)
         surplus = len(pending) - (table.waiting(key) if not table.aborted else 0)
         while surplus > 0 and pending:
             request = self.requests.pop(pending.pop(), None)
@@ -1066,7 +1097,9 @@ class Core:
                     if len(self.cancel_order) > 65536:
                         self.cancelled.pop(self.cancel_order.popleft(), None)
         if not pending:
-            del self.outstanding[(step, key)]
+            del self.outstanding[where]
+        elif len(pending) == 1:
+            self.outstanding[where] = pending[0]
 
     def consumed(self, src: tuple, value: Any) -> None:
         """A value from ``src`` left our table: grant that producer the space again."""
