@@ -110,7 +110,13 @@ def lowat(sock: socket.socket) -> int:
 
 
 @pytest.mark.loop_timeout(20)
-async def test_the_socket_wakes_the_loop_per_chunk_of_a_large_payload() -> None:
+@pytest.mark.parametrize("through", ["libc", "socket object"])
+async def test_the_socket_wakes_the_loop_per_chunk_of_a_large_payload(
+        through: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if through == "socket object":  # where the C library's setsockopt cannot be loaded
+        monkeypatch.setattr(_connection, "_SETSOCKOPT", None)
+    else:
+        assert _connection._SETSOCKOPT is not None, "this POSIX host has setsockopt in libc"
     cluster = rvz.ClusterSpec.loopback({"worker": 2, "ps": 1})
     # A slow heartbeat: one that sees no read mid-payload turns SO_RCVLOWAT off (slow link).
     async with pair(cluster, "send", heartbeat=1.0, peer_timeout=5.0) as (_w, p):
