@@ -508,8 +508,8 @@ class Wire:
     def _write(self, data: bytearray, payload: Any) -> None:
         """Where bytes reach the transport (and from it the socket): ``data``, then a
         large ``payload`` by reference."""
-        transport = self.transport
-        if self.closed_here or transport is None:
+        transport = self.transport  # set before the first write (connection_made)
+        if self.closed_here:
             return  # after write_eof() the transport refuses writes; nothing more may go out
         self.bytes_out += len(data)
         if payload is None:
