@@ -27,9 +27,11 @@ else:
 
 WRITE_HIGH_WATER = 8 << 20
 WRITE_LOW_WATER = 2 << 20
-# While a large payload arrives, the socket's SO_RCVLOWAT is raised to what is left of it
-# (capped), so the loop wakes once per that many bytes instead of once per segment: each
-# wake-up costs a trip through the loop and the decoder, the blocking socket pays none.
+# While a large payload arrives and the socket holds less than the rest of it (a read
+# inside it came up short), the socket's SO_RCVLOWAT is raised to what is left (capped), so
+# the loop wakes once per that many bytes instead of once per segment: each wake-up costs a
+# trip through the loop and the decoder, the blocking socket pays none.  When the rest is
+# there already, the next read takes it whole and nothing is changed (a system call each).
 # The cap keeps reads (and so the peer's liveness as the heartbeat sees it) regular on a
 # slow link; a connection that still goes a heartbeat without a read stops using it.
 LOWAT_MIN = 32768
@@ -123,8 +125,9 @@ class Connection(Wire, asyncio.BufferedProtocol):
         self.owner.connection_made(self)
 
     def after_large_read(self, large: bool) -> None:
-        """After a read of or into a large payload (see ``Wire.buffer_updated``): prepare
-        the receive pool, and set SO_RCVLOWAT to what is left of the payload arriving."""
+        """After a large read, a short read into a large payload, or a read while tuned (see
+        ``Wire.buffer_updated``): prepare the receive pool, and set SO_RCVLOWAT to what is
+        left of the payload arriving (1 between frames)."""
         if large:
             self.owner.received_large()
         if self.lowat_sock is not None:

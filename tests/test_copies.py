@@ -3,8 +3,8 @@
 A received array must own its memory, or sit alone on a block of the receive pool sized
 exactly for it: no staging buffer shared with other data behind it, so nothing stale is kept
 alive and the payload was not assembled in a temporary first.  A large sent array leaves as
-a view of the caller's memory, and small frames of one loop iteration leave together in one
-write.
+a view of the caller's memory, small frames of one loop iteration leave together in one
+write, and so do its large payloads after the first.
 """
 
 from __future__ import annotations
@@ -21,6 +21,30 @@ from rvz import _impl
 from .conftest import key, pair
 
 MODES = ["recv", "send"]
+
+
+class Recording:
+    """Stands in for a connection's transport and records what each write call carried
+    (``writelines`` is one gathered write)."""
+
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport
+        self.calls: list[list[Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+    def write(self, data: Any) -> None:
+        self.calls.append([data])
+        self.transport.write(data)
+
+    def writelines(self, chunks: Any) -> None:
+        chunks = list(chunks)
+        self.calls.append(chunks)
+        self.transport.writelines(chunks)
+
+    def chunks(self) -> list[Any]:
+        return [chunk for call in self.calls for chunk in call]
 
 
 def memory_owner(arr: np.ndarray) -> Any:
@@ -63,32 +87,14 @@ async def test_large_payload_is_written_from_the_callers_memory(cluster) -> None
         assert (await p.recv(key(), timeout=5)).tolist() == [0]
         conn = w._peers[("ps", 0)].link  # the connection our traffic to it uses
         assert conn is not None
-        written: list[Any] = []
         transport = conn.transport
-        real_write = transport.write
-        real_writelines = transport.writelines
-
-        class Recording:
-            """Stands in for the transport and records what is written."""
-
-            def __getattr__(self, name: str) -> Any:
-                return getattr(transport, name)
-
-            def write(self, data: Any) -> None:
-                written.append(data)
-                real_write(data)
-
-            def writelines(self, chunks: Any) -> None:  # gathered: one writev
-                chunks = list(chunks)
-                written.extend(chunks)
-                real_writelines(chunks)
-
-        conn.transport = Recording()
+        recording = conn.transport = Recording(transport)
         try:
             await w.send(key(), value)
             got = await p.recv(key(), timeout=10)
         finally:
             conn.transport = transport
+        written = recording.chunks()
         np.testing.assert_array_equal(got, value)
         # The payload went to the transport as a view of the sender's array, not copied
         # into a frame buffer, and the header went as a buffer of its own (with uvloop
@@ -118,19 +124,8 @@ async def test_small_frames_of_one_iteration_leave_in_at_most_two_writes(cluster
         await p.recv(key("warmup"), timeout=5)   # connected: its requests go out on its link
         conn = p._peers[("worker", 0)].link  # the connection our traffic to it uses
         assert conn is not None
-        written: list[bytes] = []
         transport = conn.transport
-        real_write = transport.write
-
-        class Recording:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(transport, name)
-
-            def write(self, data: Any) -> None:
-                written.append(bytes(data))
-                real_write(data)
-
-        conn.transport = Recording()
+        recording = conn.transport = Recording(transport)
         try:
             keys = [key(f"many{i}") for i in range(20)]
             recvs = asyncio.gather(*(p.recv(k, timeout=5) for k in keys))
@@ -141,9 +136,57 @@ async def test_small_frames_of_one_iteration_leave_in_at_most_two_writes(cluster
         finally:
             conn.transport = transport
         assert [int(v[0]) for v in got] == list(range(20))
+        written = [bytes(d) for d in recording.chunks()]
         with_requests = [frame_types(d).count(_impl.codec.REQUEST) for d in written]
         assert sum(with_requests) == 20
         # The first frame leaves at once (the iteration before wrote one frame), the other 19
         # of that iteration together at its end.
         assert len([n for n in with_requests if n]) <= 2, with_requests
         assert max(with_requests) >= 19, with_requests
+
+
+@pytest.mark.loop_timeout(20)
+async def test_large_payloads_of_one_iteration_leave_in_one_gathered_write(cluster) -> None:  # type: ignore[no-untyped-def]
+    """The first large payload of a loop iteration is written at once; the later ones, and
+    the small frames between them, leave in order in one gathered write at its end, and a
+    new write starts once ``GATHER_AT`` payload bytes wait."""
+    size = 128 << 10                               # large (not copied into a frame buffer)
+    async with pair(cluster, "send") as (w, p):
+        await w.send(key(), np.arange(1))          # connected, window granted
+        assert (await p.recv(key(), timeout=5)).tolist() == [0]
+        conn = w._peers[("ps", 0)].link
+        assert conn is not None
+        transport = conn.transport
+
+        def payloads(call: list[Any]) -> int:
+            return sum(1 for d in call if isinstance(d, memoryview) and d.nbytes == size)
+
+        recording = conn.transport = Recording(transport)
+        try:
+            values = [np.full(size, i, np.uint8) for i in range(3)]
+            # No await below suspends (the window is open): one loop iteration.
+            await w.send(key(), values[0])
+            await w.send(key(), np.array([7], np.uint8))
+            await w.send(key(), values[1])
+            await w.send(key(), values[2])
+            first = [int((await p.recv(key(), timeout=10))[0]) for _ in range(4)]
+            count = _impl.engine.GATHER_AT // size + 3  # more than one gathered write holds
+            many = [np.full(size, 100 + i, np.uint8) for i in range(count)]
+            calls_before = len(recording.calls)
+            for value in many:
+                await w.send(key(), value)
+            second = [await p.recv(key(), timeout=10) for _ in range(count)]
+        finally:
+            conn.transport = transport
+        assert first == [0, 7, 1, 2]               # in order, across the gathered write
+        for value, got in zip(many, second, strict=True):
+            np.testing.assert_array_equal(got, value)
+        calls = recording.calls
+        carried = [payloads(c) for c in calls[:calls_before] if payloads(c)]
+        later = [payloads(c) for c in calls[calls_before:] if payloads(c)]
+        if conn.gather:
+            assert carried == [1, 2], carried      # the first alone, then the rest together
+            per_write = _impl.engine.GATHER_AT // size
+            assert later[0] == 1 and max(later) == per_write and sum(later) == count, later
+        else:  # the transport's writelines would copy: each payload is written by itself
+            assert carried == [1, 1, 1] and later == [1] * count

@@ -5,8 +5,9 @@ segment.
   the next large payload goes straight into its array instead of through the staging
   buffer; a read that fills that peek (small frames streaming in) brings back full-size
   reads, a shorter one (a credit or a request alone) does not.
-* While a large payload arrives, the socket's ``SO_RCVLOWAT`` is what is left of it
-  (capped at ``connection.LOWAT_MAX``), and 1 again once it is in.
+* While a large payload arrives and the socket holds less than the rest of it, the socket's
+  ``SO_RCVLOWAT`` is what is left of it (capped at ``connection.LOWAT_MAX``), and 1 again
+  once it is in; when the rest is there already, it is not touched.
 """
 
 from __future__ import annotations
@@ -182,3 +183,53 @@ async def test_only_reads_of_large_payloads_reach_the_transports_tuning(cluster)
         assert calls[-1][1] == 0 and not conn.tuning  # the payload is in: tuning ended
         if conn.lowat_sock is not None:  # plain TCP (not a heartbeat's slow-link fallback)
             assert lowat(conn.lowat_sock) == 1
+
+
+def inject(conn: object, data: bytes, reads: list[int]) -> None:
+    """Hand ``data`` to ``conn`` as a transport would: each read fills the buffer offered,
+    or stops at the length ``reads`` gives next (a short read: the socket had no more)."""
+    pos = 0
+    while pos < len(data):
+        buf = conn.get_buffer(-1)  # type: ignore[attr-defined]
+        n = min(len(buf), len(data) - pos, reads.pop(0) if reads else len(data))
+        buf[:n] = data[pos:pos + n]
+        conn.buffer_updated(n)  # type: ignore[attr-defined]
+        pos += n
+
+
+@pytest.mark.loop_timeout(20)
+async def test_a_payload_already_in_the_socket_is_read_without_tuning(cluster) -> None:  # type: ignore[no-untyped-def]
+    """When the rest of a payload is in the socket (reads fill the buffer offered, as for a
+    consumer that cannot keep up), no socket option changes: SO_RCVLOWAT costs a system
+    call each time.  A read that comes up short inside the payload raises it; the read that
+    ends the payload lowers it again."""
+    async with pair(cluster, "send") as (w, p):
+        k = key_text("big", ("worker", 0), PS0)
+        size = 200 << 10
+        value = np.arange(size, dtype=np.uint8)
+        await w.send(k, value)   # connected, window granted, and the decoder now peeks
+        await p.recv(k, timeout=5)
+        (conn,) = [c for c in p._conns if c.peer is not None and c.peer.name.endswith("task:0")]
+        if conn.lowat_sock is None:
+            pytest.skip("SO_RCVLOWAT is not in use on this host")
+        # The next header is read alone, so the payload lands in its array by reads of its own.
+        assert len(conn.decoder.get_buffer(-1)) == codec.PEEK
+        changes: list[int] = []
+        real = conn._set_lowat
+
+        def recording(value: int) -> None:
+            if value != conn._lowat:
+                changes.append(value)
+            real(value)
+
+        conn._set_lowat = recording  # type: ignore[method-assign]
+        frame = data_header(0, 0, k, U8, (size,), size) + value.tobytes()
+        # Synchronous: no read from the socket comes between these.
+        inject(conn, frame, [])
+        np.testing.assert_array_equal(await p.recv(k, timeout=5), value)
+        assert changes == [] and lowat(conn.lowat_sock) == 1
+        # The header, then half of what is left, then the rest.
+        inject(conn, frame, [codec.PEEK, size // 2])
+        np.testing.assert_array_equal(await p.recv(k, timeout=5), value)
+        assert len(changes) == 2 and changes[0] > 1 and changes[1] == 1, changes
+        assert lowat(conn.lowat_sock) == 1

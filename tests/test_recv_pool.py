@@ -174,12 +174,25 @@ async def test_sizes_nobody_asks_for_any_more_are_released() -> None:
     assert pool.held <= 3 * 2 * MiB and pool.released >= 2
 
 
-async def test_a_burst_of_held_arrays_decays() -> None:
+async def test_a_burst_of_held_arrays_decays_slowly() -> None:
     pool = RecvPool(1 << 30, window=4)
     stream(pool, [MiB] * 20, hold=5)                # six alive at once
     assert pool.held >= 6 * MiB
-    stream(pool, [MiB] * 40, hold=1)                # then two: the surplus goes
+    stream(pool, [MiB] * 40, hold=1)                # then two: the surplus is kept a while
+    assert pool.held >= 5 * MiB and pool.released <= 1
+    stream(pool, [MiB] * 200, hold=1)               # and let go, a block per DECAY windows
     assert pool.held <= 3 * MiB
+
+
+async def test_a_queue_that_fills_and_drains_again_keeps_its_blocks() -> None:
+    """A Send-Driven consumer's queue fills to the push window and drains, over and over:
+    its blocks are not released in the lulls and allocated (faulted in) again."""
+    pool = RecvPool(1 << 30, window=4)
+    for _ in range(10):
+        stream(pool, [MiB] * 12, hold=5)            # six alive at once
+        stream(pool, [MiB] * 12, hold=0)            # one
+    assert pool.released == 0
+    assert pool.fresh + pool.prepared <= 7          # six, and a spare
 
 
 async def test_any_pattern_keeps_held_arrays_intact_and_the_limit() -> None:

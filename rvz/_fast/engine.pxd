@@ -94,6 +94,8 @@ cdef class Wire:
     cdef public Py_ssize_t data_out
     cdef public list deferred
     cdef public bytearray _out
+    cdef list _gathered
+    cdef Py_ssize_t _gathered_bytes
     cdef Py_ssize_t _many_at
     cdef Py_ssize_t _many_end
     cdef object _many_step
@@ -122,6 +124,7 @@ cdef class Wire:
     cdef requests_queued(self)
     cdef _write_out(self)
     cdef _write(self, bytearray data, object payload)
+    cdef _write_gathered(self, list pieces)
 
 
 cdef class Core:

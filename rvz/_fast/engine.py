@@ -92,6 +92,10 @@ COALESCE_MAX = 16384
 # A producer that never yields to the loop still gets its frames out once this many bytes
 # are pending, so the consumer can work in parallel.
 FLUSH_AT = 65536
+# Large payloads written in one loop iteration after its first wait for its end to leave
+# in one gathered write, unless this many payload bytes are waiting already.  (A module
+# attribute in both builds, for the tests: it is read once per large payload only.)
+GATHER_AT = 1 << 20
 # A read at least this large means large payloads: the transport's ``after_large_read``
 # runs (the receive pool has work, and the socket's wake-up threshold may be tuned).
 LARGE_READ = 65536
@@ -274,7 +278,8 @@ class Wire:
     Small frames issued in one loop iteration are coalesced into one write, flushed by a
     ``call_soon`` callback at the end of the iteration (see ``_queued`` for the first one).
     A large payload is not copied into that buffer: the pending frames and its header go
-    first, then the payload is handed to the transport as a view of the caller's array.
+    first, then the payload is handed to the transport as a view of the caller's array; the
+    first of an iteration at once, the later ones together at its end (``_write_gathered``).
     ``_write`` hands bytes to ``transport`` (where they go to the socket); ``get_buffer`` and
     ``buffer_updated`` take them from it.  The transport subclass sets ``transport`` and
     provides ``fail`` and ``after_large_read``.
@@ -300,6 +305,8 @@ class Wire:
         self.data_out = 0                 # cost (payload + MESSAGE_COST) of the DATA written
         self.deferred: list = []          # answers held back while the output is backlogged
         self._out = bytearray()
+        self._gathered: list = []         # headers and payloads waiting for the flush, in order
+        self._gathered_bytes = 0          # payload bytes in ``_gathered``
         # The DATA_MANY frame that small pushes are being packed into: where it starts in
         # ``_out`` and where it ends (it is open while it is the last thing there), its
         # step and how many values it holds.
@@ -331,11 +338,16 @@ class Wire:
 
     def buffer_updated(self, nbytes: int) -> None:
         """``nbytes`` landed where ``get_buffer`` said: decode and dispatch, then tell the
-        transport if the read was large, is part of a large payload, or ends one it tuned
-        its reads for (``tuning``).  Reads of small frames go no further."""
+        transport if the read was large, came up short inside a large payload (the socket
+        had less than the rest of it), or ends one it tuned its reads for (``tuning``).
+        Reads of small frames, and a payload's header, go no further: when the rest of the
+        payload is already in the socket, as it is for a consumer that cannot keep up, the
+        next read takes it whole and there is nothing to tune (each tuning is a system
+        call, two per payload)."""
+        into_payload = self.decoder.payload_left() != 0
         self.feed(nbytes)
         large = nbytes >= LARGE_READ
-        if large or self.tuning or self.decoder.payload_left():
+        if large or self.tuning or (into_payload and self.decoder.payload_left()):
             self.after_large_read(large)
 
     def after_large_read(self, large: bool) -> None:
@@ -418,13 +430,29 @@ class Wire:
                 self._answer_queued = True
             self._queued()
         elif not self.closed_here:
-            # Pending small frames, this header and the payload leave in one gathered write.
+            # The header joins the pending small frames; the payload goes by reference.
             self._burst += 1
             out = self._out
             frame_data(out, step, request_id, key, code, shape, nbytes, value, False)
             self._out = bytearray()
             self._many_at = -1
-            self._write(out, _codec.payload_view(value))
+            payload = _codec.payload_view(value)
+            if not self._flush_scheduled or not self.gather:
+                # The first of a loop iteration leaves at once (latency; the consumer starts
+                # on it while we go on), with the frames that were pending.
+                if not self._flush_scheduled:
+                    self._flush_scheduled = True
+                    self._call_soon(self.flush)
+                self._write(out, payload)
+                return
+            # Later ones of the same iteration wait for its end and leave together, in one
+            # gathered write (see ``_write_out``): a system call per 256 KiB payload cost a
+            # producer that cannot keep up a tenth of its time in the kernel.
+            self._gathered.append(out)
+            self._gathered.append(payload)
+            self._gathered_bytes += nbytes
+            if self._gathered_bytes >= GATHER_AT:
+                self._write_out()
 
     def _pack(self, step: Any, key: bytes, value: Any, code: int, shape: tuple,
               nbytes: int) -> None:
@@ -499,7 +527,18 @@ class Wire:
 
     def _write_out(self) -> None:
         self._answer_queued = False
-        if self._out and not self.closed:
+        if self.closed:
+            return
+        gathered = self._gathered
+        if gathered:
+            self._gathered = []
+            self._gathered_bytes = 0
+            if self._out:
+                gathered.append(self._out)
+                self._out = bytearray()
+                self._many_at = -1
+            self._write_gathered(gathered)
+        elif self._out:
             data = self._out
             self._out = bytearray()  # the transport may keep a reference to ``data``
             self._many_at = -1
@@ -521,6 +560,15 @@ class Wire:
         else:
             transport.write(data)
             transport.write(payload)
+
+    def _write_gathered(self, pieces: list) -> None:
+        """Headers and large payloads of one loop iteration (see ``write_value``), then
+        what was pending after them: one gathered write (``gather`` transports only)."""
+        if self.closed_here:
+            return
+        for piece in pieces:
+            self.bytes_out += len(piece) if type(piece) is bytearray else piece.nbytes
+        self.transport.writelines(pieces)
 
     def backlog(self) -> int:
         """Bytes written but not yet sent (the transport's buffer)."""

@@ -10,6 +10,7 @@ cdef class _SizeClass:
     cdef public Py_ssize_t peak
     cdef public Py_ssize_t prev_peak
     cdef public Py_ssize_t takes
+    cdef public Py_ssize_t windows
     cdef public Py_ssize_t last
 
 cdef class RecvPool:
@@ -36,7 +37,7 @@ cdef class RecvPool:
     cdef Py_ssize_t _alloc_size(self, _SizeClass cls) except -1
     @cython.locals(size=Py_ssize_t, cls=_SizeClass, other=_SizeClass, found=_SizeClass,
                    blocks=list, idle=Py_ssize_t, busy=Py_ssize_t, at=Py_ssize_t,
-                   i=Py_ssize_t, which=Py_ssize_t)
+                   i=Py_ssize_t, which=Py_ssize_t, decayed=Py_ssize_t)
     cpdef object take(self, Py_ssize_t nbytes)
     cdef object _exact(self, bytearray block, Py_ssize_t nbytes)
     @cython.locals(home=_SizeClass)

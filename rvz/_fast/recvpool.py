@@ -12,6 +12,7 @@ from typing import Any
 
 WINDOW = 32    # takes of one size class per high-water window (the mark spans two windows)
 STALE = 1024   # takes of any size after which a size class nobody asked for is let go
+DECAY = 8      # windows per block the high-water mark comes down by when fewer are alive
 
 
 def size_class(nbytes: int) -> int:
@@ -31,7 +32,8 @@ def size_class(nbytes: int) -> int:
 class _SizeClass:
     """The blocks of one size, and how many blocks its requests had alive at once lately."""
 
-    __slots__ = ("size", "up1", "up2", "blocks", "peak", "prev_peak", "takes", "last")
+    __slots__ = ("size", "up1", "up2", "blocks", "peak", "prev_peak", "takes", "windows",
+                 "last")
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -39,8 +41,9 @@ class _SizeClass:
         self.up2 = size_class(self.up1 + 1)
         self.blocks: list[bytearray] = []  # free or in use: the pool's reference is the list's
         self.peak = 0       # most blocks alive at one take, this window (the new one included)
-        self.prev_peak = 0  # the same over the previous window
+        self.prev_peak = 0  # the same over the windows before, less one per DECAY windows
         self.takes = 0      # takes in this window
+        self.windows = 0    # windows so far
         self.last = -(1 << 40)  # the pool's take count at this class's latest take
 
 
@@ -146,9 +149,15 @@ class RecvPool:
                 elif found is None:
                     found = other
                     at = i
-        # Learn how many blocks this size had alive at once, this one included.
+        # Learn how many blocks this size had alive at once, this one included.  What the
+        # windows before saw decays by one block a window: a queue that drains and fills
+        # again (a Send-Driven stream's, with the push window's worth of values) would
+        # otherwise have its blocks released and allocated again, each a page fault per
+        # 4 KiB and a zeroing, over and over.
         if cls.takes >= self._window:
-            cls.prev_peak = cls.peak
+            cls.windows += 1
+            decayed = cls.prev_peak - 1 if cls.windows % DECAY == 0 else cls.prev_peak
+            cls.prev_peak = cls.peak if cls.peak > decayed else decayed
             cls.peak = 0
             cls.takes = 0
         cls.takes += 1
