@@ -201,11 +201,11 @@ def inject(conn: object, data: bytes, reads: list[int]) -> None:
 async def test_a_payload_already_in_the_socket_is_read_without_tuning(cluster) -> None:  # type: ignore[no-untyped-def]
     """When the rest of a payload is in the socket (reads fill the buffer offered, as for a
     consumer that cannot keep up), no socket option changes: SO_RCVLOWAT costs a system
-    call each time.  A read that comes up short inside the payload raises it; the read that
-    ends the payload lowers it again."""
+    call each time.  A read that comes up short inside the payload raises it if at least
+    LOWAT_MIN is left; the read that ends the payload lowers it again."""
     async with pair(cluster, "send") as (w, p):
         k = key_text("big", ("worker", 0), PS0)
-        size = 200 << 10
+        size = 4 * _connection.LOWAT_MIN              # half of it is worth tuning for
         value = np.arange(size, dtype=np.uint8)
         await w.send(k, value)   # connected, window granted, and the decoder now peeks
         await p.recv(k, timeout=5)
@@ -233,3 +233,9 @@ async def test_a_payload_already_in_the_socket_is_read_without_tuning(cluster) -
         np.testing.assert_array_equal(await p.recv(k, timeout=5), value)
         assert len(changes) == 2 and changes[0] > 1 and changes[1] == 1, changes
         assert lowat(conn.lowat_sock) == 1
+        # A short read that leaves less than LOWAT_MIN: a few more wake-ups cost less.
+        small = value[:_connection.LOWAT_MIN]
+        frame = data_header(0, 0, k, U8, small.shape, small.nbytes) + small.tobytes()
+        inject(conn, frame, [codec.PEEK, small.nbytes // 8])
+        np.testing.assert_array_equal(await p.recv(k, timeout=5), small)
+        assert len(changes) == 2, changes
