@@ -279,7 +279,8 @@ class Wire:
     ``call_soon`` callback at the end of the iteration (see ``_queued`` for the first one).
     A large payload is not copied into that buffer: the pending frames and its header go
     first, then the payload is handed to the transport as a view of the caller's array; the
-    first of an iteration at once, the later ones together at its end (``_write_gathered``).
+    first of an iteration at once (unless the last one wrote a group), the others together
+    at its end (``_write_gathered``).
     ``_write`` hands bytes to ``transport`` (where they go to the socket); ``get_buffer`` and
     ``buffer_updated`` take them from it.  The transport subclass sets ``transport`` and
     provides ``fail`` and ``after_large_read``.
@@ -437,15 +438,17 @@ class Wire:
             self._out = bytearray()
             self._many_at = -1
             payload = _codec.payload_view(value)
-            if not self._flush_scheduled or not self.gather:
+            first = not self._flush_scheduled
+            if first:
+                self._flush_scheduled = True
+                self._call_soon(self.flush)
+            if not self.gather or (first and not self._hold_first):
                 # The first of a loop iteration leaves at once (latency; the consumer starts
-                # on it while we go on), with the frames that were pending.
-                if not self._flush_scheduled:
-                    self._flush_scheduled = True
-                    self._call_soon(self.flush)
+                # on it while we go on), with the frames that were pending; unless the last
+                # iteration wrote a group (``_hold_first``, as for small frames).
                 self._write(out, payload)
                 return
-            # Later ones of the same iteration wait for its end and leave together, in one
+            # The others of the iteration wait for its end and leave together, in one
             # gathered write (see ``_write_out``): a system call per 256 KiB payload cost a
             # producer that cannot keep up a tenth of its time in the kernel.
             self._gathered.append(out)
