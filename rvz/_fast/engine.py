@@ -92,9 +92,10 @@ COALESCE_MAX = 16384
 # A producer that never yields to the loop still gets its frames out once this many bytes
 # are pending, so the consumer can work in parallel.
 FLUSH_AT = 65536
-# Large payloads written in one loop iteration after its first wait for its end to leave
-# in one gathered write, unless this many payload bytes are waiting already.  (A module
-# attribute in both builds, for the tests: it is read once per large payload only.)
+# Large payloads written in one loop iteration wait for its end to leave in one gathered
+# write (all but the first, unless the iteration before wrote a group), unless this many
+# payload bytes are waiting already.  (A module attribute in both builds, for the tests: it
+# is read once per gathered payload only.)
 GATHER_AT = 1 << 20
 # A read at least this large means large payloads: the transport's ``after_large_read``
 # runs (the receive pool has work, and the socket's wake-up threshold may be tuned).
@@ -438,16 +439,20 @@ class Wire:
             self._out = bytearray()
             self._many_at = -1
             payload = _codec.payload_view(value)
+            if not self.gather:  # its writelines would copy: each payload goes by itself
+                self._write(out, payload)
+                return
             first = not self._flush_scheduled
             if first:
                 self._flush_scheduled = True
                 self._call_soon(self.flush)
-            if not self.gather or (first and not self._hold_first):
-                # The first of a loop iteration leaves at once (latency; the consumer starts
-                # on it while we go on), with the frames that were pending; unless the last
-                # iteration wrote a group (``_hold_first``, as for small frames).
-                self._write(out, payload)
-                return
+                if not self._hold_first:
+                    # The first of a loop iteration leaves at once (latency; the consumer
+                    # starts on it while we go on), with the frames that were pending;
+                    # unless the last iteration wrote a group (``_hold_first``, as for small
+                    # frames).
+                    self._write(out, payload)
+                    return
             # The others of the iteration wait for its end and leave together, in one
             # gathered write (see ``_write_out``): a system call per 256 KiB payload cost a
             # producer that cannot keep up a tenth of its time in the kernel.

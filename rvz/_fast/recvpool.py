@@ -10,7 +10,7 @@ from __future__ import annotations
 from sys import getrefcount
 from typing import Any
 
-WINDOW = 32    # takes of one size class per high-water window (the mark spans two windows)
+WINDOW = 32    # takes of one size class per high-water window
 STALE = 1024   # takes of any size after which a size class nobody asked for is let go
 DECAY = 8      # windows per block the high-water mark comes down by when fewer are alive
 
@@ -150,10 +150,10 @@ class RecvPool:
                     found = other
                     at = i
         # Learn how many blocks this size had alive at once, this one included.  What the
-        # windows before saw decays by one block a window: a queue that drains and fills
-        # again (a Send-Driven stream's, with the push window's worth of values) would
-        # otherwise have its blocks released and allocated again, each a page fault per
-        # 4 KiB and a zeroing, over and over.
+        # windows before saw comes down by one block per DECAY windows: a queue that drains
+        # and fills again (a Send-Driven stream's, with the push window's worth of values)
+        # would otherwise have its blocks released and allocated again, each a page fault
+        # per 4 KiB and a zeroing, over and over.
         if cls.takes >= self._window:
             cls.windows += 1
             decayed = cls.prev_peak - 1 if cls.windows % DECAY == 0 else cls.prev_peak
