@@ -5,7 +5,7 @@ Bytes come off the socket into the buffer the wire's ``get_buffer`` offers, and
 to the socket through ``Wire._write`` and the transport's ``write`` / ``writelines``.  Those
 are compiled (``rvz._fast.engine``): a message passes no interpreted frame of this module.
 What is here is the connection's life-cycle (handshake deadline, pause and resume, drain,
-close), the socket's options, and the tuning of large reads (``after_large_read``).
+close), the socket's options, and the tuning of large reads (``tune_read``).
 Connection life-cycle events go to the ``Owner`` (the node), which this module does not
 import.
 """
@@ -36,7 +36,8 @@ WRITE_LOW_WATER = 2 << 20
 # slow link; a connection that still goes a heartbeat without a read stops using it.
 # Nor is it raised for a rest under LOWAT_MIN: that arrives in a few wake-ups (64 KiB
 # segments over loopback), which cost less than the two changes and the hook's Python (a
-# 256 KiB Recv-Driven consumer spent about 10 us of its 60 us per message there).
+# 256 KiB Recv-Driven consumer spent about 10 us of its 60 us per message there).  The
+# engine checks that bound itself (``Wire.tune_from``): no other read reaches this module.
 LOWAT_MIN = 256 << 10
 LOWAT_MAX = 1 << 20
 
@@ -71,9 +72,6 @@ class Owner(Protocol):
     def connection_made(self, conn: Connection) -> None: ...
 
     def connection_lost(self, conn: Connection) -> None: ...
-
-    def received_large(self) -> None:
-        """A large read landed: time to prepare the receive pool's next block."""
 
 
 class Connection(Wire, asyncio.BufferedProtocol):
@@ -121,18 +119,17 @@ class Connection(Wire, asyncio.BufferedProtocol):
             if transport.get_extra_info("sslcontext") is None and hasattr(socket, "SO_RCVLOWAT"):
                 self.lowat_sock = sock
                 self._lowat_fd = sock.fileno()
+                self.tune_from = LOWAT_MIN
         # Writing pauses (and held-back answers resume) below answer_backlog at the latest.
         high = min(WRITE_HIGH_WATER, self.core.answer_backlog)
         transport.set_write_buffer_limits(high=high, low=min(WRITE_LOW_WATER, high // 4))
         self.write_frame(_impl.codec.encode_hello(self.owner.hello_fields(self)))
         self.owner.connection_made(self)
 
-    def after_large_read(self, large: bool) -> None:
-        """After a large read, a short read into a large payload, or a read while tuned (see
-        ``Wire.buffer_updated``): prepare the receive pool, and set SO_RCVLOWAT to what is
-        left of the payload arriving (1 between frames)."""
-        if large:
-            self.owner.received_large()
+    def tune_read(self) -> None:
+        """After a short read with at least LOWAT_MIN of a payload left, or a read while
+        tuned (see ``Wire.buffer_updated``): set SO_RCVLOWAT to what is left of the payload
+        arriving (1 between frames)."""
         if self.lowat_sock is not None:
             left = self.decoder.payload_left()
             self._set_lowat(min(left, LOWAT_MAX) if left >= LOWAT_MIN else 1)
@@ -155,6 +152,7 @@ class Connection(Wire, asyncio.BufferedProtocol):
                 pass
         self.lowat_sock = None  # not supported here: wake per segment
         self.tuning = False
+        self.tune_from = _impl.engine.NEVER
 
     def read_stalled(self) -> None:
         """A heartbeat went by without a read.  In the middle of a payload that means a
@@ -162,6 +160,7 @@ class Connection(Wire, asyncio.BufferedProtocol):
         if self.lowat_sock is not None and self._lowat > 1:
             self._set_lowat(1)
             self.lowat_sock = None
+            self.tune_from = _impl.engine.NEVER
 
     def eof_received(self) -> bool:
         return False  # close the transport; connection_lost follows

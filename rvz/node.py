@@ -184,7 +184,6 @@ class Node:
         self.max_payload = max_payload
         # Memory for large received arrays, reused once the caller dropped them (0: none).
         self._recv_pool = _impl.recvpool.RecvPool(recv_pool) if recv_pool > 0 else None
-        self._pool_scheduled = False
         self.incarnation = incarnation if incarnation is not None else int.from_bytes(os.urandom(8), "little")
         self._state = "new"
         self._close_cause: BaseException | None = None
@@ -413,20 +412,6 @@ class Node:
             if unidentified > self.max_unidentified:
                 conn.fail(ProtocolError(f"more than {self.max_unidentified} connections have "
                                         "not completed their handshake (max_unidentified)"))
-
-    def received_large(self) -> None:
-        """A large read landed; ``Connection`` calls this so the receive pool prepares its
-        next block after this iteration."""
-        if self._recv_pool is not None and not self._pool_scheduled and self._loop is not None:
-            self._pool_scheduled = True
-            self._loop.call_soon(self._maintain_pool)
-
-    def _maintain_pool(self) -> None:
-        """Prepare the receive pool's next block off the data path (after this iteration's
-        reads were handled)."""
-        self._pool_scheduled = False
-        if self._recv_pool is not None:
-            self._recv_pool.maintain()
 
     def connection_lost(self, conn: Connection) -> None:
         """A connection closed; fails what depended on it (``Connection`` calls this)."""

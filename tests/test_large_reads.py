@@ -152,37 +152,43 @@ async def test_the_socket_wakes_the_loop_per_chunk_of_a_large_payload(
 
 
 @pytest.mark.loop_timeout(20)
-async def test_only_reads_of_large_payloads_reach_the_transports_tuning(cluster) -> None:  # type: ignore[no-untyped-def]
+async def test_reads_reach_the_transport_only_to_tune_and_the_pool_is_kept_without_it(cluster) -> None:  # type: ignore[no-untyped-def]
     """Small frames are read and dispatched by the engine alone (compiled, no interpreted
-    frame of the transport); a large payload's reads go on to ``after_large_read``, which
-    raises SO_RCVLOWAT while it arrives and is called again until it is back at 1."""
+    frame of the transport); a large payload's reads reach ``tune_read`` only while the
+    socket is tuned or when one comes up short with at least LOWAT_MIN left.  The engine
+    itself has the receive pool prepare its next block after large reads."""
     async with pair(cluster, "send") as (w, p):
         k = key_text("big", ("worker", 0), PS0)
         await w.send(k, np.arange(4, dtype=np.uint8))   # connected, window granted
         await p.recv(k, timeout=5)
         (conn,) = [c for c in p._conns if c.peer is not None and c.peer.name.endswith("task:0")]
         calls: list[tuple[bool, int]] = []
-        real = conn.after_large_read
+        real = conn.tune_read
 
-        def recording(large: bool) -> None:
-            real(large)
-            calls.append((large, conn.decoder.payload_left()))
+        def recording() -> None:
+            calls.append((conn.tuning, conn.decoder.payload_left()))
+            real()
 
-        conn.after_large_read = recording  # type: ignore[method-assign]
+        conn.tune_read = recording  # type: ignore[method-assign]
         for i in range(200):
             await w.send(k, np.full(64, i % 256, np.uint8))
         for i in range(200):
             assert int((await p.recv(k, timeout=5))[0]) == i % 256
         assert calls == [], "reads of small frames went past the engine"
+        pool = p._recv_pool
+        assert pool is not None and pool.prepared == 0
         size = 8 << 20
         value = np.arange(size, dtype=np.uint8)
         await w.send(k, value)
-        np.testing.assert_array_equal(await p.recv(k, timeout=10), value)
-        assert calls, "no read of an 8 MiB payload reached the transport"
-        assert any(large for large, _ in calls)
-        assert calls[-1][1] == 0 and not conn.tuning  # the payload is in: tuning ended
+        got = await p.recv(k, timeout=10)
+        np.testing.assert_array_equal(got, value)
+        assert all(tuning or left >= _connection.LOWAT_MIN for tuning, left in calls), calls
+        assert not conn.tuning  # the payload is in: tuning ended
         if conn.lowat_sock is not None:  # plain TCP (not a heartbeat's slow-link fallback)
             assert lowat(conn.lowat_sock) == 1
+        # ``got`` holds the block it landed on: the pool made a spare after the reads.
+        await eventually(lambda: pool.prepared >= 1 and not pool.due, "a spare block prepared")
+        assert got.base is not None and pool.held >= 2 * size
 
 
 def inject(conn: object, data: bytes, reads: list[int]) -> None:

@@ -98,6 +98,20 @@ def many_end(out: bytearray, start: int, count: int) -> None:
     _COUNT.pack_into(out, start + 24, count)
 
 
+def block_array(code: int, shape: tuple, block: Any, src: bytearray, offset: int,
+                avail: int) -> Any:
+    """An array of wire ``code`` (not 0) and ``shape`` on the memory of ``block`` (a
+    pooled ``bytearray``, or a ``memoryview`` of one, of exactly the array's size), which
+    becomes its base; ``src[offset:offset + avail]`` is copied to its start (the part of
+    the payload that came with the header)."""
+    arr = np.frombuffer(block, DTYPES[code])
+    if len(shape) != 1:
+        arr = arr.reshape(shape)
+    if avail:
+        memoryview(block)[:avail] = memoryview(src)[offset:offset + avail]
+    return arr
+
+
 def new_array(code: int, shape: tuple, src: bytearray, offset: int, nbytes: int) -> Any:
     """A new array (``bytes`` for code 0) holding ``src[offset:offset + nbytes]``."""
     if code == BYTES_CODE:

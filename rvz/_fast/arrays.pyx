@@ -13,6 +13,7 @@ import numpy as np
 cimport numpy as cnp
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
+from cpython.memoryview cimport PyMemoryView_GET_BUFFER
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
@@ -221,6 +222,40 @@ cdef Py_ssize_t nbytes_c(object value) except -1:
         return PyBytes_GET_SIZE(value)
     n = getattr(value, "nbytes", None)
     return len(value) if n is None else int(n)
+
+
+def block_array(int code, tuple shape, object block, bytearray src, Py_ssize_t offset,
+                Py_ssize_t avail):
+    return block_array_c(code, shape, block, src, offset, avail)
+
+
+cdef object block_array_c(int code, tuple shape, object block, bytearray src,
+                          Py_ssize_t offset, Py_ssize_t avail):
+    """block_array() for compiled callers (the decoder): an array made on the block's
+    memory and one ``memcpy``, where ``np.frombuffer`` and slicing cost five Python calls."""
+    cdef cnp.npy_intp[32] dims
+    cdef Py_ssize_t ndim = len(shape)
+    cdef Py_ssize_t i
+    cdef char* data
+    cdef Py_ssize_t size
+    if type(block) is bytearray:
+        data = PyByteArray_AS_STRING(block)
+        size = PyByteArray_GET_SIZE(block)
+    elif type(block) is memoryview:  # the first bytes of a larger block (see RecvPool.take)
+        data = <char*>PyMemoryView_GET_BUFFER(block).buf
+        size = PyMemoryView_GET_BUFFER(block).len
+    else:
+        raise TypeError(f"a pool block is a bytearray or a memoryview, not {type(block)}")
+    for i in range(ndim):
+        dims[i] = <cnp.npy_intp>shape[i]
+    arr = cnp.PyArray_SimpleNewFromData(<int>ndim, dims, _TYPENUMS[code], data)  # writable
+    if cnp.PyArray_NBYTES(<cnp.ndarray>arr) != size:
+        raise ValueError(f"a block of {size} bytes for an array of "
+                         f"{cnp.PyArray_NBYTES(<cnp.ndarray>arr)}")
+    cnp.set_array_base(<cnp.ndarray>arr, block)  # the block stays referenced while arr lives
+    if avail:
+        memcpy(data, PyByteArray_AS_STRING(src) + offset, avail)
+    return arr
 
 
 def new_array(int code, tuple shape, bytearray src, Py_ssize_t offset, Py_ssize_t nbytes):

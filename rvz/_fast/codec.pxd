@@ -2,7 +2,8 @@ cimport cython
 from cpython.bytearray cimport PyByteArray_AS_STRING
 from libc.string cimport memcmp
 
-from rvz._fast.arrays cimport new_array_c
+from rvz._fast.arrays cimport block_array_c, new_array_c
+from rvz._fast.recvpool cimport RecvPool
 
 cdef extern from "Python.h":
     bint PyUnicode_IS_COMPACT_ASCII(object)
@@ -57,7 +58,7 @@ cdef class Decoder:
     cdef object _pending
     cdef int _state
     cdef object _failed
-    cdef object _pool
+    cdef public RecvPool pool  # typed: its take() is a C call
     cdef Py_ssize_t _full_size
     cdef bint _peek
     cdef public object admit

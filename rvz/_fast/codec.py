@@ -115,6 +115,7 @@ DTYPES = _wire.DTYPES
 _CODES = _wire.CODES
 _append_data = _arrays.append_data
 _new_array = _arrays.new_array
+_block_array = _arrays.block_array
 _U8 = np.dtype(np.uint8)
 # Item size per dtype code (a byte each; 0 for bytes values): a C read when compiled.
 _ITEMSIZES = bytes(0 if dt is None else dt.itemsize for dt in DTYPES)
@@ -311,7 +312,7 @@ class Decoder:
 
     __slots__ = ("_buf", "_view", "_size", "_start", "_end", "_direct_min", "_max_payload",
                  "_dest", "_dest_filled", "_dest_len", "_pending", "_state", "_failed",
-                 "_pool", "frames", "bytes_in", "_full_size", "admit",
+                 "pool", "frames", "bytes_in", "_full_size", "admit",
                  "stop_at_handshake", "_peek", "_keys")
 
     def __init__(self, buffer_size: int = 262144, direct_min: int = 65536,
@@ -337,7 +338,7 @@ class Decoder:
         self._state = 0  # 0: expect HELLO, 1: open, 2: BYE received
         self._peek = False  # since a large payload, until a read fills PEEK: read the next header alone
         self._failed: Any = None
-        self._pool = pool  # a RecvPool for large arrays, or None
+        self.pool = pool  # a RecvPool for large arrays, or None
         # Called with (step, request_id, key, payload_len) at a large DATA frame's header,
         # before memory is allocated for it; raises ProtocolError to refuse the frame.
         self.admit: Any = None
@@ -503,24 +504,30 @@ class Decoder:
                 # the owner agreed to the frame (its route, its window).
                 if self.admit is not None:
                     self.admit(step, request_id, key, payload_len)
+                block = None
                 try:
                     if code == BYTES_CODE:
                         arr = np.empty(payload_len, _U8)
                         value = None
                     else:
-                        dtype = DTYPES[code]
-                        block = self._pool.take(payload_len) if self._pool is not None else None
+                        if self.pool is not None:
+                            block = self.pool.take(payload_len)
                         if block is None:
-                            arr = np.empty(shape, dtype)
+                            arr = np.empty(shape, DTYPES[code])
+                        elif COMPILED:  # the array on the block, what came with the header in it
+                            arr = block_array_c(code, shape, block, buf, pstart, avail)  # type: ignore[name-defined]  # noqa: F821
                         else:
-                            arr = np.frombuffer(block, dtype).reshape(shape)
+                            arr = _block_array(code, shape, block, buf, pstart, avail)
                         value = arr
                 except (MemoryError, ValueError) as exc:
                     self._fail(f"DATA frame for key {key}: cannot allocate {payload_len} "
                                f"bytes: {exc!r}")
-                dest = payload_view(arr)
-                if avail:
-                    dest[:avail] = view[pstart:end]
+                if block is None:
+                    dest = payload_view(arr)
+                    if avail:
+                        dest[:avail] = view[pstart:end]
+                else:  # the block's bytes are the array's (a memoryview of one is its start)
+                    dest = block if type(block) is memoryview else memoryview(block)
                 self._dest = dest
                 self._dest_filled = avail
                 self._dest_len = payload_len

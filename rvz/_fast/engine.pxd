@@ -108,6 +108,7 @@ cdef class Wire:
     cdef public object transport
     cdef public bint gather
     cdef public bint tuning
+    cdef public Py_ssize_t tune_from
     cdef dict __dict__
 
     cpdef feed(self, Py_ssize_t nbytes)

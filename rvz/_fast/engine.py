@@ -97,9 +97,10 @@ FLUSH_AT = 65536
 # payload bytes are waiting already.  (A module attribute in both builds, for the tests: it
 # is read once per gathered payload only.)
 GATHER_AT = 1 << 20
-# A read at least this large means large payloads: the transport's ``after_large_read``
-# runs (the receive pool has work, and the socket's wake-up threshold may be tuned).
+# A read at least this large means large payloads: the receive pool prepares its next
+# block after the loop iteration (``RecvPool.maintain``, scheduled by ``Wire.buffer_updated``).
 LARGE_READ = 65536
+NEVER = (1 << 62)  # ``Wire.tune_from`` of a transport that does not tune its reads
 _ROUTE_CACHE_MAX = 1 << 16
 _DEVICES_MAX = 4096
 
@@ -283,8 +284,8 @@ class Wire:
     first of an iteration at once (unless the last one wrote a group), the others together
     at its end (``_write_gathered``).
     ``_write`` hands bytes to ``transport`` (where they go to the socket); ``get_buffer`` and
-    ``buffer_updated`` take them from it.  The transport subclass sets ``transport`` and
-    provides ``fail`` and ``after_large_read``.
+    ``buffer_updated`` take them from it.  The transport subclass sets ``transport`` (and
+    ``tune_from`` if it tunes its reads) and provides ``fail`` and ``tune_read``.
     """
 
     def __init__(self, core: Core, outbound: bool, peer: Any, decoder: Any) -> None:
@@ -324,6 +325,9 @@ class Wire:
         self.transport: Any = None        # the stream transport bytes are written to
         self.gather = False               # its ``writelines`` is one gathered write (no copy)
         self.tuning = False               # the transport tunes its reads: tell it of each one
+        # A read that comes up short inside a payload with at least this much of it left
+        # goes to the transport's ``tune_read`` (which may raise its wake-up threshold).
+        self.tune_from = NEVER
         if decoder is not None:
             decoder.admit = self.admit
             decoder.stop_at_handshake = True
@@ -339,21 +343,27 @@ class Wire:
         return self.decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        """``nbytes`` landed where ``get_buffer`` said: decode and dispatch, then tell the
-        transport if the read was large, came up short inside a large payload (the socket
-        had less than the rest of it), or ends one it tuned its reads for (``tuning``).
-        Reads of small frames, and a payload's header, go no further: when the rest of the
-        payload is already in the socket, as it is for a consumer that cannot keep up, the
-        next read takes it whole and there is nothing to tune (each tuning is a system
-        call, two per payload)."""
+        """``nbytes`` landed where ``get_buffer`` said: decode and dispatch.  After a large
+        read the receive pool prepares its next block, once this loop iteration's reads are
+        handled.  The transport hears of a read (``tune_read``) only while it tunes its
+        reads (``tuning``), or when one comes up short inside a payload with at least
+        ``tune_from`` of it left (the socket had less than the rest of it): when the rest is
+        already in the socket, as it is for a consumer that cannot keep up, the next read
+        takes it whole and there is nothing to tune (each tuning is a system call, two per
+        payload).  Either way no interpreted frame runs for an ordinary read."""
         into_payload = self.decoder.payload_left() != 0
         self.feed(nbytes)
-        large = nbytes >= LARGE_READ
-        if large or self.tuning or (into_payload and self.decoder.payload_left()):
-            self.after_large_read(large)
+        # (``self.decoder.pool`` spelled out each time: typed, so these are C reads)
+        if nbytes >= LARGE_READ and self.decoder.pool is not None and not self.decoder.pool.due:
+            self.decoder.pool.due = True
+            # getattr: the bound method as a Python object (``.maintain`` of the typed pool
+            # names its C entry, which Cython cannot hand to call_soon)
+            self._call_soon(getattr(self.decoder.pool, "maintain"))  # noqa: B009
+        if self.tuning or (into_payload and self.decoder.payload_left() >= self.tune_from):
+            self.tune_read()
 
-    def after_large_read(self, large: bool) -> None:
-        """The transport's (see ``buffer_updated``; ``large``: this read was, itself)."""
+    def tune_read(self) -> None:
+        """The transport's (see ``buffer_updated``)."""
 
     def feed(self, nbytes: int) -> None:
         """``nbytes`` arrived in the decoder's buffer: decode and dispatch every frame."""

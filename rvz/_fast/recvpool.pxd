@@ -1,5 +1,9 @@
 cimport cython
+from cpython.ref cimport Py_REFCNT
 
+cdef bint COMPILED
+
+@cython.locals(bits=Py_ssize_t, rest=Py_ssize_t, shift=Py_ssize_t, step=Py_ssize_t)
 cpdef Py_ssize_t size_class(Py_ssize_t nbytes) except -1
 
 cdef class _SizeClass:
@@ -21,6 +25,7 @@ cdef class RecvPool:
     cdef public Py_ssize_t reused
     cdef public Py_ssize_t missed
     cdef public Py_ssize_t released
+    cdef public bint due
     cdef dict _classes
     cdef Py_ssize_t _idle_refs
     cdef Py_ssize_t _tick

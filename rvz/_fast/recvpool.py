@@ -10,6 +10,12 @@ from __future__ import annotations
 from sys import getrefcount
 from typing import Any
 
+try:  # Cython's own module; a compiled build sees the constant True
+    import cython
+    COMPILED = cython.compiled
+except ImportError:  # pure Python without Cython installed
+    COMPILED = False
+
 WINDOW = 32    # takes of one size class per high-water window
 STALE = 1024   # takes of any size after which a size class nobody asked for is let go
 DECAY = 8      # windows per block the high-water mark comes down by when fewer are alive
@@ -22,7 +28,15 @@ def size_class(nbytes: int) -> int:
     block wastes under a quarter), which lets tensors whose sizes vary by a few percent
     share blocks even across a class boundary.
     """
-    shift = nbytes.bit_length() - 4
+    if COMPILED:  # a C loop: int.bit_length() on a C integer boxes it and calls a method
+        bits = 0
+        rest = nbytes
+        while rest:
+            rest >>= 1
+            bits += 1
+    else:
+        bits = nbytes.bit_length()
+    shift = bits - 4
     if shift < 12:
         shift = 12
     step = 1 << shift
@@ -64,7 +78,7 @@ class RecvPool:
     of the sizes used longest ago are dropped; a block an array refers to never is.
     """
 
-    __slots__ = ("limit", "held", "fresh", "prepared", "reused", "missed", "released",
+    __slots__ = ("limit", "held", "fresh", "prepared", "reused", "missed", "released", "due",
                  "_classes", "_idle_refs", "_tick", "_next", "_swept", "_window", "_stale")
 
     def __init__(self, limit: int = 64 << 20, window: int = WINDOW, stale: int = STALE) -> None:
@@ -75,6 +89,7 @@ class RecvPool:
         self.reused = 0     # takes served by a free block
         self.missed = 0     # takes answered None (over the limit): the caller allocates
         self.released = 0   # blocks dropped (evicted for room, stale or surplus)
+        self.due = False    # a maintain() call is scheduled (the transport's flag, see Wire)
         self._classes: dict[int, _SizeClass] = {}
         self._tick = 0      # takes so far
         self._next: _SizeClass | None = None  # the class of the latest take: what the next take likely needs
@@ -89,6 +104,8 @@ class RecvPool:
     def _refs(self, blocks: list, i: int) -> int:
         """The reference count of ``blocks[i]``, seen the same way for every block."""
         block = blocks[i]
+        if COMPILED:  # the count itself, not a call through sys (8 per take)
+            return Py_REFCNT(block)  # type: ignore[name-defined]  # noqa: F821
         return getrefcount(block)
 
     def _target(self, cls: _SizeClass) -> int:
@@ -200,6 +217,7 @@ class RecvPool:
         block per call.  Every ``window`` takes it also releases free blocks beyond what
         their size classes need.
         """
+        self.due = False
         if self._tick - self._swept >= self._window:
             self._swept = self._tick
             self._sweep()
