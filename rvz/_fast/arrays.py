@@ -102,8 +102,9 @@ def block_array(code: int, shape: tuple, block: Any, src: bytearray, offset: int
                 avail: int) -> Any:
     """An array of wire ``code`` (not 0) and ``shape`` on the memory of ``block`` (a
     pooled ``bytearray``, or a ``memoryview`` of one, of exactly the array's size), which
-    becomes its base; ``src[offset:offset + avail]`` is copied to its start (the part of
-    the payload that came with the header)."""
+    it keeps referenced (as its base, or through a memoryview of it: one reference either
+    way, which is what the pool counts); ``src[offset:offset + avail]`` is copied to its
+    start (the part of the payload that came with the header)."""
     arr = np.frombuffer(block, DTYPES[code])
     if len(shape) != 1:
         arr = arr.reshape(shape)

@@ -42,6 +42,7 @@ cdef unsigned long long _u32(bytearray buf, Py_ssize_t pos)
 cdef unsigned long long _u64(bytearray buf, Py_ssize_t pos)
 cpdef bytes encode_data(unsigned long long step, unsigned long long request_id, bytes key,
                         int code, tuple shape, unsigned long long nbytes)
+cpdef object payload_view(object value)
 cpdef bytes encode_request(unsigned long long step, unsigned long long request_id, bytes key)
 
 cdef class Decoder:

@@ -3,6 +3,7 @@ from cpython.pythread cimport PyThread_get_thread_ident
 from rvz._fast.arrays cimport (append_data_c, append_request_c, describe_c, many_begin_c,
                                many_end_c, many_entry_c, nbytes_c)
 from rvz._fast.codec cimport Decoder
+from rvz._fast.codec cimport payload_view as payload_view_c
 from rvz._fast.keys cimport canonical_devices as canonical_devices_c
 from rvz._fast.table cimport Table
 

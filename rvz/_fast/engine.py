@@ -448,7 +448,10 @@ class Wire:
             frame_data(out, step, request_id, key, code, shape, nbytes, value, False)
             self._out = bytearray()
             self._many_at = -1
-            payload = _codec.payload_view(value)
+            if COMPILED:  # a C call, not a module attribute and a Python one
+                payload = payload_view_c(value)  # type: ignore[name-defined]  # noqa: F821
+            else:
+                payload = _codec.payload_view(value)
             if not self.gather:  # its writelines would copy: each payload goes by itself
                 self._write(out, payload)
                 return
