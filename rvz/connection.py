@@ -127,9 +127,9 @@ class Connection(Wire, asyncio.BufferedProtocol):
         self.owner.connection_made(self)
 
     def tune_read(self) -> None:
-        """After a short read with at least LOWAT_MIN of a payload left, or a read while
-        tuned (see ``Wire.buffer_updated``): set SO_RCVLOWAT to what is left of the payload
-        arriving (1 between frames)."""
+        """After a read that stopped inside a payload with at least LOWAT_MIN of it left
+        (short, or large), or any read while tuned (see ``Wire.buffer_updated``): set
+        SO_RCVLOWAT to what is left of the payload arriving (1 between frames)."""
         if self.lowat_sock is not None:
             left = self.decoder.payload_left()
             self._set_lowat(min(left, LOWAT_MAX) if left >= LOWAT_MIN else 1)

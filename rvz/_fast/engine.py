@@ -100,7 +100,7 @@ GATHER_AT = 1 << 20
 # A read at least this large means large payloads: the receive pool prepares its next
 # block after the loop iteration (``RecvPool.maintain``, scheduled by ``Wire.buffer_updated``).
 LARGE_READ = 65536
-NEVER = (1 << 62)  # ``Wire.tune_from`` of a transport that does not tune its reads
+NEVER = 1 << 62  # ``Wire.tune_from`` of a transport that does not tune its reads
 _ROUTE_CACHE_MAX = 1 << 16
 _DEVICES_MAX = 4096
 
@@ -325,8 +325,9 @@ class Wire:
         self.transport: Any = None        # the stream transport bytes are written to
         self.gather = False               # its ``writelines`` is one gathered write (no copy)
         self.tuning = False               # the transport tunes its reads: tell it of each one
-        # A read that comes up short inside a payload with at least this much of it left
-        # goes to the transport's ``tune_read`` (which may raise its wake-up threshold).
+        # A read that stops inside a payload with at least this much of it left (short, or
+        # large) goes to the transport's ``tune_read`` (which may raise its wake-up
+        # threshold); see ``buffer_updated``.
         self.tune_from = NEVER
         if decoder is not None:
             decoder.admit = self.admit
@@ -346,11 +347,12 @@ class Wire:
         """``nbytes`` landed where ``get_buffer`` said: decode and dispatch.  After a large
         read the receive pool prepares its next block, once this loop iteration's reads are
         handled.  The transport hears of a read (``tune_read``) only while it tunes its
-        reads (``tuning``), or when one comes up short inside a payload with at least
-        ``tune_from`` of it left (the socket had less than the rest of it): when the rest is
-        already in the socket, as it is for a consumer that cannot keep up, the next read
-        takes it whole and there is nothing to tune (each tuning is a system call, two per
-        payload).  Either way no interpreted frame runs for an ordinary read."""
+        reads (``tuning``), or when a read into a payload came up short (the socket had
+        less than the rest of it), or a large one stopped inside a payload, with at least
+        ``tune_from`` of it left: when the rest is already in the socket, as it is for a
+        consumer that cannot keep up, the next read takes it whole and there is nothing to
+        tune (each tuning is a system call, two per payload).  No interpreted frame runs
+        for an ordinary read."""
         into_payload = self.decoder.payload_left() != 0
         self.feed(nbytes)
         # (``self.decoder.pool`` spelled out each time: typed, so these are C reads)
@@ -359,7 +361,8 @@ class Wire:
             # getattr: the bound method as a Python object (``.maintain`` of the typed pool
             # names its C entry, which Cython cannot hand to call_soon)
             self._call_soon(getattr(self.decoder.pool, "maintain"))  # noqa: B009
-        if self.tuning or (into_payload and self.decoder.payload_left() >= self.tune_from):
+        if self.tuning or ((into_payload or nbytes >= LARGE_READ)
+                           and self.decoder.payload_left() >= self.tune_from):
             self.tune_read()
 
     def tune_read(self) -> None:
