@@ -150,7 +150,12 @@ class Connection(Wire, asyncio.BufferedProtocol):
                 return
             except OSError:
                 pass
-        self.lowat_sock = None  # not supported here: wake per segment
+        self._stop_tuning()  # not supported here: wake per segment
+
+    def _stop_tuning(self) -> None:
+        """From now on this connection wakes for every segment, and the engine no longer
+        calls ``tune_read``."""
+        self.lowat_sock = None
         self.tuning = False
         self.tune_from = _impl.engine.NEVER
 
@@ -159,8 +164,7 @@ class Connection(Wire, asyncio.BufferedProtocol):
         slow link: from now on this connection wakes for every segment."""
         if self.lowat_sock is not None and self._lowat > 1:
             self._set_lowat(1)
-            self.lowat_sock = None
-            self.tune_from = _impl.engine.NEVER
+            self._stop_tuning()
 
     def eof_received(self) -> bool:
         return False  # close the transport; connection_lost follows
