@@ -159,8 +159,23 @@ def test_rendezvous(tmp_path: Path) -> None:
         assert RENDEZVOUS_ROW <= set(row), RENDEZVOUS_ROW - set(row)
         assert row["rounds"] == 8 and row["size"] == 1024
         assert row["producer_waited"] + row["consumer_waited"] <= 1.0
+        # the same rounds on a plain socket, in the same run
+        assert row["baseline_socket_p50_us"] > 0
     assert {s["order"] for s in r["rendezvous_summary"]} == {"producer-first", "consumer-first", "random"}
-    assert {t["id"]: t for t in r["targets"]}["rendezvous-producer-first"]["figure"] is not None
+    for summary in r["rendezvous_summary"]:
+        assert summary["socket_push_over_reply_p50"] > 0
+    targets = {t["id"]: t for t in r["targets"]}
+    assert targets["rendezvous-producer-first"]["figure"] is not None
+    assert "plain socket, same rounds" in targets["rendezvous-consumer-first"]["detail"]
+
+
+@pytest.mark.timeout(40)
+def test_rendezvous_without_baselines(tmp_path: Path) -> None:
+    r = run_json(tmp_path, "rendezvous", "--iters", "5", "--order", "consumer-first",
+                 "--no-baselines", *TINY)
+    assert [row["baseline_socket_p50_us"] for row in r["rendezvous"]] == [None, None]
+    (summary,) = r["rendezvous_summary"]
+    assert summary["send_over_recv_p50"] > 0 and summary["socket_push_over_reply_p50"] is None
 
 
 @pytest.mark.timeout(50)
@@ -350,7 +365,7 @@ def test_each_subcommand_lists_only_its_options() -> None:
     expected = {
         "stream": every | measured | {"--batch", "--compare-impl"},
         "pingpong": every | measured,
-        "rendezvous": every | {"--order"},
+        "rendezvous": every | {"--order", "--no-baselines"},
         "all": every | measured | {"--batch", "--order", "--server", "--once"},
     }
     for command, options in expected.items():

@@ -45,6 +45,7 @@ RDV_PERIOD_NS = 5_000_000   # one round of the rendezvous experiment
 RDV_GAP_NS = 1_000_000      # how much earlier the first side calls in an ordered round
 RDV_SPREAD_NS = 2_000_000   # random order: each side waits uniformly in [0, spread)
 RDV_LEAD_NS = 300_000_000   # time for both workers to set up before round 0
+RDV_WIRE = {"send": "push", "recv": "request+reply"}  # each mode's bytes, in the socket replica
 BASELINES = ("socket", "streams", "zmq")
 BATCH_MAX_SIZE = 4 << 10    # batch rows up to this size (the small-message regime)
 ONE_IN_FLIGHT_SIZE = 4 << 10
@@ -61,7 +62,7 @@ class UsageError(Exception):
 GROUPS = {
     "stream": ("run", "repeat", "lanes", "batch", "baselines", "compare", "output", "client"),
     "pingpong": ("run", "repeat", "lanes", "baselines", "output", "client"),
-    "rendezvous": ("run", "order", "output", "client"),
+    "rendezvous": ("run", "order", "baselines", "output", "client"),
     "all": ("run", "repeat", "lanes", "order", "batch", "baselines", "output", "client",
             "server"),
 }
@@ -104,7 +105,8 @@ def _add_options(parser: argparse.ArgumentParser, groups: tuple[str, ...]) -> No
                        "message per key (sizes up to 4K; default 64; 0: no batch rows)")
     if "baselines" in groups:
         g.add_argument("--no-baselines", action="store_true",
-                       help="skip the socket, streams and pyzmq baselines (no ratios); pyzmq "
+                       help="skip the socket, streams and pyzmq baselines (no ratios; in "
+                       "rendezvous, the plain-socket replica of the rounds); pyzmq "
                        "rows need pyzmq (pip install 'rvz[compare]'), else they are skipped "
                        "with the reason")
     if "compare" in groups:
@@ -512,26 +514,21 @@ class Bench:
     # rendezvous
 
     def rendezvous_case(self, order: str, size: int) -> list[dict[str, Any]]:
-        """One arrival order; the modes alternate round by round (same conditions)."""
+        """One arrival order; the modes alternate round by round (same conditions).
+
+        With baselines, the same rounds run again on a plain socket (``socket_rendezvous``):
+        each mode's bytes without rvz, the host's own share of its latency.
+        """
         modes = self.opts.modes
         measured, warmup = self.opts.rounds()
         rounds = measured * len(modes) + warmup
-        t0 = time.monotonic_ns() + RDV_LEAD_NS
         case = {"kind": "rendezvous", "impl": "rvz", "mode": modes[0], "modes": modes,
                 "size": size, "order": order, "rounds": rounds, "period_ns": RDV_PERIOD_NS,
                 "gap_ns": RDV_GAP_NS, "spread_ns": RDV_SPREAD_NS,
-                "seed": 20240 + ORDERS.index(order), "t0_ns": t0, "warmup": warmup,
-                "concurrency": 1}
-        a, b = self.session(self.opts.impl)
-        ra, rb = self.run_case(case, timeout=60.0 + rounds * RDV_PERIOD_NS / 1e9 * 3)
-        # Into the parent's clock (offsets are 0 on one host: CLOCK_MONOTONIC is system-wide).
-        sends = [t - a.offset_ns for t in ra["send_ns"]]
-        calls = [t - b.offset_ns for t in rb["recv_ns"]]
-        done = [t - b.offset_ns for t in rb["done_ns"]]
+                "seed": 20240 + ORDERS.index(order), "warmup": warmup, "concurrency": 1}
+        latencies = self.rendezvous_rounds(case)
         rows = []
-        for k, mode in enumerate(modes):
-            idx = [i for i in range(warmup, rounds) if i % len(modes) == k]
-            latency = [done[i] - max(sends[i], calls[i]) for i in idx]
+        for mode, (latency, idx, sends, calls, done) in zip(modes, latencies, strict=True):
             n = len(idx)
             row = {"order": order, "mode": mode, "size": size, "rounds": n,
                    "warmup_rounds": warmup, "interleaved_with": [m for m in modes if m != mode],
@@ -540,14 +537,41 @@ class Bench:
                    "consumer_waited": sum(1 for i in idx if calls[i] < sends[i]) / n,
                    "recv_call_p50_us": report.latency_stats([done[i] - calls[i] for i in idx])["p50_us"],
                    "clock": "CLOCK_MONOTONIC (one host)" if not self.opts.remote else
-                            "offset estimated over the control channel (two hosts)"}
+                            "offset estimated over the control channel (two hosts)",
+                   "baseline_socket_p50_us": None}
             row.update(report.latency_stats(latency))
             row["samples_us"] = [x / 1e3 for x in latency]
             rows.append(row)
             self.step(f"rendezvous {order:<14} {mode}-driven: p50 {row['p50_us']:.1f} us, "
                       f"producer waited {row['producer_waited']:.0%}, consumer waited "
                       f"{row['consumer_waited']:.0%}")
+        if self.opts.baselines:
+            replica = self.rendezvous_rounds(dict(case, impl="socket"))
+            for row, (latency, *_) in zip(rows, replica, strict=True):
+                row["baseline_socket_p50_us"] = report.latency_stats(latency)["p50_us"]
+                self.step(f"rendezvous {order:<14} socket {RDV_WIRE[row['mode']]}: "
+                          f"p50 {row['baseline_socket_p50_us']:.1f} us")
         return rows
+
+    def rendezvous_rounds(self, case: dict[str, Any]) -> list[tuple[list[int], list[int], list[int],
+                                                                   list[int], list[int]]]:
+        """Run the rounds of ``case`` from a schedule starting shortly; per mode: the
+        latencies (ns from the later call to the recv's end), the measured rounds' indices,
+        and the producer's call, the consumer's call and its end of every round."""
+        modes = case["modes"]
+        warmup, rounds = case["warmup"], case["rounds"]
+        case = dict(case, t0_ns=time.monotonic_ns() + RDV_LEAD_NS)
+        a, b = self.session(self.opts.impl)
+        ra, rb = self.run_case(case, timeout=60.0 + rounds * RDV_PERIOD_NS / 1e9 * 3)
+        # Into the parent's clock (offsets are 0 on one host: CLOCK_MONOTONIC is system-wide).
+        sends = [t - a.offset_ns for t in ra["send_ns"]]
+        calls = [t - b.offset_ns for t in rb["recv_ns"]]
+        done = [t - b.offset_ns for t in rb["done_ns"]]
+        out = []
+        for k in range(len(modes)):
+            idx = [i for i in range(warmup, rounds) if i % len(modes) == k]
+            out.append(([done[i] - max(sends[i], calls[i]) for i in idx], idx, sends, calls, done))
+        return out
 
     def rendezvous(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         rows = []
@@ -561,7 +585,10 @@ class Bench:
             if send and recv:
                 summary.append({"order": order, "send_p50_us": send["p50_us"],
                                 "recv_p50_us": recv["p50_us"],
-                                "send_over_recv_p50": _ratio(send["p50_us"], recv["p50_us"])})
+                                "send_over_recv_p50": _ratio(send["p50_us"], recv["p50_us"]),
+                                # the same ratio of the socket replica: the host's own
+                                "socket_push_over_reply_p50": _ratio(
+                                    send["baseline_socket_p50_us"], recv["baseline_socket_p50_us"])})
         return rows, summary
 
     # the whole run
@@ -577,7 +604,7 @@ class Bench:
             n += ((len(opts.sizes) if opts.command == "pingpong" else 1) * len(self.variants())
                   * opts.repeat)
         if opts.command in ("rendezvous", "all"):
-            n += len(opts.orders) * len(opts.modes)
+            n += len(opts.orders) * len(opts.modes) * (2 if opts.baselines else 1)
         return n
 
     def run(self) -> dict[str, Any]:
@@ -705,17 +732,25 @@ def render(results: dict[str, Any], targets: bool = False) -> str:
                                   right=[True, False, True, True, True, True, True, True, True]))
     if results["rendezvous"]:
         rows = []
-        ratios = {s["order"]: s["send_over_recv_p50"] for s in results["rendezvous_summary"]}
+        summary = {s["order"]: s for s in results["rendezvous_summary"]}
         for r in results["rendezvous"]:
+            ratios = summary.get(r["order"], {})
+            socket_p50 = r.get("baseline_socket_p50_us")
             rows.append([r["order"], f"{r['mode']}-driven", f"{r['p50_us']:.1f}", f"{r['p90_us']:.1f}",
                          f"{r['p99_us']:.1f}", f"{r['max_us']:.0f}", f"{r['producer_waited']:.0%}",
                          f"{r['consumer_waited']:.0%}",
-                         ratio_label(ratios.get(r["order"])) if r["mode"] == "send" else ""])
+                         ratio_label(ratios.get("send_over_recv_p50")) if r["mode"] == "send" else "",
+                         f"{socket_p50:.1f}" if socket_p50 is not None else "-",
+                         ratio_label(ratios.get("socket_push_over_reply_p50"))
+                         if r["mode"] == "send" else ""])
         parts.append("\nrendezvous: us from the later of send/recv to recv done "
-                     f"({results['rendezvous'][0]['rounds']} rounds each; who called first = who waited)")
+                     f"({results['rendezvous'][0]['rounds']} rounds each; who called first = who waited;"
+                     " socket: the same rounds' bytes on a plain socket, push for send-driven,"
+                     " request+reply for recv-driven)")
         parts.append(report.table(["order", "mode", "p50", "p90", "p99", "max", "producer waited",
-                                   "consumer waited", "send/recv p50"], rows,
-                                  right=[False, False, True, True, True, True, True, True, True]))
+                                   "consumer waited", "send/recv p50", "socket p50",
+                                   "socket push/reply"], rows,
+                                  right=[False, False] + [True] * 9))
     for note in results.get("notes") or []:
         parts.append(f"\nnote: {note}")
     if targets:

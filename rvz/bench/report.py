@@ -185,6 +185,10 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     r = row.get("send_over_recv_p50") if row else None
     detail = (f"send {row['send_p50_us']:.1f} us vs recv {row['recv_p50_us']:.1f} us (p50)"
               if row and r is not None else "not measured")
+    host = row.get("socket_push_over_reply_p50") if row else None
+    if host is not None:
+        # Context, not the verdict: what the same rounds cost on a plain socket here.
+        detail += f"; plain socket, same rounds: push / request+reply {host:.2f}x"
     add("rendezvous-consumer-first", "rendezvous consumer-first: send p50 / recv p50", "<= 1.0x",
         r, at_most(r, 1.0), detail)
 

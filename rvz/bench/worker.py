@@ -33,6 +33,7 @@ import os
 import platform
 import random
 import resource
+import select
 import socket
 import struct
 import sys
@@ -51,6 +52,8 @@ B_JOB = "b"
 # Baselines frame each message with this header: payload length and a "last message" flag.
 FRAME = struct.Struct("<II")
 CONNECT_TIMEOUT = 30.0
+ROUND_TIMEOUT = 10.0      # socket baselines: longest wait for one frame, or for the end
+RDV_REQUEST_BYTES = 64    # its request frame's payload: about what an rvz request carries
 
 
 def device(job: str) -> str:
@@ -521,6 +524,14 @@ def _socket_accept(listener: socket.socket) -> socket.socket:
     return conn
 
 
+def _end_sending(sock: socket.socket) -> None:
+    """Tell the consumer the producer is done, and wait until it has read everything (it
+    closes then): closing at once could reset the connection under its last bytes."""
+    sock.settimeout(ROUND_TIMEOUT)
+    sock.shutdown(socket.SHUT_WR)
+    sock.recv(1)
+
+
 def socket_stream(case: dict[str, Any], addrs: dict[str, str], role: str,
                   listener: socket.socket | None) -> dict[str, Any]:
     """Blocking sockets: ``sendall`` of each framed message, ``recv_into`` one buffer."""
@@ -536,8 +547,7 @@ def socket_stream(case: dict[str, Any], addrs: dict[str, str], role: str,
             async def one(frame: Any) -> None:
                 sendall(frame)
             sent = _run_sync(produce(plan, one, body, last, check_every(size)))
-            sock.shutdown(socket.SHUT_WR)
-            sock.recv(1)  # wait for the consumer to finish before closing
+            _end_sending(sock)
             return {"sent": sent}
         finally:
             sock.close()
@@ -598,6 +608,132 @@ def socket_pingpong(case: dict[str, Any], addrs: dict[str, str], role: str,
             samples.append(clock() - t)
         _run_sync(produce(plan, one, body, last, 16))
         return {"samples_ns": samples[plan.warmup:]}
+    finally:
+        sock.close()
+
+
+class _Inbox:
+    """A non-blocking socket whose inbound bytes are counted in frames of one length.
+
+    The rendezvous replica only needs to know how many whole frames have arrived, so the
+    bytes themselves land in one scratch buffer and are dropped.
+    """
+
+    def __init__(self, sock: socket.socket, frame_len: int) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.frame_len = frame_len
+        self.got = 0        # bytes received
+        self.taken = 0      # frames handed out by ``take``
+        self.closed = False  # the peer shut its side down
+        self.scratch = bytearray(1 << 16)
+        self.readable = select.poll()
+        self.readable.register(sock, select.POLLIN)
+        self.writable = select.poll()
+        self.writable.register(sock, select.POLLOUT)
+
+    def poll(self, timeout_ms: float) -> None:
+        """Wait up to ``timeout_ms`` for bytes (0: only look) and read what is there."""
+        if not self.readable.poll(timeout_ms):
+            return
+        while True:
+            try:
+                n = self.sock.recv_into(self.scratch)
+            except BlockingIOError:
+                return
+            if n == 0:  # the peer is done; frames before its end still count
+                self.closed = True
+                self.readable.unregister(self.sock)
+                return
+            self.got += n
+
+    def until(self, t_ns: int) -> None:
+        """Wait as ``wait_until`` does (a coarse sleep, then polls that do not block),
+        reading whatever arrives meanwhile, as an event loop would."""
+        clock = time.monotonic_ns
+        while True:
+            left = t_ns - clock()
+            if left <= 0:
+                return
+            self.poll((left - 1_000_000) / 1e6 if left > 1_500_000 else 0)
+
+    def take(self) -> None:
+        """Wait for the next whole frame (bounded: a lost peer must not hang the run)."""
+        end = time.monotonic() + ROUND_TIMEOUT
+        while self.got // self.frame_len <= self.taken:
+            if self.closed:
+                raise ConnectionError("peer closed the baseline connection")
+            if time.monotonic() > end:
+                raise TimeoutError(f"no frame from the peer within {ROUND_TIMEOUT}s")
+            self.poll(100)
+        self.taken += 1
+
+    def send(self, data: bytes | bytearray) -> None:
+        view = memoryview(data)
+        sent = self.sock.send(view)
+        end = time.monotonic() + ROUND_TIMEOUT
+        while sent < len(view):  # only a large frame with a full socket buffer gets here
+            if time.monotonic() > end:
+                raise TimeoutError(f"the peer read nothing for {ROUND_TIMEOUT}s")
+            self.writable.poll(100)
+            self.poll(0)  # keep reading, so neither side waits on the other's buffer
+            try:
+                sent += self.sock.send(view[sent:])
+            except BlockingIOError:
+                pass
+
+
+def socket_rendezvous(case: dict[str, Any], addrs: dict[str, str], role: str,
+                      listener: socket.socket | None) -> dict[str, Any]:
+    """The rendezvous rounds of ``rvz_rendezvous`` on a plain TCP socket, without rvz.
+
+    Same schedule, same rounds, and per round the bytes of its mode: Send-Driven is a push
+    (the producer writes the value at its call; the consumer's call takes it once it is
+    there); Recv-Driven is a request and its reply (the consumer writes a request at its
+    call; the producer writes the value at its call, or when the request comes if that is
+    later).  Both sides wait as the rvz workers do, reading what arrives meanwhile.  What
+    this measures is the host's share of each pattern's latency: the kernel and the
+    scheduler, with nothing of rvz's.
+    """
+    size = int(case["size"])
+    delays = rendezvous_delays(case)
+    modes = list(case["modes"])
+    period = int(case["period_ns"])
+    t0 = int(case["t0_ns"])
+    clock = time.monotonic_ns
+    value, _ = _frames(size)
+    request, _ = _frames(RDV_REQUEST_BYTES)
+    if role == "a":
+        assert listener is not None
+        sock = _socket_accept(listener)
+        try:
+            inbox = _Inbox(sock, len(request))
+            sends: list[int] = []
+            for i, (mine, _) in enumerate(delays):
+                inbox.until(t0 + i * period + mine)
+                t = clock()
+                if modes[i % len(modes)] == "recv":
+                    inbox.take()  # the consumer's request (already here if it called first)
+                inbox.send(value)
+                sends.append(t)
+            _end_sending(sock)
+            return {"send_ns": sends}
+        finally:
+            sock.close()
+    sock = _socket_connect(addrs["a"])
+    try:
+        inbox = _Inbox(sock, len(value))
+        calls: list[int] = []
+        done: list[int] = []
+        for i, (_, mine) in enumerate(delays):
+            inbox.until(t0 + i * period + mine)
+            t = clock()
+            if modes[i % len(modes)] == "recv":
+                inbox.send(request)
+            inbox.take()
+            done.append(clock())
+            calls.append(t)
+        return {"recv_ns": calls, "done_ns": done}
     finally:
         sock.close()
 
@@ -1005,7 +1141,8 @@ class Worker:
         kind, impl, role = case["kind"], case["impl"], case["role"]
         listener = self.listener
         if impl == "socket":
-            body = {"stream": socket_stream, "pingpong": socket_pingpong}[kind]
+            body = {"stream": socket_stream, "pingpong": socket_pingpong,
+                    "rendezvous": socket_rendezvous}[kind]
             return dict(body(case, addrs, role, listener))
         if impl == "streams":
             sbody = {"stream": streams_stream, "pingpong": streams_pingpong}[kind]
