@@ -76,6 +76,8 @@ cdef class RemoteWaiter:
     cdef public Route route
     cdef public bint _done
 
+    cdef init(self, Core core, Wire conn, object step, object request_id, Route route)
+
 
 cdef class Wire:
     cdef public Core core
@@ -202,9 +204,11 @@ cdef class Core:
     @cython.locals(route=Route, table=Table, peer=Peer, link=Wire, text=str)
     cpdef object recv(self, object key, object step, object mode, object timeout)
     cpdef str recv_mode(self, Peer peer, object mode)
-    @cython.locals(request=Request)
+    @cython.locals(request=Request, keys=dict, key=str)
     cpdef Request new_request(self, Peer peer, object step, Route route)
+    @cython.locals(keys=dict)
     cpdef Py_ssize_t outstanding_count(self, object step, str key) except -1
+    @cython.locals(keys=dict)
     cpdef drop_outstanding(self, object step)
     @cython.locals(request=Request, conn=Wire)
     cpdef request(self, Peer peer, object step, Route route)
@@ -213,7 +217,10 @@ cdef class Core:
     cpdef ask_stuck(self, Peer peer, object step, Route route, Table table)
     @cython.locals(request=Request)
     cpdef send_requests(self, Wire conn, list requests)
+    @cython.locals(keys=dict)
     cpdef forget_request(self, object request_id, object step, str key)
+    cdef _drop_key(self, object step, dict keys, str key)
+    @cython.locals(keys=dict)
     cpdef rebalance(self, object step, str key, Table table)
     cpdef consumed(self, tuple src, object value)
     cpdef consumed_from(self, Peer peer, object value)
@@ -236,7 +243,7 @@ cdef class Core:
                    cost=Py_ssize_t, routes=list)
     cpdef on_data_many(self, Wire conn, object step, list keys, list values)
     cpdef Route arriving_route(self, Peer peer, str key)
-    @cython.locals(route=Route, table=Table, peer=Peer)
+    @cython.locals(route=Route, table=Table, peer=Peer, waiter=RemoteWaiter)
     cpdef on_request(self, Wire conn, object step, object request_id, str key)
     @cython.locals(i=Py_ssize_t, item=tuple)
     cpdef object unqueue_push(self, Peer peer, object step, str text)

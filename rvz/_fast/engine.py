@@ -248,6 +248,9 @@ class RemoteWaiter:
     __slots__ = ("core", "conn", "step", "request_id", "route", "_done")
 
     def __init__(self, core: Core, conn: Wire, step: Any, request_id: Any, route: Route) -> None:
+        self.init(core, conn, step, request_id, route)
+
+    def init(self, core: Core, conn: Wire, step: Any, request_id: Any, route: Route) -> None:
         self.core = core
         self.conn = conn
         self.step = step
@@ -649,7 +652,7 @@ class Core:
         self.routes: dict = {}             # key text -> Route
         self.devices: dict = {}            # device name -> (job, task)
         self.requests: dict = {}           # request id -> Request
-        self.outstanding: dict = {}        # (step, key) -> request id, or a deque of them (new_request)
+        self.outstanding: dict = {}        # step -> {key: request id, or a deque of them} (new_request)
         # Requests we cancelled recently: the producer may have answered before the CANCEL
         # reached it, and such an answer is still one we asked for (not a push).
         self.cancelled: dict = {}
@@ -1063,29 +1066,38 @@ class Core:
         request = Request.__new__(Request)  # compiled: no argument tuple parsed by __init__
         request.init(request_id, peer, step, route.text, route.wire)
         self.requests[request_id] = request
-        # ``outstanding``: a lone request's id as it is (the common case: one recv waiting
-        # on a key), a deque of ids, oldest first, once a second one is asked.
-        where = (step, route.text)
-        pending = self.outstanding.get(where)
+        # ``outstanding``: per step, per key, a lone request's id as it is (the common case:
+        # one recv waiting on a key), a deque of ids, oldest first, once a second one is
+        # asked.  (Keyed by step, then key: no (step, key) tuple made and hashed for every
+        # request and answer, and a step's requests are dropped together.)
+        keys = self.outstanding.get(step)
+        if keys is None:
+            self.outstanding[step] = {route.text: request_id}
+            return request
+        key = route.text
+        pending = keys.get(key)
         if pending is None:
-            self.outstanding[where] = request_id
+            keys[key] = request_id
         elif type(pending) is deque:
             pending.append(request_id)
         else:
-            self.outstanding[where] = deque((pending, request_id))
+            keys[key] = deque((pending, request_id))
         return request
 
     def outstanding_count(self, step: Any, key: str) -> int:
         """How many requests we sent for ``key`` in ``step`` are not answered yet."""
-        pending = self.outstanding.get((step, key))
+        keys = self.outstanding.get(step)
+        pending = None if keys is None else keys.get(key)
         if pending is None:
             return 0
         return len(pending) if type(pending) is deque else 1
 
     def drop_outstanding(self, step: Any) -> None:
         """Forget every request of ``step`` (the step was aborted)."""
-        for where in [w for w in self.outstanding if w[0] == step]:
-            pending = self.outstanding.pop(where)
+        keys = self.outstanding.pop(step, None)
+        if keys is None:
+            return
+        for pending in keys.values():
             for request_id in (pending if type(pending) is deque else (pending,)):
                 self.requests.pop(request_id, None)
 
@@ -1133,29 +1145,40 @@ class Core:
         conn.requests_queued()
 
     def forget_request(self, request_id: Any, step: Any, key: str) -> None:
-        where = (step, key)
-        pending = self.outstanding.get(where)
+        keys = self.outstanding.get(step)
+        if keys is None:
+            return
+        pending = keys.get(key)
         if pending is None:
             return
         if type(pending) is not deque:
             if pending == request_id:
-                del self.outstanding[where]
+                self._drop_key(step, keys, key)
             return
         try:
             pending.remove(request_id)
         except ValueError:
             pass
         if not pending:
-            del self.outstanding[where]
+            self._drop_key(step, keys, key)
+
+    def _drop_key(self, step: Any, keys: dict, key: str) -> None:
+        """``key`` has no outstanding request left in ``step``; nor, perhaps, the step
+        (``outstanding`` is empty when nothing is asked: ``Node.recv`` tests that)."""
+        del keys[key]
+        if not keys:
+            del self.outstanding[step]
 
     def rebalance(self, step: Any, key: str, table: Table) -> None:
         """Cancel requests that no local waiter needs any more (newest first)."""
-        where = (step, key)
-        pending = self.outstanding.get(where)
+        keys = self.outstanding.get(step)
+        if keys is None:
+            return
+        pending = keys.get(key)
         if pending is None:
             return
         if type(pending) is not deque:
-            pending = self.outstanding[where] = deque((pending,))  # (rare: one shape below)
+            pending = keys[key] = deque((pending,))  # (rare: one shape below)
         surplus = len(pending) - (table.waiting(key) if not table.aborted else 0)
         while surplus > 0 and pending:
             request = self.requests.pop(pending.pop(), None)
@@ -1169,9 +1192,9 @@ class Core:
                     if len(self.cancel_order) > 65536:
                         self.cancelled.pop(self.cancel_order.popleft(), None)
         if not pending:
-            del self.outstanding[where]
+            self._drop_key(step, keys, key)
         elif len(pending) == 1:
-            self.outstanding[where] = pending[0]
+            keys[key] = pending[0]
 
     def consumed(self, src: tuple, value: Any) -> None:
         """A value from ``src`` left our table: grant that producer the space again."""
@@ -1435,7 +1458,8 @@ class Core:
         self.joined(step, peer)
         if self.claim_timeout is not None:
             self.asked[(step, route.text)] = self.loop.time()
-        waiter = RemoteWaiter(self, conn, step, request_id, route)
+        waiter = RemoteWaiter.__new__(RemoteWaiter)  # compiled: a C call, no argument tuple
+        waiter.init(self, conn, step, request_id, route)
         value = table.take_or_wait(route.text, waiter)
         if value is EMPTY and peer.queue:
             # A push of this key waiting for credit: the consumer asks for it because the
