@@ -90,6 +90,32 @@ def test_recv_driven_requests_of_one_key_are_counted_as_recvs_come_and_go(run, c
     run(main(), timeout=15)
 
 
+def test_cleaning_up_a_step_drops_its_requests_and_no_other_steps(run, cluster) -> None:  # type: ignore[no-untyped-def]
+    """Recv-Driven recvs waiting in two steps: cleaning one up fails its recvs and forgets
+    its requests; the other step's stay outstanding and are answered."""
+    async def main() -> None:
+        async with pair(cluster, "recv") as (w, p):
+            core = p._core
+            k, other = key("a"), key("b")
+            doomed = [await pending(p.step(3).recv(k, timeout=5)) for _ in range(2)]
+            doomed.append(await pending(p.step(3).recv(other, timeout=5)))
+            kept = await pending(p.step(4).recv(k, timeout=5))
+            await eventually(lambda: len(core.requests) == 4, "four requests out")
+            assert core.outstanding_count(3, str(k)) == 2
+            assert core.outstanding_count(3, str(other)) == 1
+            await p.step(3).cleanup()
+            for recv in doomed:
+                with pytest.raises(rvz.Aborted):
+                    await recv
+            assert core.outstanding_count(3, str(k)) == 0 and 3 not in core.outstanding
+            assert core.outstanding_count(4, str(k)) == 1 and len(core.requests) == 1
+            await w.step(4).send(k, np.array([5]))
+            assert (await kept).tolist() == [5]
+            assert not core.outstanding and not core.requests
+
+    run(main(), timeout=15)
+
+
 def test_a_call_from_another_loop_on_the_same_thread_is_refused(loop_name, cluster) -> None:  # type: ignore[no-untyped-def]
     """The node's loop is stopped and another loop runs on its thread: refused, as from
     another thread (the check's cheap path, same thread, must not let this through)."""
