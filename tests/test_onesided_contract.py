@@ -30,7 +30,9 @@ from .conftest import FAST, PS, WORKER, eventually, key, pair
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Small pool chunks: registering (populating) a chunk costs time, tests need little memory.
-OPTS: dict[str, Any] = {"chunk_size": 4 << 20}
+# Every push goes through the channel (tcp_max -1): this file tests the one-sided engine,
+# small values included; which way a push takes by default is tested on its own below.
+OPTS: dict[str, Any] = {"chunk_size": 4 << 20, "tcp_max": -1}
 
 
 @pytest.fixture(params=["shm", "verbs"])
@@ -160,6 +162,86 @@ async def test_slot_exhaustion_queues_in_order_and_credit_returns(cluster: rvz.C
 
 def k_text(k: rvz.Key) -> str:
     return str(k)
+
+
+# -- which way a push goes: the connection or the channel ------------------------------------------
+
+
+def out_channel(node: rvz.Node) -> Any:
+    (ch,) = channels(node)
+    return ch
+
+
+def ways(ch: Any) -> tuple[int, int, int]:
+    """(pushes kept on the TCP connection, inline messages, one-sided writes) so far."""
+    st = ch.stats
+    return st["tcp"], st["inline"] - st["tcp"], st["writes"]
+
+
+@pytest.mark.loop_timeout(30)
+async def test_a_keys_first_push_picks_its_way_and_keeps_it(cluster: rvz.ClusterSpec,
+                                                            transport: str) -> None:
+    small, large = np.arange(16, dtype=np.int64), np.arange(40000, dtype=np.int64)
+    assert small.nbytes <= 1024 < large.nbytes
+    async with pair(cluster, "send", transport=transport,
+                    onesided={**OPTS, "tcp_max": 1024}) as (w, p):
+        s, big = key("starts-small"), key("starts-large")
+        await w.send(s, small)
+        assert np.array_equal(await p.recv(s, timeout=10), small)
+        ch = out_channel(w)
+        assert ways(ch) == (1, 0, 0)          # over the connection, nothing one-sided
+        await w.send(big, large)
+        assert np.array_equal(await p.recv(big, timeout=10), large)
+        assert ways(ch) == (1, 0, 1)          # a one-sided write
+        # Sizes now alternate on both keys, sent back to back before anything is received:
+        # each key stays on its way, so its values arrive in order.
+        for i in range(6):
+            for k in (s, big):
+                await w.send(k, (large if i % 2 else small) + i)
+        for k in (s, big):
+            for i in range(6):
+                assert np.array_equal(await p.recv(k, timeout=10), (large if i % 2 else small) + i)
+        assert ways(ch) == (7, 3, 4)          # s: 6 more on TCP; big: 3 inline + 3 writes
+        assert p.stats()["steps"].get(0, {}).get("queued_values", 0) == 0
+
+
+@pytest.mark.parametrize("mode", ["send", "recv"])
+@pytest.mark.loop_timeout(30)
+async def test_shm_default_keeps_small_pushes_on_the_connection(cluster: rvz.ClusterSpec,
+                                                                mode: str) -> None:
+    if rvz.onesided.available().get("shm"):
+        pytest.skip(f"shm not available: {rvz.onesided.available()['shm']}")
+    async with pair(cluster, mode, transport="shm", onesided={"chunk_size": 4 << 20}) as (w, p):
+        for i in range(20):
+            await w.send(key("tiny"), np.full(8, i, np.float32))
+        await w.send(key("huge"), np.ones(1 << 19))   # 4 MiB: above shm's tcp_max
+        for i in range(20):
+            assert int((await p.recv(key("tiny"), timeout=10))[0]) == i
+        assert np.array_equal(await p.recv(key("huge"), timeout=10), np.ones(1 << 19))
+        tcp, inline, writes = ways(out_channel(w))
+        if mode == "send":
+            assert (tcp, inline) == (20, 0) and writes >= 1
+        else:  # answers stay on the channel, which holds the consumer's destinations
+            assert tcp == 0 and inline + writes >= 21
+
+
+@pytest.mark.loop_timeout(30)
+async def test_keys_beyond_the_remembered_ones_go_one_sided(cluster: rvz.ClusterSpec,
+                                                            transport: str) -> None:
+    async with pair(cluster, "send", transport=transport,
+                    onesided={**OPTS, "tcp_max": 1024}) as (w, p):
+        await w.send(key("first"), np.ones(4))
+        assert np.array_equal(await p.recv(key("first"), timeout=10), np.ones(4))
+        ch = out_channel(w)
+        ch.conn.push_routes_max = 1          # the connection remembers one key from now on
+        for i in range(3):
+            await w.send(key("later"), np.full(4, i))
+            await w.send(key("first"), np.full(4, i))
+        for i in range(3):
+            assert int((await p.recv(key("later"), timeout=10))[0]) == i
+            assert int((await p.recv(key("first"), timeout=10))[0]) == i
+        assert ways(ch) == (4, 3, 0)          # first: always TCP; later: always the channel
+        assert len(ch.conn.push_routes) == 1
 
 
 # -- shape changes ------------------------------------------------------------------------------

@@ -74,7 +74,9 @@ def cluster() -> rvz.ClusterSpec:
 
 
 def nodes(spec: rvz.ClusterSpec, ps_opts: dict[str, Any]) -> tuple[rvz.Node, rvz.Node, rvz.Node]:
-    opts = {"chunk_size": 4 * MiB}
+    # tcp_max -1: every push goes through the shm channel, whose bounds these attacks test
+    # (by default a push of at most 256 KiB would stay on the TCP connection).
+    opts = {"chunk_size": 4 * MiB, "tcp_max": -1}
     return (rvz.Node(spec, "worker", 0, "send", transport="shm", onesided=opts, **FAST),
             rvz.Node(spec, "worker", 1, "send", transport="shm", onesided=opts, **FAST),
             rvz.Node(spec, "ps", 0, "send", transport="shm", onesided={**opts, **ps_opts}, **FAST))

@@ -92,6 +92,9 @@ cdef class Wire:
     cdef public object close_reason
     cdef public dict parked
     cdef public object dataplane
+    cdef public dict push_routes
+    cdef public Py_ssize_t push_routes_max
+    cdef public Py_ssize_t tcp_pushes
     cdef public object bytes_out
     cdef public Py_ssize_t frames_out
     cdef public Py_ssize_t data_out
@@ -120,6 +123,7 @@ cdef class Wire:
     cpdef write_request(self, object step, object request_id, bytes key)
     cpdef write_value(self, object step, object request_id, bytes key, object value, int code,
                       tuple shape, Py_ssize_t nbytes)
+    cpdef bint push_onesided(self, bytes key, Py_ssize_t nbytes)
     @cython.locals(ndim=Py_ssize_t, start=Py_ssize_t, out=bytearray)
     cdef _pack(self, object step, bytes key, object value, int code, tuple shape,
                Py_ssize_t nbytes)

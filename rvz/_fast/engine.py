@@ -101,6 +101,9 @@ GATHER_AT = 1 << 20
 # block after the loop iteration (``RecvPool.maintain``, scheduled by ``Wire.buffer_updated``).
 LARGE_READ = 65536
 NEVER = 1 << 62  # ``Wire.tune_from`` of a transport that does not tune its reads
+# A connection with a one-sided channel remembers which way each key's pushes go (see
+# ``Wire.push_onesided``) for this many keys; the pushes of keys beyond it go one-sided.
+PUSH_ROUTES_MAX = 1 << 14
 _ROUTE_CACHE_MAX = 1 << 16
 _DEVICES_MAX = 4096
 
@@ -306,6 +309,11 @@ class Wire:
         # The rvz.onesided channel this connection negotiated at HELLO (shm, verbs): DATA then
         # goes one-sided through it, and its control frames are handed to it.
         self.dataplane: Any = None
+        # With a dataplane: key -> True (its pushes go one-sided) or False (over this
+        # connection), fixed by the key's first push (``push_onesided``).
+        self.push_routes: dict = {}
+        self.push_routes_max = PUSH_ROUTES_MAX
+        self.tcp_pushes = 0               # pushes that stayed here although a dataplane is on
         self.bytes_out = 0
         self.frames_out = 0
         self.data_out = 0                 # cost (payload + MESSAGE_COST) of the DATA written
@@ -437,9 +445,11 @@ class Wire:
             raise self.lost_error()
         self.frames_out += 1  # a message: a value, however it is framed
         self.data_out += nbytes + MESSAGE_COST
-        if self.dataplane is not None:  # shm / verbs: the payload goes one-sided
-            self.dataplane.write_value(step, request_id, key, value, code, shape, nbytes)
-            return
+        if self.dataplane is not None:  # shm / verbs: answers and large pushes go one-sided
+            if request_id != 0 or self.push_onesided(key, nbytes):
+                self.dataplane.write_value(step, request_id, key, value, code, shape, nbytes)
+                return
+            self.tcp_pushes += 1
         if nbytes <= COALESCE_MAX:
             if request_id == 0:
                 self._pack(step, key, value, code, shape, nbytes)
@@ -480,6 +490,27 @@ class Wire:
             self._gathered_bytes += nbytes
             if self._gathered_bytes >= GATHER_AT:
                 self._write_out()
+
+    def push_onesided(self, key: bytes, nbytes: int) -> bool:
+        """Whether a push of ``key`` goes through the one-sided channel or this connection.
+
+        Small values cost less here (compiled, packed with the others of the loop iteration
+        into one write) than as one provider message each, handled in Python on both sides;
+        large ones cost less one-sided.  The two ways are not ordered with each other at the
+        consumer, so a key's first push decides for all of its pushes on this connection:
+        this connection if it was at most the channel's ``tcp_max`` bytes, else the channel
+        (which carries small values inline, in order with its writes).  Keys are
+        remembered up to ``push_routes_max``; the pushes of keys first seen after that go
+        one-sided, which no remembered key ever does unless it started so.
+        """
+        routes = self.push_routes
+        onesided = routes.get(key)
+        if onesided is None:
+            if len(routes) >= self.push_routes_max:
+                return True
+            onesided = nbytes > self.dataplane.tcp_max
+            routes[key] = onesided
+        return onesided is True
 
     def _pack(self, step: Any, key: bytes, value: Any, code: int, shape: tuple,
               nbytes: int) -> None:

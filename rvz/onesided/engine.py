@@ -34,7 +34,9 @@ and sends ``dest`` again (a re-ask); later answers on that key wait behind it, s
 order per key holds.
 
 Small values (header + key + payload within one provider message) go as an inline
-message, in order with the writes of the same endpoint.
+message, in order with the writes of the same endpoint.  Pushes of a key whose first push
+was at most ``tcp_max`` bytes (shm: 256 KiB; verbs: none) do not come here at all: they stay
+on the TCP connection, compiled and coalesced (``Wire.push_onesided`` in the engine).
 
 Failures never escape into the event loop: a failed completion, an unreachable peer file,
 a malformed control message or an exhausted pool fails the channel with
@@ -110,7 +112,7 @@ class Options:
     """Tunables of the one-sided transports (``Node(..., onesided={...})``)."""
 
     KNOWN = {"chunk_size", "pool_limit", "cqs", "max_slots", "slot_budget", "inline_max",
-             "pipe_size", "device", "port", "gid_index", "recv_depth", "send_depth",
+             "tcp_max", "pipe_size", "device", "port", "gid_index", "recv_depth", "send_depth",
              "grant_timeout", "slot_idle"}
 
     def __init__(self, values: dict[str, Any] | None = None) -> None:
@@ -124,6 +126,11 @@ class Options:
         self.max_slots = int(values.get("max_slots", 8))
         self.slot_budget = int(values.get("slot_budget", 64 << 20))
         self.inline_max = values.get("inline_max")
+        # Pushes of keys whose first push is at most this many bytes go over the TCP
+        # connection (``Wire.push_onesided``); None: the provider's ``tcp_max``; -1: none.
+        self.tcp_max = values.get("tcp_max")
+        if self.tcp_max is not None:
+            self.tcp_max = int(self.tcp_max)
         self.pipe_size = int(values.get("pipe_size", 1 << 20))
         self.device = values.get("device")
         self.port = int(values.get("port", 1))
@@ -168,6 +175,7 @@ class Engine:
         if options.inline_max is not None:
             limit = min(limit, int(options.inline_max))
         self.inline_limit = limit
+        self.tcp_max = options.tcp_max if options.tcp_max is not None else provider.tcp_max
         self.channels: dict[int, Channel] = {}
         self.meta: dict[str, tuple[int, tuple[int, ...], int]] = {}
         self._ep_ids = itertools.count(1)
@@ -279,6 +287,7 @@ class Channel:
         self.max_slots = options.max_slots
         self.slot_idle = options.slot_idle
         self.inline_limit = engine.inline_limit
+        self.tcp_max = engine.tcp_max      # read by the connection (``Wire.push_onesided``)
         ep.on_error = self.fail
         self.failed: BaseException | None = None
         self.closed = False
@@ -320,7 +329,18 @@ class Channel:
         self._wr_ids = itertools.count(1)
         timeout = engine.options.grant_timeout
         self.grant_timeout = float(timeout) if timeout is not None else engine.node.peer_timeout
-        self.stats = {"writes": 0, "inline": 0, "meta": 0, "grants": 0}
+        self._stats = {"writes": 0, "inline": 0, "meta": 0, "grants": 0}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counts of what this side sent: ``writes`` (one-sided), ``inline`` (values
+        carried in a message: a provider message, or a TCP frame for the pushes that stay on
+        the connection, which ``tcp`` counts alone), ``meta``, ``grants``."""
+        out = dict(self._stats)
+        tcp = self.conn.tcp_pushes
+        out["inline"] += tcp
+        out["tcp"] = tcp
+        return out
 
     def __repr__(self) -> str:
         return f"<{self.name} channel to {self.peer_name} ep={self.ep.ep_id}>"
@@ -551,7 +571,7 @@ class Channel:
             sources, staged = self._registered(views)
         else:
             sources = [(v, 0, 0) for v in views]
-        self.stats["writes"] += 1
+        self._stats["writes"] += 1
         if not self.ep.write(sources, addr, rkey, imm, wr_id):
             self.inflight[wr_id] = (keep, staged)
         elif staged is not None:
@@ -591,7 +611,7 @@ class Channel:
                  _SHAPES[ndim].pack(*shape), wire]
         if nbytes:
             parts.append(payload_view(value))
-        self.stats["inline"] += 1
+        self._stats["inline"] += 1
         wr_id = next(self._wr_ids)
         if not self.ep.send(parts, wr_id):
             self.inflight[wr_id] = (None, None)
@@ -621,7 +641,7 @@ class Channel:
             self._send_inline(item)   # the consumer frees the destination it had, if any
             return True
         self.remote_dests[request_id] = _WAITING
-        self.stats["meta"] += 1
+        self._stats["meta"] += 1
         self._control({"op": "meta", "r": request_id, "st": step, "k": key, "c": code,
                        "s": list(shape), "n": nbytes})
         return False
@@ -686,7 +706,7 @@ class Channel:
             self.granted += block.size
             blocks.append(block)
             slots.append([imm, block.addr, block.region.rkey, block.size])
-        self.stats["grants"] += count
+        self._stats["grants"] += count
         self._control({"op": "slots", "k": key, "s": slots, "m": self._descs(blocks)})
 
     def _flush_refill(self) -> None:

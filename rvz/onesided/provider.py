@@ -98,6 +98,7 @@ class Provider(Protocol):
     name: str
     needs_registered_source: bool
     max_message: int
+    tcp_max: int  # default of Options.tcp_max: pushes up to it stay on the TCP connection
 
     def open(self) -> None: ...
 

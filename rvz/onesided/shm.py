@@ -73,6 +73,9 @@ class ShmProvider:
     name = "shm"
     needs_registered_source = False
     max_message = PIPE_BUF - RECORD.size
+    # Pushes up to this size cost less over the TCP connection (compiled and coalesced)
+    # than as one pipe record each; from about 1 MiB the one-sided copy is faster.
+    tcp_max = 256 << 10
 
     def __init__(self, loop: asyncio.AbstractEventLoop, pipe_size: int = 1 << 20) -> None:
         self.loop = loop
