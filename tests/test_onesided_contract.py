@@ -35,13 +35,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OPTS: dict[str, Any] = {"chunk_size": 4 << 20, "tcp_max": -1}
 
 
-@pytest.fixture(params=["shm", "verbs"])
-def transport(request: pytest.FixtureRequest) -> str:
-    name = str(request.param)
+def provider_or_skip(name: str) -> str:
     why = rvz.onesided.available().get(name)
     if why:
         pytest.skip(f"{name} contract not run on this machine: {why}")
     return name
+
+
+@pytest.fixture(params=["shm", "verbs"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return provider_or_skip(str(request.param))
 
 
 def channels(node: rvz.Node) -> list[Any]:
@@ -209,8 +212,7 @@ async def test_a_keys_first_push_picks_its_way_and_keeps_it(cluster: rvz.Cluster
 @pytest.mark.loop_timeout(30)
 async def test_shm_default_keeps_small_pushes_on_the_connection(cluster: rvz.ClusterSpec,
                                                                 mode: str) -> None:
-    if rvz.onesided.available().get("shm"):
-        pytest.skip(f"shm not available: {rvz.onesided.available()['shm']}")
+    provider_or_skip("shm")
     async with pair(cluster, mode, transport="shm", onesided={"chunk_size": 4 << 20}) as (w, p):
         for i in range(20):
             await w.send(key("tiny"), np.full(8, i, np.float32))
