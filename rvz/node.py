@@ -728,7 +728,7 @@ class Node:
                 core.joined(step, peer)
                 # Send-Driven too when the producer is blocked on a window full of values
                 # not taken (see Core.unblock).
-                if core.recv_mode(peer, mode) == "recv" or peer.owe_now:
+                if core.recv_mode(peer, mode) == "recv" or peer.stuck:
                     asks.setdefault(peer, []).append(core.new_request(peer, step, route))
                 elif peer not in dialled and not peer.live_connections():
                     dialled.add(peer)
@@ -885,6 +885,7 @@ class Node:
         peer.credit = peer.window
         peer.asked = False
         peer.owe_now = False
+        peer.stuck = False
 
         def lost(key: str) -> RvzError:
             exc = type(err)(f"{err} (key {key})")

@@ -22,6 +22,7 @@ import gc
 import inspect
 import os
 import socket
+import struct
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
@@ -30,6 +31,7 @@ import pytest
 import pytest_asyncio
 
 import rvz
+import rvz.onesided
 
 LOOPS = ["asyncio", "uvloop"]
 
@@ -217,3 +219,44 @@ def in_loop(test: Callable[..., None]) -> Callable[..., None]:
     run_param = inspect.Parameter("run", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     wrapper.__signature__ = inspect.Signature([run_param, *params])  # type: ignore[attr-defined]
     return wrapper
+
+
+def record_writes(conn: Any, raw: list[bytes] | None = None,
+                   early: list[bool] | None = None) -> tuple[list[list[int]], Any]:
+    """Route ``conn``'s small writes through a recorder: the frame types of each write
+    (and, given ``raw``, the bytes of each write appended to it; given ``early``, whether
+    each write left before its iteration's end-of-iteration flush ran)."""
+    written: list[list[int]] = []
+    transport = conn.transport
+    real_write = transport.write
+    header = struct.Struct("<BBHIQ")
+
+    class Recording:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(transport, name)
+
+        def write(self, data: Any) -> None:
+            data = bytes(data)
+            if raw is not None:
+                raw.append(data)
+            if early is not None:
+                early.append(bool(conn._flush_scheduled))
+            types, pos = [], 0
+            while pos < len(data):
+                _, ftype, _, meta_len, payload_len = header.unpack_from(data, pos)
+                types.append(ftype)
+                pos += header.size + meta_len + payload_len
+            written.append(types)
+            real_write(data)
+
+    conn.transport = Recording()
+    return written, transport
+
+
+def provider_or_skip(name: str) -> str:
+    """``name``, or skip the test with the reason this machine cannot run that one-sided
+    provider."""
+    why = rvz.onesided.available().get(name)
+    if why:
+        pytest.skip(f"{name} contract not run on this machine: {why}")
+    return name

@@ -14,7 +14,7 @@ import pytest
 import rvz
 from rvz import _impl
 
-from .conftest import FAST, PS, WORKER, eventually, key, pair, pending
+from .conftest import FAST, PS, WORKER, eventually, key, pair, pending, provider_or_skip, record_writes
 
 MIB = 1 << 20
 SIZE = 256 << 10          # bytes per array
@@ -372,12 +372,19 @@ async def test_send_timeout_under_backpressure_means_not_sent(cluster, mode) -> 
             await p.recv(k, timeout=0.3)            # ... and the timed-out value never comes
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 @pytest.mark.loop_timeout(30)
-async def test_a_window_full_of_one_key_does_not_block_a_recv_of_another(cluster) -> None:  # type: ignore[no-untyped-def]
+async def test_a_window_full_of_one_key_does_not_block_a_recv_of_another(cluster, transport) -> None:  # type: ignore[no-untyped-def]
     # Send-Driven, the consumer waits for key b while key a's values, which it takes only
     # afterwards, fill the whole push window: b's value must still come (asked for), every
     # value of both keys arrives once and in order, and the producer's sends all complete.
-    async with pair(cluster, "send", push_window=MIB) as (w, p):
+    # Over shm (every value through the channel), the producer's request for credit (TCP)
+    # may arrive before the values that fill the window: the consumer, holding none yet,
+    # waits for them to arrive untaken before it asks (Core.check_stuck).
+    kw: dict[str, Any] = {}
+    if transport == "shm":
+        kw = {"transport": provider_or_skip("shm"), "onesided": {"tcp_max": -1, "chunk_size": 4 << 20}}
+    async with pair(cluster, "send", push_window=MIB, **kw) as (w, p):
         ka, kb = key("first"), key("second")
 
         async def produce(k: rvz.Key, first: int, count: int) -> None:
@@ -425,38 +432,6 @@ async def test_a_batch_waiting_behind_a_full_window_is_asked_for(cluster) -> Non
             producer.cancel()
 
 
-def _record_writes(conn: Any, raw: list[bytes] | None = None,
-                   early: list[bool] | None = None) -> tuple[list[list[int]], Any]:
-    """Route ``conn``'s small writes through a recorder: the frame types of each write
-    (and, given ``raw``, the bytes of each write appended to it; given ``early``, whether
-    each write left before its iteration's end-of-iteration flush ran)."""
-    written: list[list[int]] = []
-    transport = conn.transport
-    real_write = transport.write
-    header = struct.Struct("<BBHIQ")
-
-    class Recording:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(transport, name)
-
-        def write(self, data: Any) -> None:
-            data = bytes(data)
-            if raw is not None:
-                raw.append(data)
-            if early is not None:
-                early.append(bool(conn._flush_scheduled))
-            types, pos = [], 0
-            while pos < len(data):
-                _, ftype, _, meta_len, payload_len = header.unpack_from(data, pos)
-                types.append(ftype)
-                pos += header.size + meta_len + payload_len
-            written.append(types)
-            real_write(data)
-
-    conn.transport = Recording()
-    return written, transport
-
-
 @pytest.mark.loop_timeout(20)
 async def test_recv_driven_exchange_writes_answer_and_next_request_together(cluster) -> None:  # type: ignore[no-untyped-def]
     # A node that answers a request and then asks for its reply (Recv-Driven ping-pong)
@@ -487,7 +462,7 @@ async def test_recv_driven_exchange_writes_answer_and_next_request_together(clus
         echoing = asyncio.ensure_future(echo())
         try:
             early: list[bool] = []
-            written, transport = _record_writes(conn, early=early)
+            written, transport = record_writes(conn, early=early)
             try:
                 rounds = 12
                 for i in range(rounds):
@@ -540,7 +515,7 @@ async def test_the_sends_of_one_iteration_are_packed_into_data_many_frames(clust
         conn = w._peers[("ps", 0)].link
         assert conn is not None
         written: list[bytes] = []
-        _, transport = _record_writes(conn, written)
+        _, transport = record_writes(conn, written)
         try:
             await asyncio.sleep(0)
             plan = [(a, 0)] * 3 + [(b, 0)] * 3 + [(a, 7), (b, 7)] + [(a, 0), (b, 0)]

@@ -25,21 +25,15 @@ import pytest
 
 import rvz
 import rvz.onesided
+from rvz import _impl
 
-from .conftest import FAST, PS, WORKER, eventually, key, pair
+from .conftest import FAST, PS, WORKER, eventually, key, pair, provider_or_skip, record_writes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Small pool chunks: registering (populating) a chunk costs time, tests need little memory.
 # Every push goes through the channel (tcp_max -1): this file tests the one-sided engine,
 # small values included; which way a push takes by default is tested on its own below.
 OPTS: dict[str, Any] = {"chunk_size": 4 << 20, "tcp_max": -1}
-
-
-def provider_or_skip(name: str) -> str:
-    why = rvz.onesided.available().get(name)
-    if why:
-        pytest.skip(f"{name} contract not run on this machine: {why}")
-    return name
 
 
 @pytest.fixture(params=["shm", "verbs"])
@@ -161,6 +155,49 @@ async def test_slot_exhaustion_queues_in_order_and_credit_returns(cluster: rvz.C
         assert stats(p, "grants") >= n  # each consumed slot came back as a new grant
         (inn,) = [ch for ch in channels(p) if ch.slot_imms]
         assert len(inn.slot_imms[k_text(k)]) <= 2  # never more than max_slots outstanding
+
+
+@pytest.mark.loop_timeout(40)
+async def test_a_recv_waiting_for_a_push_on_its_way_does_not_ask_for_the_next(
+        cluster: rvz.ClusterSpec, transport: str) -> None:
+    # A push window of one value: every push after the first waits for credit and says so
+    # (CREDIT 0, over TCP) while the value before it may still be on its way through the
+    # channel, which the consumer serves from another file descriptor.  A consumer that has
+    # no credit to return because it holds nothing yet must not read that as a window full
+    # of values nobody took (a Send-Driven deadlock): its waiting recv would ask for its
+    # value Recv-Driven, the request would be answered with the next value instead, and on a
+    # one-sided channel the request reserves a destination for it at once (a tensor more of
+    # memory, 64 MiB in rvz-bench's 64 MiB stream).
+    n, size = 12, 1 << 20
+    async with pair(cluster, "send", transport=transport, onesided=OPTS,
+                    push_window=size) as (w, p):
+        k = key("whole-window")
+        await w.send(k, np.arange(1))
+        await p.recv(k, timeout=10)  # linked, and the channel is up
+        conn = p._peers[("worker", 0)].link
+        assert conn is not None and conn.dataplane is not None
+        written, real = record_writes(conn)
+        try:
+            async def produce() -> None:
+                for i in range(n):
+                    await w.send(k, np.full(size // 4, i, np.float32))
+
+            producer = asyncio.ensure_future(produce())
+            try:
+                for i in range(n):
+                    got = await p.recv(k, timeout=10)
+                    assert got.shape == (size // 4,) and got[0] == i and got[-1] == i
+                await asyncio.wait_for(producer, 10)
+            finally:
+                producer.cancel()
+        finally:
+            conn.transport = real
+        # The producer did wait for credit (each value fills the window) ...
+        assert w.stats()["waits"]["producer"] >= n - 1
+        # ... and every value came pushed: the consumer never asked for one.
+        asks = {_impl.codec.REQUEST, _impl.codec.REQUESTS}
+        assert not [t for t in written if asks & set(t)], written
+        assert stats(w, "writes") >= n
 
 
 def k_text(k: rvz.Key) -> str:

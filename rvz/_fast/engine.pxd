@@ -49,6 +49,7 @@ cdef class Peer:
     cdef public Py_ssize_t owed
     cdef public bint owed_scheduled
     cdef public bint owe_now
+    cdef public bint stuck
     cdef public object joined_step
     cdef public Py_ssize_t window
     cdef public Py_ssize_t unreturned
@@ -218,6 +219,7 @@ cdef class Core:
     cpdef request(self, Peer peer, object step, Route route)
     @cython.locals(table=Table, route=Route)
     cpdef unblock(self, Peer peer)
+    cpdef check_stuck(self, Peer peer)
     cpdef ask_stuck(self, Peer peer, object step, Route route, Table table)
     @cython.locals(request=Request)
     cpdef send_requests(self, Wire conn, list requests)

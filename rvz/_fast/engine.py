@@ -179,7 +179,7 @@ class Peer:
 
     __slots__ = ("id", "name", "address", "out", "dialling", "inbound", "incarnation", "mode",
                  "link", "credit", "asked", "queue", "owed", "owed_scheduled", "owe_now",
-                 "joined_step", "window", "unreturned", "__weakref__")
+                 "stuck", "joined_step", "window", "unreturned", "__weakref__")
 
     def __init__(self, task_id: tuple, address: str, window: int) -> None:
         self.id = task_id
@@ -210,6 +210,9 @@ class Peer:
         self.owed = 0                               # bytes of its values we consumed, to return
         self.owed_scheduled = False
         self.owe_now = False                        # it asked: return credit at the next consumption
+        # It waits for credit and the window is full of its values nobody took: our recvs
+        # of its keys ask for their values, Recv-Driven, until we return credit (``unblock``).
+        self.stuck = False
         self.joined_step: Any = None                # the step it was last added to (a cache)
 
     def live_connections(self) -> list:
@@ -1075,7 +1078,7 @@ class Core:
             raise
         # Send-Driven too while the producer is blocked on a window full of other keys'
         # values (see ``unblock``, which asked for the recvs already waiting).
-        if mode is RECV or peer.owe_now:
+        if mode is RECV or peer.stuck:
             self.request(peer, step, route)
             return (waiter, route, table, peer, False, table.stamp)
         link = peer.link
@@ -1151,6 +1154,18 @@ class Core:
                 route = self.route(key)
                 if route.peer is peer:
                     self.ask_stuck(peer, step, route, table)
+
+    def check_stuck(self, peer: Peer) -> None:
+        """``peer`` said it waits for credit and we have none to return: when we hold values
+        of it that nobody took, the window is full of them, and we ``unblock``.  When we hold
+        none, its pushes are still on their way (on a one-sided channel they can arrive after
+        its CREDIT 0, which came over TCP), or so is the credit we returned last: the next
+        push that arrives decides (``on_data``).  Asking now would turn the recv of a value
+        already on its way into a request for the next one, whose destination a one-sided
+        channel reserves at once: one tensor more of memory for nothing."""
+        if peer.owe_now and not peer.stuck and peer.owed <= 0 and peer.unreturned > 0:
+            peer.stuck = True
+            self.unblock(peer)
 
     def ask_stuck(self, peer: Peer, step: Any, route: Route, table: Table) -> None:
         """Request one value of ``route`` for each waiter not yet covered by a request."""
@@ -1257,6 +1272,7 @@ class Core:
         conns = peer.live_connections()
         if conns:
             peer.owe_now = False
+            peer.stuck = False
             if conns[0].dataplane is not None:  # one-sided: with the data, one wake-up less
                 conns[0].dataplane.send_credit(peer.owed)
             else:
@@ -1428,6 +1444,8 @@ class Core:
         self.joined(step, peer)
         if table.put(route.text, value):
             self.consumed_from(peer, value)
+        elif peer.owe_now:  # it waits for credit, and this value was not taken
+            self.check_stuck(peer)
 
     def on_data_many(self, conn: Wire, step: Any, keys: list, values: list) -> None:
         """A DATA_MANY frame: Send-Driven pushes of one step, as many DATA frames would be,
@@ -1455,6 +1473,8 @@ class Core:
             route = routes[i]
             if table.put(route.text, values[i]):
                 self.consumed_from(peer, values[i])
+        if peer.owe_now:  # it waits for credit: were these values taken?
+            self.check_stuck(peer)
 
     def arriving_route(self, peer: Peer, key: str) -> Route:
         """The route of a key ``peer`` sent us data for; it must run from that peer to us."""
@@ -1531,8 +1551,7 @@ class Core:
         if nbytes == 0:  # the producer waits for credit we hold back in a batch
             peer.owe_now = True
             self.flush_credit_now(peer)
-            if peer.owe_now:  # none held back: the window is full of values not taken
-                self.unblock(peer)
+            self.check_stuck(peer)
             return
         peer.credit = min(peer.credit + nbytes, peer.window)
         peer.asked = False
