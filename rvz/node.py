@@ -1148,6 +1148,7 @@ class Node:
             self._peer_lost(peer, err, keep=conn)
         if peer.incarnation != incarnation:  # a new process: nothing of the old one counts
             peer.unreturned = 0
+            peer.answered = 0
             peer.owed = 0
             peer.window = window
             peer.credit = window

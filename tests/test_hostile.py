@@ -259,6 +259,42 @@ def test_a_producer_that_ignores_credit_is_closed_and_its_accepted_values_kept(r
     run(body(), timeout=40)
 
 
+def test_answers_to_our_requests_do_not_count_against_the_push_window(run) -> None:  # type: ignore[no-untyped-def]
+    """Answers need no credit: the window does not count them.  On a one-sided connection an
+    answer the producer sent after a push can arrive first (the push waits for slots, the
+    answer is written into its destination at once), so a push arriving behind an answer
+    the consumer has not credited back yet is within the window.  Played here by a raw
+    producer answering a request whose recv timed out (its value stays queued, so no
+    credit goes back), then pushing a whole window."""
+    async def body() -> None:
+        cluster = three_tasks()
+        window = 1 * MiB
+        async with pair(cluster, "send", ps={"push_window": window}) as (w, p):
+            asked, pushed = key_text("asked", W1, PS0), key_text("pushed", W1, PS0)
+            h = await Hostile.connect(p.address)
+            try:
+                await h.hello("worker", 1, mode="send")
+                with pytest.raises(TimeoutError):
+                    await p.recv(asked, mode="recv", timeout=0.3)
+                event = await h.read_event()
+                while event is not None and event[0] != codec.REQUEST:
+                    event = await h.read_event()
+                assert event is not None, "the consumer never asked"
+                await h.send(data_frame(0, event[2], asked, np.full(window, 1, np.uint8))
+                             + data_frame(0, 0, pushed, np.full(window, 2, np.uint8)))
+                got = await p.recv(pushed, timeout=5)
+                assert got.nbytes == window and got[0] == 2
+                assert (await p.recv(asked, timeout=5))[0] == 1   # the late answer, kept
+                await asyncio.sleep(0.2)
+                peer = peer_stats({"stats": p.stats()})
+                assert peer["state"] == "connected" and not h.eof, peer   # not closed
+                assert peer["unreturned"] <= 2 * (window + COST), peer
+            finally:
+                h.close()
+
+    run(body(), timeout=20)
+
+
 @pytest.mark.parametrize("size", [100, 64 << 10, 1 << 20], ids=["small", "64KiB", "1MiB"])
 def test_a_value_in_the_same_write_as_hello_is_accepted(run, size) -> None:  # type: ignore[no-untyped-def]
     # A producer may push as soon as it read the node's HELLO, so its HELLO and its first

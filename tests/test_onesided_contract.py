@@ -245,6 +245,73 @@ async def test_a_keys_first_push_picks_its_way_and_keeps_it(cluster: rvz.Cluster
         assert p.stats()["steps"].get(0, {}).get("queued_values", 0) == 0
 
 
+class HeldWrites:
+    """Stands in for a connection's transport and keeps what is written until ``release``."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.real, self.held = conn, conn.transport, []
+        conn.transport = self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def write(self, data: Any) -> None:
+        self.held.append(bytes(data))
+
+    def writelines(self, parts: Any) -> None:
+        self.held.append(b"".join(bytes(part) for part in parts))
+
+    def release(self) -> None:
+        self.conn.transport = self.real
+        for data in self.held:
+            self.real.write(data)
+
+
+@pytest.mark.parametrize("way", ["tcp", "channel"])
+@pytest.mark.loop_timeout(30)
+async def test_an_answer_never_overtakes_the_pushes_of_its_key(cluster: rvz.ClusterSpec,
+                                                               transport: str, way: str) -> None:
+    # A Send-Driven key that its consumer also asks for (recv(mode="recv") here; the
+    # deadlock rule does the same): the producer answers the request with the key's next
+    # value, which must not arrive before the key's push still on its way.  That push is
+    # held back on whichever way the key's values take: in the producer's socket (the key
+    # started with a push within tcp_max), or in the channel, waiting for a slot it asks
+    # for over that socket.  The consumer knows the key's shape, so it offers a
+    # destination the answer could be written into at once.
+    opts = {**OPTS, "tcp_max": 1 << 20 if way == "tcp" else -1}
+    size = 64 << 10   # beyond a provider message: a slot write or a destination write
+    async with pair(cluster, "send", transport=transport, onesided=opts) as (w, p):
+        k = key("mixed")
+        await w.send(k, np.full(size // 8, -1, np.int64))
+        assert int((await p.recv(k, timeout=10))[0]) == -1   # linked; the key's way is set
+        ch = out_channel(w)
+        assert ways(ch)[0] == (1 if way == "tcp" else 0)
+        if way == "channel":
+            # The consumer granted the key fresh slots: give them back (as after its
+            # revoke), so that the next push waits for the slot it asks for.
+            text, inn = k_text(k), out_channel(p)
+            await eventually(lambda: 0 < len(ch.remote_slots.get(text, ()))
+                             == len(inn.slot_imms.get(text, ())), "the slot grants arrived")
+            ch._control({"op": "rel", "k": text, "s": [s[0] for s in ch.remote_slots.pop(text)]})
+            await eventually(lambda: text not in inn.slot_imms, "the slots were given back")
+        peer = w._peers[("ps", 0)]
+        held = HeldWrites(peer.link)
+        try:
+            await w.send(k, np.full(size // 8, 0, np.int64))        # pushed, held back
+            assert held.held if way == "tcp" else ch.out_pending.get(k_text(k))
+            asking = asyncio.ensure_future(p.recv(k, mode="recv", timeout=10))
+            await eventually(lambda: any(c.parked for c in peer.live_connections()),
+                             "the producer holds the consumer's request")
+            await w.send(k, np.full(size // 8, 1, np.int64))        # the request's answer
+            await asyncio.sleep(0.2)   # room for an answer that would overtake to arrive
+            assert not asking.done(), "the answer overtook the push before it"
+        finally:
+            held.release()
+        assert int((await asking)[0]) == 0
+        assert int((await p.recv(k, timeout=10))[0]) == 1
+        assert ways(ch)[0] == (3 if way == "tcp" else 0)   # the answer took the key's way
+
+
 @pytest.mark.parametrize("mode", ["send", "recv"])
 @pytest.mark.loop_timeout(30)
 async def test_shm_default_keeps_small_pushes_on_the_connection(cluster: rvz.ClusterSpec,
@@ -272,7 +339,7 @@ async def test_keys_beyond_the_remembered_ones_go_one_sided(cluster: rvz.Cluster
         await w.send(key("first"), np.ones(4))
         assert np.array_equal(await p.recv(key("first"), timeout=10), np.ones(4))
         ch = out_channel(w)
-        ch.conn.push_routes_max = 1          # the connection remembers one key from now on
+        ch.conn.key_ways_max = 1          # the connection remembers one key from now on
         for i in range(3):
             await w.send(key("later"), np.full(4, i))
             await w.send(key("first"), np.full(4, i))
@@ -280,7 +347,7 @@ async def test_keys_beyond_the_remembered_ones_go_one_sided(cluster: rvz.Cluster
             assert int((await p.recv(key("later"), timeout=10))[0]) == i
             assert int((await p.recv(key("first"), timeout=10))[0]) == i
         assert ways(ch) == (4, 3, 0)          # first: always TCP; later: always the channel
-        assert len(ch.conn.push_routes) == 1
+        assert len(ch.conn.key_ways) == 1
 
 
 # -- shape changes ------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ cdef class Peer:
     cdef public object joined_step
     cdef public Py_ssize_t window
     cdef public Py_ssize_t unreturned
+    cdef public Py_ssize_t answered
     cdef object __weakref__
 
     cpdef list live_connections(self)
@@ -93,9 +94,9 @@ cdef class Wire:
     cdef public object close_reason
     cdef public dict parked
     cdef public object dataplane
-    cdef public dict push_routes
-    cdef public Py_ssize_t push_routes_max
-    cdef public Py_ssize_t tcp_pushes
+    cdef public dict key_ways
+    cdef public Py_ssize_t key_ways_max
+    cdef public Py_ssize_t tcp_values
     cdef public object bytes_out
     cdef public Py_ssize_t frames_out
     cdef public Py_ssize_t data_out
@@ -124,7 +125,7 @@ cdef class Wire:
     cpdef write_request(self, object step, object request_id, bytes key)
     cpdef write_value(self, object step, object request_id, bytes key, object value, int code,
                       tuple shape, Py_ssize_t nbytes)
-    cpdef bint push_onesided(self, bytes key, Py_ssize_t nbytes)
+    cpdef bint goes_onesided(self, bytes key, object request_id, Py_ssize_t nbytes)
     @cython.locals(ndim=Py_ssize_t, start=Py_ssize_t, out=bytearray)
     cdef _pack(self, object step, bytes key, object value, int code, tuple shape,
                Py_ssize_t nbytes)

@@ -101,9 +101,9 @@ GATHER_AT = 1 << 20
 # block after the loop iteration (``RecvPool.maintain``, scheduled by ``Wire.buffer_updated``).
 LARGE_READ = 65536
 NEVER = 1 << 62  # ``Wire.tune_from`` of a transport that does not tune its reads
-# A connection with a one-sided channel remembers which way each key's pushes go (see
-# ``Wire.push_onesided``) for this many keys; the pushes of keys beyond it go one-sided.
-PUSH_ROUTES_MAX = 1 << 14
+# A connection with a one-sided channel remembers which way each key's values go (see
+# ``Wire.goes_onesided``) for this many keys; the values of keys beyond it go one-sided.
+KEY_WAYS_MAX = 1 << 14
 _ROUTE_CACHE_MAX = 1 << 16
 _DEVICES_MAX = 4096
 
@@ -179,7 +179,7 @@ class Peer:
 
     __slots__ = ("id", "name", "address", "out", "dialling", "inbound", "incarnation", "mode",
                  "link", "credit", "asked", "queue", "owed", "owed_scheduled", "owe_now",
-                 "stuck", "joined_step", "window", "unreturned", "__weakref__")
+                 "stuck", "joined_step", "window", "unreturned", "answered", "__weakref__")
 
     def __init__(self, task_id: tuple, address: str, window: int) -> None:
         self.id = task_id
@@ -203,6 +203,8 @@ class Peer:
         # have not credited back yet.  It survives reconnects (a producer cannot reset it by
         # reconnecting); only a new incarnation of the peer does.
         self.unreturned = 0
+        # Of ``unreturned``, about how much came as answers to our requests (``check_window``).
+        self.answered = 0
         self.asked = False                          # we asked it for credit it holds back
         # Pushes waiting for the link, credit or the socket, in call order:
         # (done future, step, route, value, dtype code, shape, nbytes).
@@ -312,11 +314,11 @@ class Wire:
         # The rvz.onesided channel this connection negotiated at HELLO (shm, verbs): DATA then
         # goes one-sided through it, and its control frames are handed to it.
         self.dataplane: Any = None
-        # With a dataplane: key -> True (its pushes go one-sided) or False (over this
-        # connection), fixed by the key's first push (``push_onesided``).
-        self.push_routes: dict = {}
-        self.push_routes_max = PUSH_ROUTES_MAX
-        self.tcp_pushes = 0               # pushes that stayed here although a dataplane is on
+        # With a dataplane: key -> True (its values go one-sided) or False (over this
+        # connection), fixed by the key's first value (``goes_onesided``).
+        self.key_ways: dict = {}
+        self.key_ways_max = KEY_WAYS_MAX
+        self.tcp_values = 0               # values that stayed here although a dataplane is on
         self.bytes_out = 0
         self.frames_out = 0
         self.data_out = 0                 # cost (payload + MESSAGE_COST) of the DATA written
@@ -448,11 +450,13 @@ class Wire:
             raise self.lost_error()
         self.frames_out += 1  # a message: a value, however it is framed
         self.data_out += nbytes + MESSAGE_COST
-        if self.dataplane is not None:  # shm / verbs: answers and large pushes go one-sided
-            if request_id != 0 or self.push_onesided(key, nbytes):
+        if self.dataplane is not None:  # shm / verbs: the key's way (``goes_onesided``)
+            if self.goes_onesided(key, request_id, nbytes):
                 self.dataplane.write_value(step, request_id, key, value, code, shape, nbytes)
                 return
-            self.tcp_pushes += 1
+            self.tcp_values += 1
+            if request_id != 0:  # the destination the consumer offered stays unused
+                self.dataplane.answered_here(request_id)
         if nbytes <= COALESCE_MAX:
             if request_id == 0:
                 self._pack(step, key, value, code, shape, nbytes)
@@ -494,25 +498,27 @@ class Wire:
             if self._gathered_bytes >= GATHER_AT:
                 self._write_out()
 
-    def push_onesided(self, key: bytes, nbytes: int) -> bool:
-        """Whether a push of ``key`` goes through the one-sided channel or this connection.
+    def goes_onesided(self, key: bytes, request_id: Any, nbytes: int) -> bool:
+        """Whether a value of ``key`` goes through the one-sided channel or this connection.
 
         Small values cost less here (compiled, packed with the others of the loop iteration
         into one write) than as one provider message each, handled in Python on both sides;
         large ones cost less one-sided.  The two ways are not ordered with each other at the
-        consumer, so a key's first push decides for all of its pushes on this connection:
-        this connection if it was at most the channel's ``tcp_max`` bytes, else the channel
-        (which carries small values inline, in order with its writes).  Keys are
-        remembered up to ``push_routes_max``; the pushes of keys first seen after that go
-        one-sided, which no remembered key ever does unless it started so.
+        consumer, so a key's first value decides for all of its values on this connection,
+        pushes and answers alike (an answer taken from the push queue follows pushes of its
+        key still on their way): this connection if it was a push of at most the channel's
+        ``tcp_max`` bytes, else the channel (an answer: there the consumer offered its
+        destination), which keeps each key's values in order.  Keys are remembered up to
+        ``key_ways_max``; the values of keys first seen after that go one-sided, which no
+        remembered key ever does unless it started so.
         """
-        routes = self.push_routes
-        onesided = routes.get(key)
+        ways = self.key_ways
+        onesided = ways.get(key)
         if onesided is None:
-            if len(routes) >= self.push_routes_max:
+            if len(ways) >= self.key_ways_max:
                 return True
-            onesided = nbytes > self.dataplane.tcp_max
-            routes[key] = onesided
+            onesided = request_id != 0 or nbytes > self.dataplane.tcp_max
+            ways[key] = onesided
         return onesided is True
 
     def _pack(self, step: Any, key: bytes, value: Any, code: int, shape: tuple,
@@ -817,9 +823,14 @@ class Core:
 
         The producer may push while its credit covers the message, or one message of any
         size when it has nothing unreturned.  What it cannot know when it reconnects (what
-        we still had not credited) is allowed for: the limit is twice the window.
+        we still had not credited) is allowed for: the limit is twice the window.  Answers
+        to our requests do not count: they need no credit, and on a one-sided connection
+        one sent after a push may arrive before it (the push waiting for slots, the answer
+        written straight into its destination), so the producer had not counted it when
+        it pushed.  ``answered`` holds their bytes until that much credit went back (an
+        upper bound on what of ``unreturned`` was pushed: the limit never tightens).
         """
-        before = peer.unreturned
+        before = peer.unreturned - peer.answered
         if before > 0 and before + cost > 2 * peer.window:
             raise ProtocolError(f"{peer.name} pushed beyond the push window: {before} bytes "
                                 f"unreturned, {cost} more, window {peer.window}")
@@ -1278,6 +1289,7 @@ class Core:
             else:
                 conns[0].write_frame(encode_credit(peer.owed))
             peer.unreturned -= peer.owed
+            peer.answered = peer.answered - peer.owed if peer.answered > peer.owed else 0
             peer.owed = 0
 
     # -- batches ------------------------------------------------------------------------
@@ -1434,7 +1446,9 @@ class Core:
                 asked = True
         route = self.arriving_route(peer, key)
         cost = nbytes_of(value) + MESSAGE_COST
-        if not asked:
+        if asked:
+            peer.answered += cost
+        else:
             self.check_window(peer, cost)
         peer.unreturned += cost
         table = self.remote_table(step, conn)

@@ -30,13 +30,15 @@ Recv-Driven (``request_id != 0``): before its REQUEST the consumer sends ``dest`
 address of a destination array it allocated from its pool for the dtype/shape it saw last
 on that key.  The producer writes the tensor straight into it.  When dtype or shape differ
 (or the consumer knew nothing yet) the producer answers ``meta``; the consumer reallocates
-and sends ``dest`` again (a re-ask); later answers on that key wait behind it, so FIFO
-order per key holds.
+and sends ``dest`` again (a re-ask).  A key's values, pushes and answers alike, wait in one
+queue behind the first that cannot go yet (for slots, or for that re-ask), so FIFO order per
+key holds even when a recv asks for a key whose pushes are still under way.
 
 Small values (header + key + payload within one provider message) go as an inline
-message, in order with the writes of the same endpoint.  Pushes of a key whose first push
-was at most ``tcp_max`` bytes (shm: 256 KiB; verbs: none) do not come here at all: they stay
-on the TCP connection, compiled and coalesced (``Wire.push_onesided`` in the engine).
+message, in order with the writes of the same endpoint.  The values of a key whose first
+value was a push of at most ``tcp_max`` bytes (shm: 256 KiB; verbs: none) do not come here
+at all, answers included: they stay on the TCP connection, compiled and coalesced
+(``Wire.goes_onesided`` in the engine).
 
 Failures never escape into the event loop: a failed completion, an unreachable peer file,
 a malformed control message or an exhausted pool fails the channel with
@@ -127,7 +129,7 @@ class Options:
         self.slot_budget = int(values.get("slot_budget", 64 << 20))
         self.inline_max = values.get("inline_max")
         # Pushes of keys whose first push is at most this many bytes go over the TCP
-        # connection (``Wire.push_onesided``); None: the provider's ``tcp_max``; -1: none.
+        # connection (``Wire.goes_onesided``); None: the provider's ``tcp_max``; -1: none.
         self.tcp_max = values.get("tcp_max")
         if self.tcp_max is not None:
             self.tcp_max = int(self.tcp_max)
@@ -287,7 +289,7 @@ class Channel:
         self.max_slots = options.max_slots
         self.slot_idle = options.slot_idle
         self.inline_limit = engine.inline_limit
-        self.tcp_max = engine.tcp_max      # read by the connection (``Wire.push_onesided``)
+        self.tcp_max = engine.tcp_max      # read by the connection (``Wire.goes_onesided``)
         ep.on_error = self.fail
         self.failed: BaseException | None = None
         self.closed = False
@@ -312,10 +314,10 @@ class Channel:
         self._wires: dict[str, bytes] = {}
         # producer side: the peer's memory we may write
         self.remote_slots: dict[str, deque[tuple[int, int, int, int]]] = {}
+        # key -> its values waiting to go, pushes and answers, in call order (``write_value``)
         self.out_pending: dict[str, deque[tuple[Any, ...]]] = {}
         self.asked: dict[str, float] = {}              # key -> deadline of our want
         self.remote_dests: dict[int, Any] = {}
-        self.answers: dict[str, deque[tuple[Any, ...]]] = {}
         self.progress: dict[str, int] = {}             # key -> bytes of its head value written
         try:  # the slot budget the consumer advertised: larger values go in pieces
             self.peer_budget = int(peer_budget) if peer_budget is not None else 1 << 62
@@ -334,10 +336,10 @@ class Channel:
     @property
     def stats(self) -> dict[str, int]:
         """Counts of what this side sent: ``writes`` (one-sided), ``inline`` (values
-        carried in a message: a provider message, or a TCP frame for the pushes that stay on
+        carried in a message: a provider message, or a TCP frame for the values that stay on
         the connection, which ``tcp`` counts alone), ``meta``, ``grants``."""
         out = dict(self._stats)
-        tcp = self.conn.tcp_pushes
+        tcp = self.conn.tcp_values
         out["inline"] += tcp
         out["tcp"] = tcp
         return out
@@ -348,7 +350,7 @@ class Channel:
     # -- state ------------------------------------------------------------------------------
 
     def busy(self) -> bool:
-        return bool(self.out_pending or self.answers or self.inflight or self.ep.pending())
+        return bool(self.out_pending or self.inflight or self.ep.pending())
 
     def _error(self, key: str) -> TransportError:
         err = TransportError(f"{self.name} channel to {self.peer_name} failed (key {key}): {self.failed}")
@@ -394,7 +396,6 @@ class Channel:
         self.inflight.clear()
         self.arena.close()
         self.out_pending.clear()
-        self.answers.clear()
         self.remote_slots.clear()
         self.remote_dests.clear()
         self.ep.close()
@@ -467,21 +468,21 @@ class Channel:
             raise self._error(key)
         item = (step, request_id, key, value, code, shape, nbytes)
         try:
-            if request_id == 0:
-                pending = self.out_pending.get(key)
-                if pending is not None:
-                    pending.append(item)
-                elif not self._try_push(item):
-                    self.out_pending[key] = deque((item,))
-            else:
-                queued = self.answers.get(key)
-                if queued is not None:
-                    queued.append(item)
-                elif not self._try_answer(item):
-                    self.answers[key] = deque((item,))
+            # Behind the key's values still waiting (for slots, or for the meta round of an
+            # answer), pushes and answers alike: an answer taken from the push queue must not
+            # overtake the pushes of its key ahead of it, nor a push a waiting answer.
+            pending = self.out_pending.get(key)
+            if pending is not None:
+                pending.append(item)
+            elif not self._try_send(item):
+                self.out_pending[key] = deque((item,))
         except TransportError as exc:
             self.fail(exc)
             raise self._error(key) from None
+
+    def _try_send(self, item: tuple[Any, ...]) -> bool:
+        """Post ``item`` (a push, or an answer when it has a request id) if it can go now."""
+        return self._try_push(item) if item[1] == 0 else self._try_answer(item)
 
     def _try_push(self, item: tuple[Any, ...]) -> bool:
         step, _, key, value, code, shape, nbytes = item
@@ -551,7 +552,7 @@ class Channel:
         if pending is None:
             return
         while pending:
-            if not self._try_push(pending[0]):
+            if not self._try_send(pending[0]):
                 return
             pending.popleft()
         del self.out_pending[key]
@@ -646,15 +647,10 @@ class Channel:
                        "s": list(shape), "n": nbytes})
         return False
 
-    def _drain_answers(self, key: str) -> None:
-        queued = self.answers.get(key)
-        if queued is None:
-            return
-        while queued:
-            if not self._try_answer(queued[0]):
-                return
-            queued.popleft()
-        del self.answers[key]
+    def answered_here(self, request_id: int) -> None:
+        """The connection carried the answer to ``request_id`` (its key's values go that
+        way): the destination the consumer offered for it will not be written."""
+        self.remote_dests.pop(request_id, None)
 
     # -- consumer: memory in ----------------------------------------------------------------
 
@@ -784,7 +780,7 @@ class Channel:
     # -- control frames from the peer -----------------------------------------------------------
 
     def on_frames(self, events: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """Take our ONESIDED frames out of a batch; watch CANCEL and ERROR on the way."""
+        """Take our ONESIDED frames out of a batch; watch CANCEL, answers and ERROR on the way."""
         out = []
         for event in events:
             kind = event[0]
@@ -802,6 +798,11 @@ class Channel:
                     dest = self.remote_dests.pop(request_id, None)
                     if dest is not None and dest is not _WAITING:
                         self._control({"op": "gone", "r": request_id})
+            elif kind == _codec.DATA and event[2]:
+                # An answer that came over TCP (its key's values go that way): the
+                # destination offered for it will not be written.
+                self._drop_dest(event[2])
+                self.asks.pop(event[2], None)
             elif kind == _codec.ERROR:
                 try:
                     request_id = int(event[1].get("req", 0))
@@ -861,7 +862,7 @@ class Channel:
             if len(self.remote_dests) > _REMOTE_DESTS_MAX:
                 self._evict_dests()
             if f.get("re"):
-                self._drain_answers(str(f["k"]))
+                self._drain_pending(str(f["k"]))
         elif op == "want":
             key = str(f["k"])
             for imm in f.get("rel", ()):
