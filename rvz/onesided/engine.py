@@ -128,7 +128,7 @@ class Options:
         self.max_slots = int(values.get("max_slots", 8))
         self.slot_budget = int(values.get("slot_budget", 64 << 20))
         self.inline_max = values.get("inline_max")
-        # Pushes of keys whose first push is at most this many bytes go over the TCP
+        # The values of keys whose first push is at most this many bytes go over the TCP
         # connection (``Wire.goes_onesided``); None: the provider's ``tcp_max``; -1: none.
         self.tcp_max = values.get("tcp_max")
         if self.tcp_max is not None:
@@ -688,6 +688,12 @@ class Channel:
             if target is not None:
                 self.arena.free(target.block)
 
+    def _forget_ask(self, request_id: int) -> None:
+        """Our request ``request_id`` is over (answered another way, failed or gone): its
+        destination and our record of it go."""
+        self._drop_dest(request_id)
+        self.asks.pop(request_id, None)
+
     def _grant(self, key: str, size: int, count: int) -> None:
         blocks = []
         slots = []
@@ -801,15 +807,13 @@ class Channel:
             elif kind == _codec.DATA and event[2]:
                 # An answer that came over TCP (its key's values go that way): the
                 # destination offered for it will not be written.
-                self._drop_dest(event[2])
-                self.asks.pop(event[2], None)
+                self._forget_ask(event[2])
             elif kind == _codec.ERROR:
                 try:
                     request_id = int(event[1].get("req", 0))
                 except (TypeError, ValueError, AttributeError):
                     request_id = 0
-                self._drop_dest(request_id)
-                self.asks.pop(request_id, None)
+                self._forget_ask(request_id)
             out.append(event)
         return out
 
@@ -901,8 +905,7 @@ class Channel:
             self._send_dest(step, request_id, key, code, shape, nbytes, True)
         elif op == "gone":
             request_id = int(f["r"])
-            self._drop_dest(request_id)
-            self.asks.pop(request_id, None)
+            self._forget_ask(request_id)
         else:
             raise ValueError(f"unknown operation {op!r}")
 
@@ -1082,8 +1085,7 @@ class Channel:
             if len(shape) != 1:
                 value = value.reshape(shape)
         if request_id:
-            self._drop_dest(request_id)
-            self.asks.pop(request_id, None)
+            self._forget_ask(request_id)
         self._remember(key, code, shape, nbytes)
         self._events.append((_codec.DATA, step, request_id, key, value))
 

@@ -98,7 +98,7 @@ class Provider(Protocol):
     name: str
     needs_registered_source: bool
     max_message: int
-    tcp_max: int  # default of Options.tcp_max: pushes up to it stay on the TCP connection
+    tcp_max: int  # default of Options.tcp_max: keys first pushed up to it stay on TCP
 
     def open(self) -> None: ...
 

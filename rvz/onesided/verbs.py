@@ -104,7 +104,7 @@ class VerbsProvider:
     name = "verbs"
     needs_registered_source = True
     max_message = MSG_SIZE
-    tcp_max = -1  # every push one-sided: not measured on a NIC yet (Options.tcp_max sets it)
+    tcp_max = -1  # every value one-sided: not measured on a NIC yet (Options.tcp_max sets it)
 
     def __init__(self, loop: asyncio.AbstractEventLoop, device: str | None = None, port: int = 1,
                  gid_index: int | None = None, recv_depth: int = 256, send_depth: int = 256,
