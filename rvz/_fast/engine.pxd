@@ -11,7 +11,7 @@ cdef bint COMPILED
 cdef str RECV, SEND
 # The engine's sizes, as C values: each message's accounting does arithmetic with them.
 cdef Py_ssize_t MESSAGE_COST, HOLD_LOW_WATER, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY
-cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, MAX_KEY, LARGE_READ
+cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, MAX_KEY, LARGE_READ, COPY_WRITE_MAX
 cpdef Py_ssize_t nbytes_of(object value) except -1
 cdef unsigned long thread_ident()
 cdef tuple describe_value(object value)
@@ -113,6 +113,7 @@ cdef class Wire:
     cdef public Py_ssize_t _burst
     cdef public bint _answer_queued
     cdef object _call_soon
+    cdef object _flush_cb
     cdef public object transport
     cdef public bint gather
     cdef public bint tuning

@@ -100,6 +100,10 @@ GATHER_AT = 1 << 20
 # A read at least this large means large payloads: the receive pool prepares its next
 # block after the loop iteration (``RecvPool.maintain``, scheduled by ``Wire.buffer_updated``).
 LARGE_READ = 65536
+# Pending frames up to this size go to the transport as ``bytes``, a copy of the coalescing
+# buffer: uvloop writes ``bytes`` as they are, and wraps any other buffer in a memoryview
+# cast first, which costs more than copying a few KiB (a 64 B ping-pong's every write).
+COPY_WRITE_MAX = 4096
 NEVER = 1 << 62  # ``Wire.tune_from`` of a transport that does not tune its reads
 # A connection with a one-sided channel remembers which way each key's values go (see
 # ``Wire.goes_onesided``) for this many keys; the values of keys beyond it go one-sided.
@@ -338,6 +342,7 @@ class Wire:
         self._burst = 0                   # frames of this iteration (see ``_queued``)
         self._answer_queued = False       # an answer waits in ``_out`` (see ``requests_queued``)
         self._call_soon = core.loop.call_soon
+        self._flush_cb = self.flush       # bound once: scheduled in every busy loop iteration
         self.transport: Any = None        # the stream transport bytes are written to
         self.gather = False               # its ``writelines`` is one gathered write (no copy)
         self.tuning = False               # the transport tunes its reads: tell it of each one
@@ -481,7 +486,7 @@ class Wire:
             first = not self._flush_scheduled
             if first:
                 self._flush_scheduled = True
-                self._call_soon(self.flush)
+                self._call_soon(self._flush_cb)
                 if not self._hold_first:
                     # The first of a loop iteration leaves at once (latency; the consumer
                     # starts on it while we go on), with the frames that were pending;
@@ -567,7 +572,7 @@ class Wire:
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._burst = 1
-            self._call_soon(self.flush)
+            self._call_soon(self._flush_cb)
             if not self._hold_first:
                 self._write_out()
         else:
@@ -619,7 +624,7 @@ class Wire:
             return  # after write_eof() the transport refuses writes; nothing more may go out
         self.bytes_out += len(data)
         if payload is None:
-            transport.write(data)
+            transport.write(bytes(data) if len(data) <= COPY_WRITE_MAX else data)
             return
         self.bytes_out += payload.nbytes
         if self.gather:
