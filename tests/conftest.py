@@ -221,6 +221,60 @@ def in_loop(test: Callable[..., None]) -> Callable[..., None]:
     return wrapper
 
 
+class FakeTransport:
+    """Just enough of an asyncio transport for a Connection fed by hand: it keeps what was
+    written (``sent``) and whether the connection was reset (``aborted``) or ended (``eof``)."""
+
+    def __init__(self) -> None:
+        self.aborted = False
+        self.eof = False
+        self.sent = bytearray()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def set_write_buffer_limits(self, high: int, low: int) -> None:
+        pass
+
+    def write(self, data: Any) -> None:
+        self.sent += data
+
+    def get_write_buffer_size(self) -> int:
+        return 0  # everything "sent" at once
+
+    def writelines(self, parts: Any) -> None:
+        for part in parts:
+            self.write(part)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def is_closing(self) -> bool:
+        return self.aborted or self.eof
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.eof = True
+
+    def close(self) -> None:
+        self.aborted = True
+
+
+_FRAME_HEADER = struct.Struct("<BBHIQ")
+
+
+def frame_types(data: bytes) -> list[int]:
+    """The frame type of each frame in ``data`` (whole frames, as written)."""
+    types, pos = [], 0
+    while pos < len(data):
+        _, ftype, _, meta_len, payload_len = _FRAME_HEADER.unpack_from(data, pos)
+        types.append(ftype)
+        pos += _FRAME_HEADER.size + meta_len + payload_len
+    return types
+
+
 def record_writes(conn: Any, raw: list[bytes] | None = None,
                    early: list[bool] | None = None) -> tuple[list[list[int]], Any]:
     """Route ``conn``'s small writes through a recorder: the frame types of each write
@@ -229,7 +283,6 @@ def record_writes(conn: Any, raw: list[bytes] | None = None,
     written: list[list[int]] = []
     transport = conn.transport
     real_write = transport.write
-    header = struct.Struct("<BBHIQ")
 
     class Recording:
         def __getattr__(self, name: str) -> Any:
@@ -241,12 +294,7 @@ def record_writes(conn: Any, raw: list[bytes] | None = None,
                 raw.append(data)
             if early is not None:
                 early.append(bool(conn._flush_scheduled))
-            types, pos = [], 0
-            while pos < len(data):
-                _, ftype, _, meta_len, payload_len = header.unpack_from(data, pos)
-                types.append(ftype)
-                pos += header.size + meta_len + payload_len
-            written.append(types)
+            written.append(frame_types(data))
             real_write(data)
 
     conn.transport = Recording()

@@ -15,47 +15,8 @@ import numpy as np
 
 import rvz
 
-from .conftest import FAST, key, pair
+from .conftest import FAST, FakeTransport, key, pair
 from .test_codec import HELLO, _mutate, _valid_stream, random_chunks
-
-
-class FakeTransport:
-    """Just enough of an asyncio transport for a Connection fed by hand."""
-
-    def __init__(self) -> None:
-        self.aborted = False
-        self.written = 0
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-    def set_write_buffer_limits(self, high: int, low: int) -> None:
-        pass
-
-    def write(self, data: Any) -> None:
-        self.written += len(data)
-
-    def get_write_buffer_size(self) -> int:
-        return 0  # everything "sent" at once
-
-    def writelines(self, parts: Any) -> None:
-        for part in parts:
-            self.write(part)
-
-    def abort(self) -> None:
-        self.aborted = True
-
-    def is_closing(self) -> bool:
-        return self.aborted
-
-    def can_write_eof(self) -> bool:
-        return True
-
-    def write_eof(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.aborted = True
 
 
 def feed_connection(node: rvz.Node, data: bytes, chunks: Any) -> FakeTransport:

@@ -1414,8 +1414,18 @@ class Core:
                 elif kind == BYE:
                     conn.bye_received = True
             except AuthError as exc:
-                if conn.ready or conn.outbound:
+                if conn.ready:
                     conn.fail(exc)
+                elif conn.outbound:
+                    # The handshake failed here, at the dialler.  Our own AUTH, queued when
+                    # the listener's HELLO came (often in this same read), may still be in
+                    # the write buffer: closing at once discarded it, and the listener saw a
+                    # connection closed without a word instead of a failed proof, so it
+                    # neither refused nor logged it.  It leaves first; the listener closes.
+                    if conn.close_reason is None:
+                        conn.close_reason = exc
+                    if not conn.closed_here:
+                        conn.close()
                 else:
                     conn.refuse(exc)  # we are the listener: the dialler must learn why
                 return
