@@ -266,12 +266,14 @@ _FRAME_HEADER = struct.Struct("<BBHIQ")
 
 
 def frame_types(data: bytes) -> list[int]:
-    """The frame type of each frame in ``data`` (whole frames, as written)."""
+    """The frame type of each frame in ``data``, which must be whole frames (a write of
+    small frames)."""
     types, pos = [], 0
     while pos < len(data):
         _, ftype, _, meta_len, payload_len = _FRAME_HEADER.unpack_from(data, pos)
         types.append(ftype)
         pos += _FRAME_HEADER.size + meta_len + payload_len
+    assert pos == len(data), f"a frame runs past the end of the write ({pos} > {len(data)})"
     return types
 
 

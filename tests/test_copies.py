@@ -10,7 +10,6 @@ write, and so do its large payloads after the first.
 from __future__ import annotations
 
 import asyncio
-import struct
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,7 @@ import pytest
 
 from rvz import _impl
 
-from .conftest import key, pair
+from .conftest import frame_types, key, pair
 
 MODES = ["recv", "send"]
 
@@ -103,18 +102,6 @@ async def test_large_payload_is_written_from_the_callers_memory(cluster) -> None
         assert len(views) == 1
         assert np.shares_memory(np.frombuffer(views[0], np.uint8), value)
         assert all(len(d) < 4096 for d in written if d is not views[0])
-
-
-def frame_types(data: bytes) -> list[int]:
-    """The frame types in a run of whole frames."""
-    header = struct.Struct("<BBHIQ")
-    types, pos = [], 0
-    while pos < len(data):
-        _, ftype, _, meta_len, payload_len = header.unpack_from(data, pos)
-        types.append(ftype)
-        pos += header.size + meta_len + payload_len
-    assert pos == len(data)
-    return types
 
 
 @pytest.mark.loop_timeout(15)

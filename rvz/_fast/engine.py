@@ -657,12 +657,18 @@ class Wire:
         raise NotImplementedError  # the transport's: close after what is queued
 
     def refuse(self, reason: BaseException) -> None:
-        """A failed handshake: tell the peer why, then close after that frame (not a
-        reset, which could discard what we sent): a dialler told "auth" does not retry."""
+        """A failed handshake, at the listener: tell the dialler why (a dialler told "auth"
+        does not retry), then close after that frame."""
+        self.write_frame(encode_error(0, 0, "", "auth", str(reason)))
+        self.close_handshake(reason)
+
+    def close_handshake(self, reason: BaseException) -> None:
+        """A failed handshake: ``reason`` is why, and we close after what we queued (not a
+        reset, which could discard it: the peer must still get our AUTH or ERROR)."""
         if self.close_reason is None:
             self.close_reason = reason
-        self.write_frame(encode_error(0, 0, "", "auth", str(reason)))
-        self.close()
+        if not self.closed_here:
+            self.close()
 
     def lost_error(self, key: Any = None) -> PeerLost:
         name = self.peer.name if self.peer is not None else "an unidentified peer"
@@ -1419,13 +1425,10 @@ class Core:
                 elif conn.outbound:
                     # The handshake failed here, at the dialler.  Our own AUTH, queued when
                     # the listener's HELLO came (often in this same read), may still be in
-                    # the write buffer: closing at once discarded it, and the listener saw a
+                    # the write buffer: a reset discarded it, and the listener saw a
                     # connection closed without a word instead of a failed proof, so it
                     # neither refused nor logged it.  It leaves first; the listener closes.
-                    if conn.close_reason is None:
-                        conn.close_reason = exc
-                    if not conn.closed_here:
-                        conn.close()
+                    conn.close_handshake(exc)
                 else:
                     conn.refuse(exc)  # we are the listener: the dialler must learn why
                 return
