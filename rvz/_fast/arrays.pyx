@@ -57,6 +57,8 @@ cdef tuple describe_c(object value):
                 and cnp.PyArray_IS_C_CONTIGUOUS(arr)):
             code = _CODE_OF_TYPENUM[typenum]
             if code > 0:
+                if cnp.PyArray_NDIM(arr) == 1:  # the common tensor: no attribute lookup
+                    return value, code, (cnp.PyArray_DIM(arr, 0),), cnp.PyArray_NBYTES(arr)
                 return value, code, value.shape, cnp.PyArray_NBYTES(arr)
     return _describe_other(value)
 

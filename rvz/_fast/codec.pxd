@@ -16,6 +16,7 @@ cdef unsigned long long _DIM1_LIMIT
 cdef Py_ssize_t KEY_CACHE
 cdef Py_ssize_t _C_HEADER, _C_VERSION, _C_MAX_META, _C_MAX_NDIM, _C_MAX_KEY, _C_NCODES, _C_BYTES
 cdef Py_ssize_t _C_DATA, _C_DATA_MANY, _C_HELLO, _C_ENTRY, _C_MANY_PAYLOAD, _C_MAX_MANY
+cdef Py_ssize_t _C_REQUEST, _C_REQUESTS, _C_CANCEL, _C_CREDIT
 
 
 cdef inline Py_ssize_t _key_slot(bytearray buf, Py_ssize_t start, Py_ssize_t length) noexcept:
@@ -92,4 +93,6 @@ cdef class Decoder:
     cdef _check_size(self, str key, Py_ssize_t code, tuple shape, object payload_len)
     @cython.locals(slot=Py_ssize_t, known=object, other=object, keys=list)
     cdef str _key(self, bytearray buf, Py_ssize_t start, Py_ssize_t length)
+    @cython.locals(pos=Py_ssize_t, end=Py_ssize_t, klen=Py_ssize_t, count="unsigned long long",
+                   _n="unsigned long long")
     cdef _requests(self, bytearray buf, object view, Py_ssize_t start, Py_ssize_t length, list events)

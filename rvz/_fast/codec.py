@@ -105,6 +105,10 @@ _C_BYTES = _wire.BYTES_CODE
 _C_DATA = DATA
 _C_DATA_MANY = DATA_MANY
 _C_HELLO = HELLO
+_C_REQUEST = REQUEST
+_C_REQUESTS = REQUESTS
+_C_CANCEL = CANCEL
+_C_CREDIT = CREDIT
 _C_ENTRY = MANY_OVERHEAD
 _C_MANY_PAYLOAD = MANY_PAYLOAD
 _C_MAX_MANY = MAX_MANY
@@ -549,19 +553,25 @@ class Decoder:
                 continue
             if payload_len != 0:
                 self._fail(f"{FRAME_NAMES.get(ftype, ftype)} frame carries a payload")
-            if ftype == REQUEST:
+            if ftype == _C_REQUEST:
                 if meta_len < 18:
                     self._fail(f"REQUEST metadata of {meta_len} bytes is too short")
-                step, request_id, klen = _REQUEST_FIXED.unpack_from(buf, mstart)
-                if klen > MAX_KEY or meta_len != 18 + klen:
+                if COMPILED:
+                    step = _u64(buf, mstart)
+                    request_id = _u64(buf, mstart + 8)
+                    klen = buf[mstart + 16] | buf[mstart + 17] << 8
+                else:
+                    step, request_id, klen = _REQUEST_FIXED.unpack_from(buf, mstart)
+                if klen > _C_MAX_KEY or meta_len != 18 + klen:
                     self._fail(f"REQUEST metadata length {meta_len} does not match key length {klen}")
                 events.append((REQUEST, step, request_id, self._key(buf, mstart + 18, klen)))
-            elif ftype == REQUESTS:
+            elif ftype == _C_REQUESTS:
                 self._requests(buf, view, mstart, meta_len, events)
-            elif ftype == CANCEL or ftype == CREDIT:
+            elif ftype == _C_CANCEL or ftype == _C_CREDIT:
                 if meta_len != 8:
                     self._fail(f"{FRAME_NAMES[ftype]} metadata must be 8 bytes, not {meta_len}")
-                events.append((ftype, _U64.unpack_from(buf, mstart)[0]))
+                events.append((ftype, _u64(buf, mstart) if COMPILED
+                               else _U64.unpack_from(buf, mstart)[0]))
             elif ftype == PING:
                 if meta_len != 0:
                     self._fail("PING frame carries metadata")
@@ -625,16 +635,24 @@ class Decoder:
         """Expand a REQUESTS frame into one REQUEST event per entry."""
         if length < 12:
             self._fail(f"REQUESTS metadata of {length} bytes is too short")
-        step, count = _REQUESTS_FIXED.unpack_from(buf, start)
+        if COMPILED:
+            step = _u64(buf, start)
+            count = _u32(buf, start + 8)
+        else:
+            step, count = _REQUESTS_FIXED.unpack_from(buf, start)
         if count > MAX_REQUESTS:
             self._fail(f"REQUESTS frame of {count} entries exceeds the limit of {MAX_REQUESTS}")
         pos = start + 12
         end = start + length
-        for _ in range(count):
+        for _n in range(count):
             if end - pos < 10:
                 self._fail("REQUESTS frame ends inside an entry")
-            request_id, klen = _ENTRY.unpack_from(buf, pos)
-            if klen > MAX_KEY or end - pos - 10 < klen:
+            if COMPILED:
+                request_id = _u64(buf, pos)
+                klen = buf[pos + 8] | buf[pos + 9] << 8
+            else:
+                request_id, klen = _ENTRY.unpack_from(buf, pos)
+            if klen > _C_MAX_KEY or end - pos - 10 < klen:
                 self._fail(f"REQUESTS entry key of {klen} bytes does not fit the frame")
             events.append((REQUEST, step, request_id, self._key(buf, pos + 10, klen)))
             pos += 10 + klen

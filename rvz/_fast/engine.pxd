@@ -1,4 +1,5 @@
 cimport cython
+from cpython.object cimport PyObject_Call
 from cpython.pythread cimport PyThread_get_thread_ident
 from rvz._fast.arrays cimport (append_data_c, append_request_c, describe_c, many_begin_c,
                                many_end_c, many_entry_c, nbytes_c)
@@ -123,10 +124,13 @@ cdef class Wire:
     cpdef feed(self, Py_ssize_t nbytes)
     cpdef deliver(self, list events)
     cpdef write_frame(self, bytes frame)
-    cpdef write_request(self, object step, object request_id, bytes key)
-    cpdef write_value(self, object step, object request_id, bytes key, object value, int code,
-                      tuple shape, Py_ssize_t nbytes)
-    cpdef bint goes_onesided(self, bytes key, object request_id, Py_ssize_t nbytes)
+    # cdef, not cpdef: the engine's own calls on a connection, which is a Python subclass
+    # (rvz.connection), where a cpdef call first looks the method up on the instance in
+    # case Python overrides it (a bound method made and dropped, per message).
+    cdef write_request(self, object step, object request_id, bytes key)
+    cdef write_value(self, object step, object request_id, bytes key, object value, int code,
+                     tuple shape, Py_ssize_t nbytes)
+    cdef bint goes_onesided(self, bytes key, object request_id, Py_ssize_t nbytes) except -1
     @cython.locals(ndim=Py_ssize_t, start=Py_ssize_t, out=bytearray)
     cdef _pack(self, object step, bytes key, object value, int code, tuple shape,
                Py_ssize_t nbytes)
@@ -147,6 +151,7 @@ cdef class Core:
     cdef public object loop
     cdef public unsigned long loop_thread
     cdef public object loop_running
+    cdef dict future_kw
     cdef public bint running
     cdef public bint closed
     cdef public Py_ssize_t push_window
@@ -187,6 +192,7 @@ cdef class Core:
     cpdef check_window(self, Peer peer, object cost)
     cpdef joined(self, object step, Peer peer)
     cpdef attach(self, object loop, unsigned long thread)
+    cpdef object future(self)
     cpdef str _check_mode(self, object mode)
     @cython.locals(route=Route, table=Table, peer=Peer)
     cpdef enter(self, object timeout)

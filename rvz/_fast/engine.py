@@ -24,6 +24,7 @@ close) stays in ``rvz.node.Node``; this module calls back into it only for those
 from __future__ import annotations
 
 import itertools
+from asyncio import Future
 from asyncio.events import _get_running_loop
 from collections import deque
 from threading import get_ident
@@ -862,6 +863,19 @@ class Core:
         self.loop = loop
         self.loop_thread = thread
         self.loop_running: Any = None if loop is None else loop.is_running  # bound once
+        # Compiled, when the loop's futures are plain asyncio futures (uvloop's and
+        # asyncio's are), ``future`` calls the type with a keyword dict made here:
+        # ``create_future`` spells ``loop=`` out, which builds a new dict for every future
+        # (a third of its cost).  A loop with futures of its own keeps ``create_future``.
+        self.future_kw = None
+        if COMPILED and loop is not None and type(loop.create_future()) is Future:
+            self.future_kw = {"loop": loop}
+
+    def future(self) -> Any:
+        """A new future of the node's loop (``loop.create_future()``, see ``attach``)."""
+        if COMPILED and self.future_kw is not None:
+            return PyObject_Call(Future, (), self.future_kw)  # type: ignore[name-defined]  # noqa: F821
+        return self.loop.create_future()
 
     def _check_mode(self, mode: Any) -> str:
         if mode is None:
@@ -958,7 +972,7 @@ class Core:
 
     def queue_push(self, peer: Peer, step: Any, route: Route, value: Any, code: int,
                    shape: tuple, nbytes: int) -> Any:
-        done = self.loop.create_future()
+        done = self.future()
         peer.queue.append((done, step, route, value, code, shape, nbytes))
         self.pump(peer)
         return done
@@ -1087,7 +1101,7 @@ class Core:
             if peer is not None:
                 self.consumed_from(peer, value)
             return value
-        waiter = self.loop.create_future()
+        waiter = self.future()
         self.waits_consumer += 1
         table.wait(text, waiter)
         if peer is None:
@@ -1385,7 +1399,7 @@ class Core:
             return values
         self.waits_consumer += 1
         return Batch(table, [r.text for r in routes], values, stamps, missing,
-                     self.loop.create_future())
+                     self.future())
 
     # -- frames from peers ----------------------------------------------------------------
 
