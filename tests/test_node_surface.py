@@ -137,6 +137,54 @@ def test_a_call_from_another_loop_on_the_same_thread_is_refused(loop_name, clust
         home.close()
 
 
+@pytest.mark.parametrize("mode", ["recv", "send"])
+def test_a_loop_with_futures_of_its_own_gets_them(loop_name, cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    """The compiled engine makes plain asyncio futures itself, faster than the loop's
+    ``create_future``; only when that is what the loop makes.  A loop whose
+    ``create_future`` makes futures of its own class gets them for every wait: a recv
+    waiting for its value, a send waiting for its link."""
+    made: list[asyncio.Future[Any]] = []
+
+    class Counted(asyncio.Future):  # type: ignore[type-arg]
+        pass
+
+    class OwnFutures(type(rvz.new_event_loop(loop_name))):  # type: ignore[misc]
+        def create_future(self) -> asyncio.Future[Any]:
+            future = Counted(loop=self)
+            made.append(future)
+            return future
+
+    async def main() -> None:
+        async with pair(cluster, mode) as (w, p):
+            before = len(made)
+            waiting = await pending(p.recv(key("own"), timeout=5))
+            assert any(type(f) is Counted and not f.done() for f in made[before:]), \
+                "the waiting recv's future is the loop's own"
+            await w.send(key("own"), np.arange(3))
+            assert (await waiting).tolist() == [0, 1, 2]
+
+    loop = OwnFutures()
+    try:
+        loop.run_until_complete(asyncio.wait_for(main(), 15))
+    finally:
+        loop.close()
+
+
+def test_a_plain_loop_s_futures_belong_to_it(run, cluster) -> None:  # type: ignore[no-untyped-def]
+    """The other side of the test above: on uvloop or asyncio, the engine's futures are
+    asyncio futures of the node's loop (not of some other loop)."""
+    async def main() -> None:
+        async with pair(cluster, "send") as (w, p):
+            future = p._core.future()
+            assert type(future) is asyncio.Future
+            assert future.get_loop() is asyncio.get_running_loop()
+            waiting = await pending(p.recv(key("plain"), timeout=5))
+            await w.send(key("plain"), np.arange(2))
+            assert (await waiting).tolist() == [0, 1]
+
+    run(main(), timeout=15)
+
+
 def test_a_call_from_another_thread_is_refused(run, cluster) -> None:  # type: ignore[no-untyped-def]
     async def main() -> None:
         async with pair(cluster, "send") as (w, p):
