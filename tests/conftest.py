@@ -22,7 +22,6 @@ import gc
 import inspect
 import os
 import socket
-import struct
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
@@ -32,6 +31,8 @@ import pytest_asyncio
 
 import rvz
 import rvz.onesided
+
+from .hostile import HEADER
 
 LOOPS = ["asyncio", "uvloop"]
 
@@ -262,19 +263,21 @@ class FakeTransport:
         self.aborted = True
 
 
-_FRAME_HEADER = struct.Struct("<BBHIQ")
+def frame_starts(data: bytes) -> list[tuple[int, int]]:
+    """``(type, where its metadata starts)`` of each frame in ``data``, which must be whole
+    frames (a write of small frames)."""
+    frames, pos = [], 0
+    while pos < len(data):
+        _, ftype, _, meta_len, payload_len = HEADER.unpack_from(data, pos)
+        frames.append((ftype, pos + HEADER.size))
+        pos += HEADER.size + meta_len + payload_len
+    assert pos == len(data), f"a frame runs past the end of the write ({pos} > {len(data)})"
+    return frames
 
 
 def frame_types(data: bytes) -> list[int]:
-    """The frame type of each frame in ``data``, which must be whole frames (a write of
-    small frames)."""
-    types, pos = [], 0
-    while pos < len(data):
-        _, ftype, _, meta_len, payload_len = _FRAME_HEADER.unpack_from(data, pos)
-        types.append(ftype)
-        pos += _FRAME_HEADER.size + meta_len + payload_len
-    assert pos == len(data), f"a frame runs past the end of the write ({pos} > {len(data)})"
-    return types
+    """The frame type of each frame in ``data`` (whole frames)."""
+    return [ftype for ftype, _ in frame_starts(data)]
 
 
 def record_writes(conn: Any, raw: list[bytes] | None = None,

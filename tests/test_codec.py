@@ -19,9 +19,9 @@ import rvz
 from rvz import _impl
 
 from .conftest import key
+from .hostile import DATA_FIXED, HEADER, MANY_FIXED
 
 codec = _impl.codec
-HEADER = struct.Struct("<BBHIQ")
 KEY = str(key("codec_key"))
 KEYB = KEY.encode()
 HELLO = codec.encode_hello({"v": codec.VERSION, "job": "worker", "task": 0, "inc": 7,
@@ -96,7 +96,7 @@ def raw_many(step: int, entries: list, count: int | None = None) -> bytes:
         body += (struct.pack("<HBBI", len(k), code, len(shape), len(payload))
                  + struct.pack("<" + "Q" * len(shape), *shape) + k + payload)
     count = len(entries) if count is None else count
-    return header(codec.DATA_MANY, 12, len(body)) + struct.pack("<QI", step, count) + body
+    return header(codec.DATA_MANY, 12, len(body)) + MANY_FIXED.pack(step, count) + body
 
 
 def all_ways(data: bytes, seed: int = 0) -> list:
@@ -116,7 +116,7 @@ def header(ftype: int, meta_len: int, payload_len: int = 0, version: int = codec
 def raw_data(step: int, rid: int, k: bytes, code: int, shape: tuple, payload: bytes,
              ndim: int | None = None) -> bytes:
     ndim = len(shape) if ndim is None else ndim
-    meta = struct.pack("<QQHBB", step, rid, len(k), code, ndim) + struct.pack(
+    meta = DATA_FIXED.pack(step, rid, len(k), code, ndim) + struct.pack(
         "<" + "Q" * len(shape), *shape) + k
     return header(codec.DATA, len(meta), len(payload)) + meta + payload
 
@@ -352,8 +352,8 @@ MALFORMED = {
     "key-too-long": HELLO + raw_data(0, 0, b"k" * (codec.MAX_KEY + 1), 3, (1,), b"\0"),
     "payload-shape-mismatch": HELLO + raw_data(0, 0, KEYB, 11, (4,), b"\0" * 15),
     "payload-shape-mismatch-large": HELLO + raw_data(0, 0, KEYB, 11, (100000,), b"\0" * 399996),
-    "data-meta-length": HELLO + header(codec.DATA, 20 + len(KEYB) + 1) + struct.pack(
-        "<QQHBB", 0, 0, len(KEYB), 3, 0) + KEYB + b"!",
+    "data-meta-length": HELLO + header(codec.DATA, 20 + len(KEYB) + 1)
+    + DATA_FIXED.pack(0, 0, len(KEYB), 3, 0) + KEYB + b"!",
     "data-meta-short": HELLO + header(codec.DATA, 4) + b"\0" * 4,
     "unknown-dtype": HELLO + raw_data(0, 0, KEYB, 99, (1,), b"\0"),
     "bytes-with-shape": HELLO + raw_data(0, 0, KEYB, 0, (2,), b"\0\0"),
@@ -379,7 +379,7 @@ MALFORMED = {
     "bye-with-meta": HELLO + header(codec.BYE, 1) + b"x",
     "many-meta-13": HELLO + header(codec.DATA_MANY, 13) + b"\0" * 13,
     "many-payload-over-limit": HELLO + header(codec.DATA_MANY, 12, codec.MANY_PAYLOAD + 1)
-    + struct.pack("<QI", 0, 1),
+    + MANY_FIXED.pack(0, 1),
     "many-count-over-limit": HELLO + raw_many(0, [], count=codec.MAX_MANY + 1),
     "many-count-beyond-entries": HELLO + raw_many(0, [(KEYB, 3, (1,), b"\0")], count=2),
     "many-bytes-after-entries": HELLO + raw_many(0, [(KEYB, 3, (1,), b"\0"), b"\0" * 9], count=1),
@@ -560,7 +560,7 @@ async def test_header_fields_with_high_bytes_read_exactly() -> None:
     events = feed(codec.Decoder(), HELLO + bytes(out))
     assert events[1][:4] == (codec.DATA, step, request_id, KEY)
     # a header announcing 3 GiB (0xC0000000: the top byte of its low u32 is 0xC0)
-    meta = struct.pack("<QQHBB", 1, 1, len(KEYB), 3, 1) + struct.pack("<Q", 3 << 30) + KEYB
+    meta = DATA_FIXED.pack(1, 1, len(KEYB), 3, 1) + struct.pack("<Q", 3 << 30) + KEYB
     dec = codec.Decoder(max_payload=1 << 20)
     with pytest.raises(rvz.ProtocolError, match=f"payload of {3 << 30} bytes exceeds"):
         feed(dec, HELLO + header(codec.DATA, len(meta), 3 << 30) + meta)

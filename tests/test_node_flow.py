@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import struct
 from typing import Any
 
 import numpy as np
@@ -14,7 +13,19 @@ import pytest
 import rvz
 from rvz import _impl
 
-from .conftest import FAST, PS, WORKER, eventually, key, pair, pending, provider_or_skip, record_writes
+from .conftest import (
+    FAST,
+    PS,
+    WORKER,
+    eventually,
+    frame_starts,
+    key,
+    pair,
+    pending,
+    provider_or_skip,
+    record_writes,
+)
+from .hostile import MANY_FIXED
 
 MIB = 1 << 20
 SIZE = 256 << 10          # bytes per array
@@ -524,15 +535,8 @@ async def test_the_sends_of_one_iteration_are_packed_into_data_many_frames(clust
             await asyncio.sleep(0)   # the end of the iteration flushes the rest
         finally:
             conn.transport = transport
-        header = struct.Struct("<BBHIQ")
-        frames = []
-        for data in written:
-            pos = 0
-            while pos < len(data):
-                _, ftype, _, meta_len, payload_len = header.unpack_from(data, pos)
-                fields = struct.unpack_from("<QI", data, pos + header.size)
-                frames.append((ftype, *fields))
-                pos += header.size + meta_len + payload_len
+        frames = [(ftype, *MANY_FIXED.unpack_from(data, meta))
+                  for data in written for ftype, meta in frame_starts(data)]
         many = _impl.codec.DATA_MANY
         assert all(f[0] == many for f in frames), frames
         # by step, in order: one run of step 0 (the first push may leave alone, at once),
