@@ -689,7 +689,7 @@ class Node:
         finally:
             if handle is not None:
                 handle.cancel()
-            if peer is not None and core.outstanding:  # (nothing to rebalance otherwise)
+            if peer is not None and core.requests:  # (nothing to rebalance otherwise)
                 core.rebalance(step, text, table)
 
     async def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None, step: int = 0,
@@ -991,6 +991,7 @@ class Node:
             mark = (table, table.stamp, table.puts)  # a table compares by identity
             if seen.get(step) == mark:
                 del core.tables[step]
+                core.table_dropped(step)
                 self._idle_since.pop(step, None)
             else:
                 now_empty[step] = mark
@@ -1272,6 +1273,7 @@ class Node:
         table = core.tables.pop(step, None)
         if table is None:
             return
+        core.table_dropped(step)
         for key, value in table.abort(message, cause):
             route = core.route(key)
             if route.src == self.id and route.dst != self.id:

@@ -80,7 +80,7 @@ def test_recv_driven_requests_of_one_key_are_counted_as_recvs_come_and_go(run, c
                 await w.send(k, np.array([i]))
             assert (await first).tolist() == [0]
             assert (await more[1]).tolist() == [1]
-            assert core.outstanding_count(0, text) == 0 and not core.outstanding
+            assert core.outstanding_count(0, text) == 0 and not any(core.outstanding.values())
             lone = await pending(p.recv(k, timeout=5))
             await eventually(lambda: parked() == 1, "a lone request parked again")
             await w.send(k, np.array([7]))
@@ -111,7 +111,7 @@ def test_cleaning_up_a_step_drops_its_requests_and_no_other_steps(run, cluster) 
             assert core.outstanding_count(4, str(k)) == 1 and len(core.requests) == 1
             await w.step(4).send(k, np.array([5]))
             assert (await kept).tolist() == [5]
-            assert not core.outstanding and not core.requests
+            assert not any(core.outstanding.values()) and not core.requests
 
     run(main(), timeout=15)
 
@@ -305,6 +305,26 @@ def test_empty_step_tables_are_dropped(run, cluster) -> None:  # type: ignore[no
             # a dropped step can be used again
             await w.step(7).send(key("s"), np.arange(1))
             assert (await p.step(7).recv(key("s"), timeout=5)).tolist() == [0]
+
+    run(main(), timeout=15)
+
+
+def test_a_recv_driven_step_s_request_map_goes_with_its_table(run, cluster) -> None:  # type: ignore[no-untyped-def]
+    """A consumer keeps a step's map of outstanding requests while the step's table lives
+    (a stream of recvs would otherwise make and free one per request), and drops it with
+    the table: steps that come and go leave nothing behind."""
+    async def main() -> None:
+        async with pair(cluster, "recv") as (w, p):
+            core = p._core
+            for step in range(1, 30):
+                waiting = await pending(p.step(step).recv(key("s"), timeout=5))
+                assert core.outstanding_count(step, str(key("s"))) == 1
+                await w.step(step).send(key("s"), np.arange(2))
+                assert (await waiting).tolist() == [0, 1]
+            assert 29 in core.outstanding, "the map of a step whose table lives is kept"
+            await eventually(lambda: len(p.stats()["steps"]) <= 1,
+                             "finished steps' tables dropped at the next heartbeat")
+            assert len(core.outstanding) <= 1 and not core.requests
 
     run(main(), timeout=15)
 

@@ -1245,10 +1245,19 @@ class Core:
             self._drop_key(step, keys, key)
 
     def _drop_key(self, step: Any, keys: dict, key: str) -> None:
-        """``key`` has no outstanding request left in ``step``; nor, perhaps, the step
-        (``outstanding`` is empty when nothing is asked: ``Node.recv`` tests that)."""
+        """``key`` has no outstanding request left in ``step``.  The step's map stays while
+        its table does: a stream of recvs, each asking once, would otherwise make and free
+        a dict per request.  (``requests`` is empty when nothing is asked: ``Node.recv``
+        tests that.)"""
         del keys[key]
-        if not keys:
+        if not keys and step not in self.tables:
+            del self.outstanding[step]
+
+    def table_dropped(self, step: Any) -> None:
+        """``step``'s table is gone (empty, or expired): its map of requests too, if
+        nothing is asked in it any more (else the last answer's ``_drop_key`` drops it)."""
+        keys = self.outstanding.get(step)
+        if keys is not None and not keys:
             del self.outstanding[step]
 
     def rebalance(self, step: Any, key: str, table: Table) -> None:
