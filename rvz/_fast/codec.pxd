@@ -66,7 +66,7 @@ cdef class Decoder:
     cdef public object admit
     cdef public bint stop_at_handshake
     cdef public Py_ssize_t frames
-    cdef public object bytes_in
+    cdef public long long bytes_in  # a C counter: no int object made per read
     cdef list _keys
 
     cpdef object get_buffer(self, Py_ssize_t sizehint=*)

@@ -98,7 +98,7 @@ cdef class Wire:
     cdef public dict key_ways
     cdef public Py_ssize_t key_ways_max
     cdef public Py_ssize_t tcp_values
-    cdef public object bytes_out
+    cdef public long long bytes_out  # a C counter: no int object made per write
     cdef public Py_ssize_t frames_out
     cdef public Py_ssize_t data_out
     cdef public list deferred
@@ -189,6 +189,7 @@ cdef class Core:
     cpdef object remote_table(self, object step, Wire conn)
     @cython.locals(route=Route, peer=Peer)
     cpdef admit(self, Wire conn, object step, object request_id, str key, object nbytes)
+    @cython.locals(before=Py_ssize_t)
     cpdef check_window(self, Peer peer, object cost)
     cpdef joined(self, object step, Peer peer)
     cpdef attach(self, object loop, unsigned long thread)

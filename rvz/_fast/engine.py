@@ -843,7 +843,8 @@ class Core:
         upper bound on what of ``unreturned`` was pushed: the limit never tightens).
         """
         before = peer.unreturned - peer.answered
-        if before > 0 and before + cost > 2 * peer.window:
+        # (``cost`` alone stays a Python int: from a frame's header it may exceed any C type)
+        if before > 0 and cost > 2 * peer.window - before:
             raise ProtocolError(f"{peer.name} pushed beyond the push window: {before} bytes "
                                 f"unreturned, {cost} more, window {peer.window}")
 
