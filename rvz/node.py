@@ -990,8 +990,7 @@ class Node:
                 continue
             mark = (table, table.stamp, table.puts)  # a table compares by identity
             if seen.get(step) == mark:
-                del core.tables[step]
-                core.table_dropped(step)
+                core.drop_table(step)
                 self._idle_since.pop(step, None)
             else:
                 now_empty[step] = mark
@@ -1270,10 +1269,9 @@ class Node:
 
     def _drop_table(self, step: int, message: str, cause: BaseException | None) -> None:
         core = self._core
-        table = core.tables.pop(step, None)
+        table = core.drop_table(step)
         if table is None:
             return
-        core.table_dropped(step)
         for key, value in table.abort(message, cause):
             route = core.route(key)
             if route.src == self.id and route.dst != self.id:

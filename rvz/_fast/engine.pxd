@@ -236,7 +236,7 @@ cdef class Core:
     cpdef forget_request(self, object request_id, object step, str key)
     cdef _drop_key(self, object step, dict keys, str key)
     @cython.locals(keys=dict)
-    cpdef table_dropped(self, object step)
+    cpdef Table drop_table(self, object step)
     @cython.locals(keys=dict)
     cpdef rebalance(self, object step, str key, Table table)
     cpdef consumed(self, tuple src, object value)

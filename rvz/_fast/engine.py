@@ -1254,12 +1254,15 @@ class Core:
         if not keys and step not in self.tables:
             del self.outstanding[step]
 
-    def table_dropped(self, step: Any) -> None:
-        """``step``'s table is gone (empty, or expired): its map of requests too, if
-        nothing is asked in it any more (else the last answer's ``_drop_key`` drops it)."""
+    def drop_table(self, step: Any) -> Table | None:
+        """Forget ``step``'s table (empty, expired or aborted) and return it; its map of
+        requests goes too when nothing is asked in it any more (else the last answer's
+        ``_drop_key`` drops it)."""
+        table = self.tables.pop(step, None)
         keys = self.outstanding.get(step)
         if keys is not None and not keys:
             del self.outstanding[step]
+        return table
 
     def rebalance(self, step: Any, key: str, table: Table) -> None:
         """Cancel requests that no local waiter needs any more (newest first)."""
