@@ -451,6 +451,27 @@ def test_stream_rows_of_issue_7(tmp_path: Path) -> None:
         assert "pyzmq baselines skipped" not in r["_stdout"]
 
 
+@pytest.mark.timeout(60)
+def test_recv_driven_rows_have_a_socket_request_reply_baseline(tmp_path: Path) -> None:
+    # From 256K up, with recv in the modes: the blocking socket asked for each message.
+    r = run_json(tmp_path, "stream", "--sizes", "256K", "--iters", "16", "--concurrency", "1",
+                 "--mode", "both", "--targets", *TINY, timeout=50)
+    rows = r["stream"]
+    reply = [row for row in rows if row["variant"] == "socket-reply"]
+    assert len(reply) == 1, [row["variant"] for row in rows]
+    reply_row = reply[0]
+    assert reply_row["label"] == "socket request/reply" and reply_row["mode"] is None
+    assert reply_row["messages"] == 16 and reply_row["bytes"] == 16 * 262144
+    for row in rows:
+        if row["mode"] == "recv":
+            assert _close(row["ratio_socket_reply"], row["gbytes_per_s"] / reply_row["gbytes_per_s"])
+            assert row["baseline_socket_reply_gbps"] == reply_row["gbytes_per_s"]
+        else:  # the send-driven rows and the baselines are not compared with it
+            assert "ratio_socket_reply" not in row, row
+    target = {t["id"]: t for t in r["targets"]}["holds-previous-recv"]
+    assert target["figure"] is not None and "socket request/reply, same size" in target["detail"]
+
+
 @pytest.mark.timeout(40)
 def test_pyzmq_missing_is_said_once(tmp_path: Path) -> None:
     # A "zmq" package that fails to import shadows the real one in the CLI and its workers.
@@ -494,6 +515,8 @@ def test_targets_use_the_rows_they_name() -> None:
             row[f"ratio_{key}"] = row["gbytes_per_s"] / b["gbytes_per_s"] if b else None
         row["baseline_socket_gbps"] = base["socket"]["gbytes_per_s"] if "socket" in base else None
         row["baseline_pyzmq_msgs"] = base["zmq"]["msgs_per_s"] if "zmq" in base else None
+        if row["variant"] == "rvz-hold" and row["mode"] == "recv" and row["size"] == 256 << 10:
+            row["baseline_socket_reply_gbps"] = 3.2  # the socket asked for each message
     pingpong = [{"variant": "rvz", "mode": "recv", "size": 64, "loop": "uvloop", "p50_us": 30.0,
                  "ratio_streams": 1.5, "baseline_streams_p50_us": 20.0},
                 {"variant": "rvz", "mode": "send", "size": 64, "loop": "uvloop", "p50_us": 21.0,
@@ -510,6 +533,8 @@ def test_targets_use_the_rows_they_name() -> None:
     assert t["holds-previous-send"]["met"] is True and "4M" in t["holds-previous-send"]["detail"]
     assert t["holds-previous-recv"]["figure"] == pytest.approx(0.5)
     assert t["holds-previous-recv"]["met"] is False
+    reply = "socket request/reply, same size: 3.20 GB/s (0.80x the socket)"
+    assert reply in t["holds-previous-recv"]["detail"]
     assert t["pingpong-recv-64B"]["met"] is False and t["pingpong-send-64B"]["met"] is True
     assert t["rendezvous-consumer-first"]["met"] is None
 

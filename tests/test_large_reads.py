@@ -6,8 +6,9 @@ segment.
   buffer; a read that fills that peek (small frames streaming in) brings back full-size
   reads, a shorter one (a credit or a request alone) does not.
 * While a large payload arrives and the socket holds less than the rest of it, the socket's
-  ``SO_RCVLOWAT`` is what is left of it (capped at ``connection.LOWAT_MAX``), and 1 again
-  once it is in; when the rest is there already, it is not touched.
+  ``SO_RCVLOWAT`` is a share of what is left of it (``connection.LOWAT_SHARE``, capped at
+  ``LOWAT_MAX``, never under ``LOWAT_MIN``), and 1 again once it is in; when the rest is
+  there already, it is not touched.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ async def test_the_socket_wakes_the_loop_per_chunk_of_a_large_payload(
             # The loop is woken when a chunk of what is left is there, not for every segment
             # (so some of the part we sent may still wait in the socket).
             left = conn.decoder.payload_left()
-            assert lowat(sock) == min(left, _connection.LOWAT_MAX) > 1
+            assert lowat(sock) == min(left // _connection.LOWAT_SHARE, _connection.LOWAT_MAX) > 1
             assert await h.send(value[part:].tobytes())
             got = await p.recv(k, timeout=10)
             np.testing.assert_array_equal(got, value)
@@ -155,7 +156,7 @@ async def test_the_socket_wakes_the_loop_per_chunk_of_a_large_payload(
 async def test_reads_reach_the_transport_only_to_tune_and_the_pool_is_kept_without_it(cluster) -> None:  # type: ignore[no-untyped-def]
     """Small frames are read and dispatched by the engine alone (compiled, no interpreted
     frame of the transport); a large payload's reads reach ``tune_read`` only while the
-    socket is tuned or when one comes up short with at least LOWAT_MIN left.  The engine
+    socket is tuned or when one comes up short with at least LOWAT_SHARE * LOWAT_MIN left.  The engine
     itself has the receive pool prepare its next block after large reads."""
     async with pair(cluster, "send") as (w, p):
         k = key_text("big", ("worker", 0), PS0)
@@ -182,7 +183,8 @@ async def test_reads_reach_the_transport_only_to_tune_and_the_pool_is_kept_witho
         await w.send(k, value)
         got = await p.recv(k, timeout=10)
         np.testing.assert_array_equal(got, value)
-        assert all(tuning or left >= _connection.LOWAT_MIN for tuning, left in calls), calls
+        tunable = _connection.LOWAT_SHARE * _connection.LOWAT_MIN
+        assert all(tuning or left >= tunable for tuning, left in calls), calls
         assert not conn.tuning  # the payload is in: tuning ended
         if conn.lowat_sock is not None:  # plain TCP (not a heartbeat's slow-link fallback)
             assert lowat(conn.lowat_sock) == 1
@@ -207,11 +209,12 @@ def inject(conn: object, data: bytes, reads: list[int]) -> None:
 async def test_a_payload_already_in_the_socket_is_read_without_tuning(cluster) -> None:  # type: ignore[no-untyped-def]
     """When the rest of a payload is in the socket (reads fill the buffer offered, as for a
     consumer that cannot keep up), no socket option changes: SO_RCVLOWAT costs a system
-    call each time.  A read that comes up short inside the payload raises it if at least
-    LOWAT_MIN is left; the read that ends the payload lowers it again."""
+    call each time.  A read that comes up short inside the payload raises it if a share of
+    what is left is at least LOWAT_MIN; the read that ends the payload lowers it again."""
     async with pair(cluster, "send") as (w, p):
         k = key_text("big", ("worker", 0), PS0)
-        size = 4 * _connection.LOWAT_MIN              # half of it is worth tuning for
+        tunable = _connection.LOWAT_SHARE * _connection.LOWAT_MIN
+        size = 4 * tunable                            # half of it is worth tuning for
         value = np.arange(size, dtype=np.uint8)
         await w.send(k, value)   # connected, window granted, and the decoder now peeks
         await p.recv(k, timeout=5)
@@ -239,8 +242,9 @@ async def test_a_payload_already_in_the_socket_is_read_without_tuning(cluster) -
         np.testing.assert_array_equal(await p.recv(k, timeout=5), value)
         assert len(changes) == 2 and changes[0] > 1 and changes[1] == 1, changes
         assert lowat(conn.lowat_sock) == 1
-        # A short read that leaves less than LOWAT_MIN: a few more wake-ups cost less.
-        small = value[:_connection.LOWAT_MIN]
+        # A short read that leaves less than LOWAT_SHARE * LOWAT_MIN (its share would be
+        # under LOWAT_MIN): a few more wake-ups cost less.
+        small = value[:tunable]
         frame = data_header(0, 0, k, U8, small.shape, small.nbytes) + small.tobytes()
         inject(conn, frame, [codec.PEEK, small.nbytes // 8])
         np.testing.assert_array_equal(await p.recv(k, timeout=5), small)

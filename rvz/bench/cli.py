@@ -47,6 +47,9 @@ RDV_SPREAD_NS = 2_000_000   # random order: each side waits uniformly in [0, spr
 RDV_LEAD_NS = 300_000_000   # time for both workers to set up before round 0
 RDV_WIRE = {"send": "push", "recv": "request+reply"}  # each mode's bytes, in the socket replica
 BASELINES = ("socket", "streams", "zmq")
+# Recv-Driven's own baseline from HOLD_MIN_SIZE up (one message in flight there): the blocking
+# socket again, each message asked for with a request first (``socket_stream``'s ``reply``).
+SOCKET_REPLY = "socket-reply"
 BATCH_MAX_SIZE = 4 << 10    # batch rows up to this size (the small-message regime)
 ONE_IN_FLIGHT_SIZE = 4 << 10
 HOLD_MIN_SIZE = 256 << 10   # "holds previous" rows from this size (the receive pool's range)
@@ -355,7 +358,8 @@ class Bench:
         pattern = PATTERNS.get(variant)
         concurrency = opts.stream_concurrency(size) if variant in ("rvz", "rvz-hold") else 1
         batch = opts.batch if variant == "rvz-batch" else None
-        case = {"kind": "stream", "impl": "rvz" if pattern else variant, "mode": mode, "size": size,
+        impl_of = "socket" if variant == SOCKET_REPLY else variant
+        case = {"kind": "stream", "impl": "rvz" if pattern else impl_of, "mode": mode, "size": size,
                 "warmup": opts.stream_warmup(size), "iters": opts.iters,
                 "duration": opts.duration, "concurrency": concurrency,
                 # --duration: still a few large messages (the slow streams baseline fewer)
@@ -364,6 +368,8 @@ class Bench:
             case["pattern"] = pattern
         if batch:
             case["batch"] = batch
+        if variant == SOCKET_REPLY:
+            case["reply"] = True
         if variant == "rvz-one":
             case["producer_yield"] = False  # a plain ``await send`` loop, nothing else
         if variant == "rvz-hold":
@@ -409,6 +415,10 @@ class Bench:
             row["ratio_socket"] = _ratio(row["gbytes_per_s"], sock["gbytes_per_s"] if sock else None)
             row["ratio_streams"] = _ratio(row["gbytes_per_s"], strm["gbytes_per_s"] if strm else None)
             row["ratio_pyzmq"] = _ratio(row["gbytes_per_s"], zmq["gbytes_per_s"] if zmq else None)
+            reply = _find_row(rows, variant=SOCKET_REPLY, size=row["size"])
+            if reply is not None and row["mode"] == "recv":
+                row["baseline_socket_reply_gbps"] = reply["gbytes_per_s"]
+                row["ratio_socket_reply"] = _ratio(row["gbytes_per_s"], reply["gbytes_per_s"])
         return rows
 
     def baseline_variants(self) -> list[tuple[str, str]]:
@@ -426,6 +436,8 @@ class Bench:
         that apply to this size."""
         out = self.variants()
         modes = self.opts.modes
+        if size >= HOLD_MIN_SIZE and self.opts.baselines and "recv" in modes:
+            out.insert(len(self.baseline_variants()), (SOCKET_REPLY, ""))
         # ``all`` stays short: there the batch and one-in-flight rows run only where a
         # target reads them (batch at 64B, one in flight Send-Driven).
         lean = self.opts.command == "all"
@@ -662,6 +674,8 @@ class Bench:
 def label(variant: str, mode: str, loop: str, kind: str = "stream") -> str:
     if variant == "socket":
         return "blocking socket"
+    if variant == SOCKET_REPLY:
+        return "socket request/reply"
     if variant == "streams":
         return f"{loop} streams"
     if variant == "zmq":

@@ -53,7 +53,7 @@ B_JOB = "b"
 FRAME = struct.Struct("<II")
 CONNECT_TIMEOUT = 30.0
 ROUND_TIMEOUT = 10.0      # socket baselines: longest wait for one frame, or for the end
-RDV_REQUEST_BYTES = 64    # its request frame's payload: about what an rvz request carries
+REQUEST_BYTES = 64        # a socket baseline's request (rendezvous replica, request/reply stream)
 
 
 def device(job: str) -> str:
@@ -534,17 +534,26 @@ def _end_sending(sock: socket.socket) -> None:
 
 def socket_stream(case: dict[str, Any], addrs: dict[str, str], role: str,
                   listener: socket.socket | None) -> dict[str, Any]:
-    """Blocking sockets: ``sendall`` of each framed message, ``recv_into`` one buffer."""
+    """Blocking sockets: ``sendall`` of each framed message, ``recv_into`` one buffer.
+
+    With ``reply`` (the Recv-Driven rows' second baseline) the consumer asks for each
+    message with a REQUEST_BYTES-byte request and the producer sends it when asked: the
+    request/reply pattern itself, one message in flight, with nothing of rvz.
+    """
     size = int(case["size"])
     plan = Plan(case, 1)
+    reply = bool(case.get("reply"))
     if role == "a":
         assert listener is not None
         sock = _socket_accept(listener)
         try:
             body, last = _frames(size)
             sendall = sock.sendall
+            request = memoryview(bytearray(REQUEST_BYTES))
 
             async def one(frame: Any) -> None:
+                if reply:
+                    _recv_exactly(sock, request)
                 sendall(frame)
             sent = _run_sync(produce(plan, one, body, last, check_every(size)))
             _end_sending(sock)
@@ -561,7 +570,10 @@ def socket_stream(case: dict[str, Any], addrs: dict[str, str], role: str,
         received = 0
         start = None
         warm = plan.warmup
+        ask = bytes(REQUEST_BYTES)
         while True:
+            if reply:
+                sock.sendall(ask)
             _recv_exactly(sock, view)
             received += 1
             if received == warm:
@@ -702,7 +714,7 @@ def socket_rendezvous(case: dict[str, Any], addrs: dict[str, str], role: str,
     t0 = int(case["t0_ns"])
     clock = time.monotonic_ns
     value, _ = _frames(size)
-    request, _ = _frames(RDV_REQUEST_BYTES)
+    request, _ = _frames(REQUEST_BYTES)
     if role == "a":
         assert listener is not None
         sock = _socket_accept(listener)
