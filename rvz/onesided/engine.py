@@ -36,8 +36,9 @@ key holds even when a recv asks for a key whose pushes are still under way.
 
 Small values (header + key + payload within one provider message) go as an inline
 message, in order with the writes of the same endpoint.  The values of a key whose first
-value was a push of at most ``tcp_max`` bytes (shm: 256 KiB; verbs: none) do not come here
-at all, answers included: they stay on the TCP connection, compiled and coalesced
+value was a push of at most ``tcp_max`` bytes (shm: 256 KiB; verbs: none) or an answer
+that fits one provider message (``answer_tcp_max``: no destination is offered for such a
+value) do not come here at all: they stay on the TCP connection, compiled and coalesced
 (``Wire.goes_onesided`` in the engine).
 
 Failures never escape into the event loop: a failed completion, an unreachable peer file,
@@ -290,6 +291,10 @@ class Channel:
         self.slot_idle = options.slot_idle
         self.inline_limit = engine.inline_limit
         self.tcp_max = engine.tcp_max      # read by the connection (``Wire.goes_onesided``)
+        # A key first answered with a value this small stays on the connection as well: it
+        # would go here as an inline message (no destination is offered for it), handled
+        # in Python on both sides, and gains nothing from the channel.  (-1 with tcp_max -1.)
+        self.answer_tcp_max = min(self.tcp_max, self.inline_limit) if self.tcp_max >= 0 else -1
         ep.on_error = self.fail
         self.failed: BaseException | None = None
         self.closed = False
