@@ -37,6 +37,7 @@ cdef inline bint _same_key(str known, bytearray buf, Py_ssize_t start, Py_ssize_
     return (PyUnicode_IS_COMPACT_ASCII(known) and PyUnicode_GET_LENGTH(known) == length
             and memcmp(PyUnicode_DATA(known), PyByteArray_AS_STRING(buf) + start, length) == 0)
 
+cdef Py_ssize_t _u16(bytearray buf, Py_ssize_t pos)
 @cython.locals(b0="unsigned long long", b1="unsigned long long", b2="unsigned long long",
                b3="unsigned long long")
 cdef unsigned long long _u32(bytearray buf, Py_ssize_t pos)

@@ -231,6 +231,11 @@ def encode_requests_split(step: int, entries: list) -> list:
     return frames
 
 
+def _u16(buf: bytearray, pos: int) -> int:
+    """A little-endian u16 at ``buf[pos]`` (used compiled, as ``_u32``)."""
+    return buf[pos] | buf[pos + 1] << 8
+
+
 def _u32(buf: bytearray, pos: int) -> int:
     """A little-endian u32 at ``buf[pos]`` (used compiled, where indexing is a C read).
 
@@ -467,7 +472,7 @@ class Decoder:
                 if COMPILED:
                     step = _u64(buf, mstart)
                     request_id = _u64(buf, mstart + 8)
-                    klen = buf[mstart + 16] | buf[mstart + 17] << 8
+                    klen = _u16(buf, mstart + 16)
                     code = buf[mstart + 18]
                     ndim = buf[mstart + 19]
                 else:
@@ -559,7 +564,7 @@ class Decoder:
                 if COMPILED:
                     step = _u64(buf, mstart)
                     request_id = _u64(buf, mstart + 8)
-                    klen = buf[mstart + 16] | buf[mstart + 17] << 8
+                    klen = _u16(buf, mstart + 16)
                 else:
                     step, request_id, klen = _REQUEST_FIXED.unpack_from(buf, mstart)
                 if klen > _C_MAX_KEY or meta_len != 18 + klen:
@@ -649,7 +654,7 @@ class Decoder:
                 self._fail("REQUESTS frame ends inside an entry")
             if COMPILED:
                 request_id = _u64(buf, pos)
-                klen = buf[pos + 8] | buf[pos + 9] << 8
+                klen = _u16(buf, pos + 8)
             else:
                 request_id, klen = _ENTRY.unpack_from(buf, pos)
             if klen > _C_MAX_KEY or end - pos - 10 < klen:
@@ -676,7 +681,7 @@ class Decoder:
             if end - pos < _C_ENTRY:
                 self._fail("DATA_MANY frame ends inside an entry")
             if COMPILED:
-                klen = buf[pos] | buf[pos + 1] << 8
+                klen = _u16(buf, pos)
                 code = buf[pos + 2]
                 ndim = buf[pos + 3]
                 nbytes = _u32(buf, pos + 4)

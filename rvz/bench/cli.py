@@ -46,10 +46,10 @@ RDV_GAP_NS = 1_000_000      # how much earlier the first side calls in an ordere
 RDV_SPREAD_NS = 2_000_000   # random order: each side waits uniformly in [0, spread)
 RDV_LEAD_NS = 300_000_000   # time for both workers to set up before round 0
 RDV_WIRE = {"send": "push", "recv": "request+reply"}  # each mode's bytes, in the socket replica
-BASELINES = ("socket", "streams", "zmq")
 # Recv-Driven's own baseline from HOLD_MIN_SIZE up (one message in flight there): the blocking
 # socket again, each message asked for with a request first (``socket_stream``'s ``reply``).
 SOCKET_REPLY = "socket-reply"
+BASELINES = ("socket", "streams", "zmq", SOCKET_REPLY)
 BATCH_MAX_SIZE = 4 << 10    # batch rows up to this size (the small-message regime)
 ONE_IN_FLIGHT_SIZE = 4 << 10
 HOLD_MIN_SIZE = 256 << 10   # "holds previous" rows from this size (the receive pool's range)
@@ -415,7 +415,7 @@ class Bench:
             row["ratio_socket"] = _ratio(row["gbytes_per_s"], sock["gbytes_per_s"] if sock else None)
             row["ratio_streams"] = _ratio(row["gbytes_per_s"], strm["gbytes_per_s"] if strm else None)
             row["ratio_pyzmq"] = _ratio(row["gbytes_per_s"], zmq["gbytes_per_s"] if zmq else None)
-            reply = _find_row(rows, variant=SOCKET_REPLY, size=row["size"])
+            reply = base.get(SOCKET_REPLY)
             if reply is not None and row["mode"] == "recv":
                 row["baseline_socket_reply_gbps"] = reply["gbytes_per_s"]
                 row["ratio_socket_reply"] = _ratio(row["gbytes_per_s"], reply["gbytes_per_s"])
