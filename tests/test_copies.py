@@ -84,6 +84,9 @@ async def test_large_payload_is_written_from_the_callers_memory(cluster) -> None
     async with pair(cluster, "send") as (w, p):
         await w.send(key(), np.arange(1))         # connected, window granted
         assert (await p.recv(key(), timeout=5)).tolist() == [0]
+        # That push left alone; the next frame leaves alone again only after ALONE_NS (1 ms)
+        # or a read from the peer (``Wire._at_once``).
+        await asyncio.sleep(0.01)
         conn = w._peers[("ps", 0)].link  # the connection our traffic to it uses
         assert conn is not None
         transport = conn.transport
@@ -135,13 +138,16 @@ async def test_small_frames_of_one_iteration_leave_in_at_most_two_writes(cluster
 @pytest.mark.loop_timeout(20)
 async def test_large_payloads_of_one_iteration_leave_in_one_gathered_write(cluster) -> None:  # type: ignore[no-untyped-def]
     """The first large payload of a loop iteration is written at once (unless the iteration
-    before wrote a group); the later ones, and the small frames between them, leave in
-    order in one gathered write at its end, and a write leaves once ``GATHER_AT`` payload
-    bytes wait."""
+    before wrote a group, or a frame left alone just before); the later ones, and the small
+    frames between them, leave in order in one gathered write at its end, and a write
+    leaves once ``GATHER_AT`` payload bytes wait."""
     size = 128 << 10                               # large (not copied into a frame buffer)
     async with pair(cluster, "send") as (w, p):
         await w.send(key(), np.arange(1))          # connected, window granted
         assert (await p.recv(key(), timeout=5)).tolist() == [0]
+        # That push left alone; the next frame leaves alone again only after ALONE_NS (1 ms)
+        # or a read from the peer (``Wire._at_once``).
+        await asyncio.sleep(0.01)
         conn = w._peers[("ps", 0)].link
         assert conn is not None
         transport = conn.transport

@@ -515,6 +515,49 @@ async def test_recv_driven_exchange_writes_answer_and_next_request_together(clus
 
 
 @pytest.mark.loop_timeout(20)
+async def test_a_lone_push_leaves_at_once_without_an_end_of_iteration_flush(cluster) -> None:  # type: ignore[no-untyped-def]
+    # A frame that leaves alone schedules no end-of-iteration flush (a 64 B ping-pong paid
+    # that callback on every message).  The next frame within ALONE_NS (1 ms) of it, with no
+    # word from the peer since, waits for the flush it schedules, as the rest of a burst
+    # did; a read from the peer lets the next frame leave alone again at once.
+    async with pair(cluster, "send", heartbeat=5.0, peer_timeout=30.0) as (w, p):
+        back = key("back", src=PS, dst=WORKER)
+        await w.send(key("warmup"), np.arange(1))
+        await p.recv(key("warmup"), timeout=5)
+        await p.send(back, np.arange(1))        # both ways over the connection w dialled
+        await w.recv(back, timeout=5)
+        conn = w._peers[("ps", 0)].link
+        assert conn is not None
+        written, transport = record_writes(conn)
+        data = _impl.codec.DATA_MANY
+        try:
+            await asyncio.sleep(0.01)              # longer than ALONE_NS since w last wrote
+            await w.send(key(), np.array([1]))
+            assert written == [[data]]             # within the call ...
+            assert not conn._flush_scheduled       # ... and nothing scheduled after it
+            await w.send(key(), np.array([2]))          # the same iteration, within ALONE_NS
+            assert written == [[data]] and conn._flush_scheduled
+            await eventually(lambda: len(written) == 2, "the flush wrote the second push")
+            assert written[1] == [data] and not conn._flush_scheduled
+            # The second push was a group of two: the next iteration's first frame waits
+            # for its flush too (``_hold_first``), and that one wrote a single frame.
+            await w.send(key(), np.array([3]))
+            assert len(written) == 2
+            await eventually(lambda: len(written) == 3, "the flush wrote the third push")
+            # The third wrote one frame: the next leaves alone again, and after a read from
+            # the peer, so does the one after it (ALONE_NS or not).
+            await w.send(key(), np.array([4]))
+            assert len(written) == 4 and not conn._flush_scheduled
+            await p.send(back, np.arange(1))
+            await w.recv(back, timeout=5)
+            await w.send(key(), np.array([5]))
+            assert len(written) == 5 and not conn._flush_scheduled
+        finally:
+            conn.transport = transport
+        assert [int((await p.recv(key(), timeout=5))[0]) for _ in range(5)] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.loop_timeout(20)
 async def test_the_sends_of_one_iteration_are_packed_into_data_many_frames(cluster) -> None:  # type: ignore[no-untyped-def]
     # Send-Driven pushes that follow each other in the write buffer go as DATA_MANY frames,
     # one per run of one step: a push of another step, or any other frame in between, ends

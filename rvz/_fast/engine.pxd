@@ -1,6 +1,7 @@
 cimport cython
 from cpython.object cimport PyObject_Call
 from cpython.pythread cimport PyThread_get_thread_ident
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from rvz._fast.arrays cimport (append_data_c, append_request_c, describe_c, many_begin_c,
                                many_end_c, many_entry_c, nbytes_c)
 from rvz._fast.codec cimport Decoder
@@ -13,11 +14,19 @@ cdef str RECV, SEND
 # The engine's sizes, as C values: each message's accounting does arithmetic with them.
 cdef Py_ssize_t MESSAGE_COST, HOLD_LOW_WATER, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY
 cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, MAX_KEY, LARGE_READ, COPY_WRITE_MAX
+cdef long long ALONE_NS
 cpdef Py_ssize_t nbytes_of(object value) except -1
 cdef unsigned long thread_ident()
+cdef long long clock_ns()
 cdef tuple describe_value(object value)
 cdef frame_data(bytearray out, object step, object request_id, bytes key, int code,
                 tuple shape, Py_ssize_t nbytes, object value, bint with_payload)
+
+cdef inline long long monotonic_ns_c() noexcept:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec * 1000000000LL + ts.tv_nsec
+
 
 cdef class Core
 cdef class Wire
@@ -112,6 +121,7 @@ cdef class Wire:
     cdef public bint _flush_scheduled
     cdef public bint _hold_first
     cdef public Py_ssize_t _burst
+    cdef long long _alone_at
     cdef public bint _answer_queued
     cdef object _call_soon
     cdef object _flush_cb
@@ -135,6 +145,8 @@ cdef class Wire:
     cdef _pack(self, object step, bytes key, object value, int code, tuple shape,
                Py_ssize_t nbytes)
     cdef _queued(self)
+    @cython.locals(now="long long")
+    cdef bint _at_once(self) except -1
     cpdef flush(self)
     cdef requests_queued(self)
     cdef _write_out(self)

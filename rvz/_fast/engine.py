@@ -28,6 +28,7 @@ from asyncio import Future
 from asyncio.events import _get_running_loop
 from collections import deque
 from threading import get_ident
+from time import monotonic_ns
 from typing import Any
 
 from ..errors import (
@@ -105,6 +106,13 @@ LARGE_READ = 65536
 # buffer: uvloop writes ``bytes`` as they are, and wraps any other buffer in a memoryview
 # cast first, which costs more than copying a few KiB (a 64 B ping-pong's every write).
 COPY_WRITE_MAX = 4096
+# A frame that leaves alone at once opens a span of this many nanoseconds in which the next
+# frames of its connection wait for an end-of-iteration flush and leave together (see
+# ``Wire._at_once``); a read from the peer, or the flush, closes it sooner.  Long enough
+# that what a caller does between two frames of one group (an answer and its request) does
+# not split it; short enough that a producer on a timer, which reads nothing between its
+# sends, still sends each at once.
+ALONE_NS = 1_000_000
 NEVER = 1 << 62  # ``Wire.tune_from`` of a transport that does not tune its reads
 # A connection with a one-sided channel remembers which way each key's values go (see
 # ``Wire.goes_onesided``) for this many keys; the values of keys beyond it go one-sided.
@@ -149,6 +157,13 @@ def thread_ident() -> int:
     if COMPILED:
         return PyThread_get_thread_ident()  # type: ignore[name-defined]  # noqa: F821
     return get_ident()
+
+
+def clock_ns() -> int:
+    """Monotonic nanoseconds (``time.monotonic_ns``; compiled, ``clock_gettime`` itself)."""
+    if COMPILED:
+        return monotonic_ns_c()  # type: ignore[name-defined]  # noqa: F821
+    return monotonic_ns()
 
 
 def nbytes_of(value: Any) -> int:
@@ -294,11 +309,11 @@ class Wire:
     """One connection's protocol state and its coalescing write buffer.
 
     Small frames issued in one loop iteration are coalesced into one write, flushed by a
-    ``call_soon`` callback at the end of the iteration (see ``_queued`` for the first one).
-    A large payload is not copied into that buffer: the pending frames and its header go
-    first, then the payload is handed to the transport as a view of the caller's array; the
-    first of an iteration at once (unless the last one wrote a group), the others together
-    at its end (``_write_gathered``).
+    ``call_soon`` callback at the end of the iteration; a frame alone leaves at once, and
+    schedules nothing (``_at_once`` says which).  A large payload is not copied into that
+    buffer: the pending frames and its header go first, then the payload is handed to the
+    transport as a view of the caller's array; alone at once, else with the others at the
+    iteration's end (``_write_gathered``).
     ``_write`` hands bytes to ``transport`` (where they go to the socket); ``get_buffer`` and
     ``buffer_updated`` take them from it.  The transport subclass sets ``transport`` (and
     ``tune_from`` if it tunes its reads) and provides ``fail`` and ``tune_read``.
@@ -340,7 +355,8 @@ class Wire:
         self._many_count = 0
         self._flush_scheduled = False
         self._hold_first = False          # the last iteration wrote more than one frame
-        self._burst = 0                   # frames of this iteration (see ``_queued``)
+        self._burst = 0                   # frames of this iteration (see ``_at_once``)
+        self._alone_at = 0                # when a frame last left alone (see ``_at_once``)
         self._answer_queued = False       # an answer waits in ``_out`` (see ``requests_queued``)
         self._call_soon = core.loop.call_soon
         self._flush_cb = self.flush       # bound once: scheduled in every busy loop iteration
@@ -376,6 +392,7 @@ class Wire:
         tune (each tuning is a system call, two per payload).  No interpreted frame runs
         for an ordinary read."""
         into_payload = self.decoder.payload_left() != 0
+        self._alone_at = 0  # the peer spoke: a frame of ours may leave alone again
         self.feed(nbytes)
         # (``self.decoder.pool`` spelled out each time: typed, so these are C reads)
         if nbytes >= LARGE_READ and self.decoder.pool is not None and not self.decoder.pool.due:
@@ -472,7 +489,6 @@ class Wire:
             self._queued()
         elif not self.closed_here:
             # The header joins the pending small frames; the payload goes by reference.
-            self._burst += 1
             out = self._out
             frame_data(out, step, request_id, key, code, shape, nbytes, value, False)
             self._out = bytearray()
@@ -484,17 +500,11 @@ class Wire:
             if not self.gather:  # its writelines would copy: each payload goes by itself
                 self._write(out, payload)
                 return
-            first = not self._flush_scheduled
-            if first:
-                self._flush_scheduled = True
-                self._call_soon(self._flush_cb)
-                if not self._hold_first:
-                    # The first of a loop iteration leaves at once (latency; the consumer
-                    # starts on it while we go on), with the frames that were pending;
-                    # unless the last iteration wrote a group (``_hold_first``, as for small
-                    # frames).
-                    self._write(out, payload)
-                    return
+            if self._at_once():
+                # Alone (see ``_at_once``), it leaves at once, with the frames that were
+                # pending: the consumer starts on it while we go on.
+                self._write(out, payload)
+                return
             # The others of the iteration wait for its end and leave together, in one
             # gathered write (see ``_write_out``): a system call per 256 KiB payload cost a
             # producer that cannot keep up a tenth of its time in the kernel.
@@ -563,33 +573,44 @@ class Wire:
         self._many_end = len(out)
 
     def _queued(self) -> None:
-        """Frames were added: the frames of one loop iteration leave in one write at its end,
-        or earlier once FLUSH_AT bytes are pending.
+        """Frames were added: they leave now (``_at_once``), at the end of the loop iteration
+        with the others of it, or earlier once FLUSH_AT bytes are pending."""
+        if self._at_once() or len(self._out) >= FLUSH_AT:
+            self._write_out()
 
-        The first frame of an iteration leaves at once (a push or a reply waits for no loop
-        iteration, nor for whatever the caller does before it next yields) unless the last
-        iteration wrote more than one frame.  Frames then come in groups (an answer and the
-        next request of a Recv-Driven exchange, a burst of sends), and writing the first
-        alone costs a second write here and a second wake-up at the peer, which may act on
-        half the group meanwhile (an answer held there because its request is still in the
-        second write; ``requests_queued`` writes such a group as soon as its request is
-        queued).  An iteration that writes one frame only switches back."""
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._burst = 1
-            self._call_soon(self._flush_cb)
-            if not self._hold_first:
-                self._write_out()
-        else:
+    def _at_once(self) -> bool:
+        """A frame was queued: whether it leaves now, alone.
+
+        A frame leaves at once (a push or a reply waits for no loop iteration, nor for
+        whatever the caller does before it next yields) unless the last iteration wrote more
+        than one frame, or a frame left alone less than ``ALONE_NS`` ago and the peer has not
+        spoken since.  Frames then come in groups (an answer and the next request of a
+        Recv-Driven exchange, a burst of sends), and writing the first alone costs a second
+        write here and a second wake-up at the peer, which may act on half the group
+        meanwhile (an answer held there because its request is still in the second write;
+        ``requests_queued`` writes such a group as soon as its request is queued): they
+        leave together at the end of the iteration, from the flush this schedules.  A frame
+        that leaves alone schedules nothing: that callback cost a 64 B ping-pong about 1.3k
+        instructions a message (4% of its round trip)."""
+        if self._flush_scheduled:
             self._burst += 1
-            if len(self._out) >= FLUSH_AT:
-                self._write_out()
+            return False
+        now = clock_ns()
+        if not self._hold_first and now - self._alone_at > ALONE_NS:
+            self._alone_at = now
+            self._burst = 1
+            return True
+        self._burst += 1  # 1 when held first, 2 after a frame that left alone
+        self._flush_scheduled = True
+        self._call_soon(self._flush_cb)
+        return False
 
     def flush(self) -> None:
         """Write what is pending (the end-of-iteration callback)."""
         self._flush_scheduled = False
         self._hold_first = self._burst > 1
         self._burst = 0
+        self._alone_at = 0
         self._write_out()
 
     def requests_queued(self) -> None:
