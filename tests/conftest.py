@@ -284,7 +284,9 @@ def record_writes(conn: Any, raw: list[bytes] | None = None,
                    early: list[bool] | None = None) -> tuple[list[list[int]], Any]:
     """Route ``conn``'s small writes through a recorder: the frame types of each write
     (and, given ``raw``, the bytes of each write appended to it; given ``early``, whether
-    each write left before its iteration's end-of-iteration flush ran)."""
+    an end-of-iteration flush was still pending when each write left: a write from within
+    the iteration ahead of it, not the flush's own; a frame that leaves alone schedules no
+    flush, so its write records False)."""
     written: list[list[int]] = []
     transport = conn.transport
     real_write = transport.write
