@@ -131,6 +131,8 @@ cdef class Wire:
     cdef public Py_ssize_t tune_from
     cdef dict __dict__
 
+    # cpdef: the transport calls it from Python (typed, the read's size is a C value)
+    cpdef buffer_updated(self, Py_ssize_t nbytes)
     cpdef feed(self, Py_ssize_t nbytes)
     cpdef deliver(self, list events)
     cpdef write_frame(self, bytes frame)
@@ -266,7 +268,7 @@ cdef class Core:
     cpdef object take_many(self, list routes, object step)
     @cython.locals(event=tuple)
     cpdef dispatch(self, Wire conn, list events)
-    @cython.locals(route=Route, table=Table, peer=Peer)
+    @cython.locals(route=Route, table=Table, peer=Peer, cost=Py_ssize_t)
     cpdef on_data(self, Wire conn, object step, object request_id, str key, object value)
     @cython.locals(route=Route, table=Table, peer=Peer, n=Py_ssize_t, i=Py_ssize_t,
                    cost=Py_ssize_t, routes=list)
