@@ -308,6 +308,48 @@ def record_writes(conn: Any, raw: list[bytes] | None = None,
     return written, transport
 
 
+@contextlib.contextmanager
+def after_each_read(conns: list[Any], then: Callable[[], None]) -> Any:
+    """Call ``then()`` right after each read of ``conns`` is decoded and dispatched, inside
+    the transport's callback (before any task it woke runs), until the block ends.
+
+    A protocol that forwards to the connection stands between it and its transport (set
+    with ``set_protocol``, which both loops honour; uvloop binds the protocol's read
+    methods there, so patching the connection itself would not be seen)."""
+
+    class AfterRead(asyncio.BufferedProtocol):
+        def __init__(self, conn: Any) -> None:
+            self.conn = conn
+
+        def get_buffer(self, sizehint: int) -> Any:
+            return self.conn.get_buffer(sizehint)
+
+        def buffer_updated(self, nbytes: int) -> None:
+            self.conn.buffer_updated(nbytes)
+            then()
+
+        def eof_received(self) -> Any:
+            return self.conn.eof_received()
+
+        def connection_lost(self, exc: BaseException | None) -> None:
+            self.conn.connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            self.conn.pause_writing()
+
+        def resume_writing(self) -> None:
+            self.conn.resume_writing()
+
+    for conn in conns:
+        conn.transport.set_protocol(AfterRead(conn))
+    try:
+        yield
+    finally:
+        for conn in conns:
+            if not conn.transport.is_closing():
+                conn.transport.set_protocol(conn)
+
+
 def provider_or_skip(name: str) -> str:
     """``name``, or skip the test with the reason this machine cannot run that one-sided
     provider."""

@@ -334,6 +334,31 @@ async def test_small_payload_does_not_alias_the_staging_buffer() -> None:
     np.testing.assert_array_equal(arr, value)
 
 
+async def test_reads_after_whole_frames_reuse_one_buffer_object() -> None:
+    """Once every byte read was parsed, the next read goes where the last one started and
+    the decoder offers the same buffer object again: no view is made per read, which a
+    64 B ping-pong paid on every message.  A read that ends inside a frame still gets a
+    view after it; peeking (after a large payload) offers one fixed view too."""
+    dec = codec.Decoder(direct_min=65536)
+    feed(dec, HELLO)
+    first = dec.get_buffer(-1)
+    assert feed(dec, codec.encode_ping()) == [(codec.PING,)]
+    assert dec.get_buffer(-1) is first
+    frame = data_frame(np.arange(10, dtype=np.int64))
+    first[:5] = frame[:5]
+    assert dec.buffer_updated(5) == []
+    rest = dec.get_buffer(-1)
+    assert rest is not first and len(rest) == len(first) - 5
+    rest[:len(frame) - 5] = frame[5:]
+    (event,) = dec.buffer_updated(len(frame) - 5)
+    np.testing.assert_array_equal(event[4], np.arange(10))
+    assert dec.get_buffer(-1) is first
+    feed(dec, data_frame(np.zeros(1 << 20, np.uint8)))  # a large payload: peek next
+    peek = dec.get_buffer(-1)
+    assert len(peek) == codec.PEEK and dec.get_buffer(-1) is peek
+    assert feed(dec, codec.encode_ping()) == [(codec.PING,)]
+
+
 async def test_large_bytes_value() -> None:
     value = bytes(range(256)) * 1024  # 256 KiB
     events = all_ways(HELLO + data_frame(value) + codec.encode_ping(), seed=9)

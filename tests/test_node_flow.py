@@ -17,6 +17,7 @@ from .conftest import (
     FAST,
     PS,
     WORKER,
+    after_each_read,
     eventually,
     frame_starts,
     key,
@@ -272,24 +273,17 @@ async def test_cancel_after_delivery_keeps_the_push_window_whole(cluster, next_w
             second = await pending(p.recv(k, timeout=10), 0.02) if next_waiter else None
             table = p._tables[0]
             before = table.waiting(str(k))
-            conns = [c for c in p._conns if not c.closed]
+            fired: list[bool] = []
 
-            def hooked(conn, first=first, table=table, before=before, conns=conns):  # type: ignore[no-untyped-def]
-                real_feed = conn.feed
+            def check(first=first, table=table, before=before, fired=fired) -> None:  # type: ignore[no-untyped-def]
+                if table.waiting(str(k)) < before and not fired:
+                    fired.append(True)
+                    first.cancel()  # the value reached first's waiter: cancelled before it runs
 
-                def feed(nbytes: int) -> None:
-                    real_feed(nbytes)
-                    if table.waiting(str(k)) < before:  # the value reached first's waiter ...
-                        first.cancel()                   # ... and first is cancelled before it runs
-                        for c in conns:
-                            c.__dict__.pop("feed", None)
-                return feed
-
-            for conn in conns:
-                conn.feed = hooked(conn)
-            await w.send(k, array(i))
-            with pytest.raises(asyncio.CancelledError):
-                await first
+            with after_each_read([c for c in p._conns if not c.closed], check):
+                await w.send(k, array(i))
+                with pytest.raises(asyncio.CancelledError):
+                    await first
             got = await (second if second is not None else p.recv(k, timeout=5))
             assert got[0] == i
         credit = w._peers[("ps", 0)]
@@ -308,26 +302,20 @@ async def test_a_value_given_back_survives_the_heartbeat_dropping_empty_tables(c
         k = key("swept")
         first = await pending(p.recv(k, timeout=10), 0.02)
         table = p._tables[0]
-        conns = [c for c in p._conns if not c.closed]
 
-        def hooked(conn):  # type: ignore[no-untyped-def]
-            real_feed = conn.feed
+        fired: list[bool] = []
 
-            def feed(nbytes: int) -> None:
-                real_feed(nbytes)
-                if table.waiting(str(k)) == 0:  # delivered to first's waiter ...
-                    first.cancel()               # ... first is cancelled ...
-                    p._tick_handle.cancel()      # ... and a heartbeat runs before it wakes
-                    p._tick()
-                    for c in conns:
-                        c.__dict__.pop("feed", None)
-            return feed
+        def check() -> None:
+            if table.waiting(str(k)) == 0 and not fired:  # delivered to first's waiter ...
+                fired.append(True)
+                first.cancel()               # ... first is cancelled ...
+                p._tick_handle.cancel()      # ... and a heartbeat runs before it wakes
+                p._tick()
 
-        for conn in conns:
-            conn.feed = hooked(conn)
-        await w.send(k, array(7))
-        with pytest.raises(asyncio.CancelledError):
-            await first
+        with after_each_read([c for c in p._conns if not c.closed], check):
+            await w.send(k, array(7))
+            with pytest.raises(asyncio.CancelledError):
+                await first
         got = await p.recv(k, timeout=5)
         assert got[0] == 7
 

@@ -50,6 +50,7 @@ cpdef bytes encode_request(unsigned long long step, unsigned long long request_i
 cdef class Decoder:
     cdef bytearray _buf
     cdef object _view
+    cdef object _head  # _view[:PEEK], made once
     cdef Py_ssize_t _size
     cdef Py_ssize_t _start
     cdef Py_ssize_t _end
@@ -70,6 +71,7 @@ cdef class Decoder:
     cdef public long long bytes_in  # a C counter: no int object made per read
     cdef list _keys
 
+    @cython.locals(end=Py_ssize_t)
     cpdef object get_buffer(self, Py_ssize_t sizehint=*)
     cpdef Py_ssize_t payload_left(self)
     @cython.locals(events=list)

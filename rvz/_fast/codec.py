@@ -319,7 +319,7 @@ class Decoder:
     decoder stays failed.  The first frame must be HELLO and nothing may follow BYE.
     """
 
-    __slots__ = ("_buf", "_view", "_size", "_start", "_end", "_direct_min", "_max_payload",
+    __slots__ = ("_buf", "_view", "_head", "_size", "_start", "_end", "_direct_min", "_max_payload",
                  "_dest", "_dest_filled", "_dest_len", "_pending", "_state", "_failed",
                  "pool", "frames", "bytes_in", "_full_size", "admit",
                  "stop_at_handshake", "_peek", "_keys")
@@ -335,6 +335,7 @@ class Decoder:
         self._size = HEADER_SIZE + MAX_META
         self._buf = bytearray(self._size)
         self._view = memoryview(self._buf)
+        self._head = self._view[:PEEK]
         self._start = 0
         self._end = 0
         # A payload at least this large is received straight into its array.
@@ -366,11 +367,17 @@ class Decoder:
             raise ProtocolError(self._failed)
         if self._dest is not None:
             return self._dest[self._dest_filled:]
-        if self._end == self._size:
+        end = self._end
+        if end == 0:
+            # Every byte read so far was parsed (the usual case between two reads): the
+            # same two views serve every such read, no slice made per read.
+            return self._head if self._peek else self._view
+        if end == self._size:
             self._compact()
-        if self._peek and self._end + PEEK < self._size:
-            return self._view[self._end:self._end + PEEK]
-        return self._view[self._end:]
+            end = self._end
+        if self._peek and end + PEEK < self._size:
+            return self._view[end:end + PEEK]
+        return self._view[end:]
 
     def payload_left(self) -> int:
         """Bytes still to come of the large payload being received (0 between frames)."""
@@ -630,6 +637,7 @@ class Decoder:
         tail = bytes(self._view[self._start:self._end])
         self._buf = bytearray(self._full_size)
         self._view = memoryview(self._buf)
+        self._head = self._view[:PEEK]
         self._size = self._full_size
         self._buf[0:len(tail)] = tail
         self._start = 0

@@ -1,4 +1,6 @@
 cimport cython
+from cpython.bytearray cimport PyByteArray_AS_STRING
+from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.object cimport PyObject_Call
 from cpython.pythread cimport PyThread_get_thread_ident
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -16,6 +18,7 @@ cdef Py_ssize_t MESSAGE_COST, HOLD_LOW_WATER, COALESCE_MAX, FLUSH_AT, MANY_PAYLO
 cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, MAX_KEY, LARGE_READ, COPY_WRITE_MAX
 cdef long long ALONE_NS
 cpdef Py_ssize_t nbytes_of(object value) except -1
+cdef bytes copy_bytes(bytearray data)
 cdef unsigned long thread_ident()
 cdef long long clock_ns()
 cdef tuple describe_value(object value)
@@ -133,7 +136,10 @@ cdef class Wire:
 
     # cpdef: the transport calls it from Python (typed, the read's size is a C value)
     cpdef buffer_updated(self, Py_ssize_t nbytes)
-    cpdef feed(self, Py_ssize_t nbytes)
+    # feed is the Python entry (bench/engine.py); buffer_updated calls _feed, a C call: a
+    # cpdef called on the Python subclass looks itself up on the instance first (a bound
+    # method made and dropped per read).
+    cdef _feed(self, Py_ssize_t nbytes)
     cpdef deliver(self, list events)
     cpdef write_frame(self, bytes frame)
     # cdef, not cpdef: the engine's own calls on a connection, which is a Python subclass
