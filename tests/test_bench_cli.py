@@ -555,3 +555,22 @@ def test_engine_microbench_runs_on_this_implementation() -> None:
                          "send_many (64 x 64 B)", "DATA_MANY decode+dispatch",
                          "take_many (64 keys)"}, rows
     assert all(int(ns) > 0 for ns in rows.values()), rows
+
+
+@pytest.mark.timeout(60)
+def test_floor_bench_runs_both_lanes_on_this_implementation(tmp_path: Path) -> None:
+    """``bench/floor.py`` runs the stream's lanes over a null node and over rvz nodes in
+    one process; run it small and check its figures are the ones it measured."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "floor.py"
+    out = tmp_path / "floor.json"
+    proc = subprocess.run([sys.executable, str(script), "--messages", "20", "--repeat", "2",
+                           "--json", str(out)], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["implementation"] == rvz.implementation()
+    runs = result["runs_ns_per_message"]
+    assert len(runs["null"]) == len(runs["rvz"]) == 2
+    assert result["null_ns"] == min(runs["null"]) > 0
+    assert result["rvz_ns"] == min(runs["rvz"]) > 0
+    assert result["ratio"] == pytest.approx(result["rvz_ns"] / result["null_ns"])
+    assert f"{result['ratio']:.2f}x" in proc.stdout
