@@ -315,6 +315,24 @@ async def test_table_skips_done_waiters_and_removes_one() -> None:
     assert table.keys_waiting() == []
 
 
+async def test_table_gives_a_value_past_a_cancelled_lone_future() -> None:
+    """With the loop's futures as waiters (what a node's recv parks), a lone waiter that
+    was cancelled and is still in the table refuses the value, which is queued for the next
+    recv; a live one takes it."""
+    loop = asyncio.get_running_loop()
+    table = _impl.table.Table()
+    k = str(K)
+    cancelled = loop.create_future()
+    assert table.take_or_wait(k, cancelled) is _impl.table.EMPTY
+    cancelled.cancel()
+    assert table.put(k, 1) is False
+    assert (table.queued(k), table.waiting(k)) == (1, 0)
+    live = loop.create_future()
+    assert table.take_or_wait(k, live) == 1
+    assert table.take_or_wait(k, live) is _impl.table.EMPTY
+    assert table.put(k, 2) is True and live.result() == 2
+
+
 async def test_table_put_front_restores_order() -> None:
     table = _impl.table.Table()
     k = str(K)

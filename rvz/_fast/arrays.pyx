@@ -45,6 +45,20 @@ def describe(object value):
     return describe_c(value)
 
 
+# The shape of the last 1-D array described: a stream sends one shape over and over, and
+# the tuple (and, past 256 elements, its int) would otherwise be made and freed each time.
+cdef Py_ssize_t _last_dim0 = -1
+cdef tuple _last_shape1 = ()
+
+
+cdef inline tuple _shape1(Py_ssize_t dim0):
+    global _last_dim0, _last_shape1
+    if dim0 != _last_dim0:
+        _last_shape1 = (dim0,)
+        _last_dim0 = dim0
+    return _last_shape1
+
+
 cdef tuple describe_c(object value):
     """describe() for compiled callers (the engine): a C call."""
     cdef cnp.ndarray arr
@@ -58,7 +72,7 @@ cdef tuple describe_c(object value):
             code = _CODE_OF_TYPENUM[typenum]
             if code > 0:
                 if cnp.PyArray_NDIM(arr) == 1:  # the common tensor: no attribute lookup
-                    return value, code, (cnp.PyArray_DIM(arr, 0),), cnp.PyArray_NBYTES(arr)
+                    return value, code, _shape1(cnp.PyArray_DIM(arr, 0)), cnp.PyArray_NBYTES(arr)
                 return value, code, value.shape, cnp.PyArray_NBYTES(arr)
     return _describe_other(value)
 

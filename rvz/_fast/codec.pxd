@@ -70,6 +70,8 @@ cdef class Decoder:
     cdef public Py_ssize_t frames
     cdef public long long bytes_in  # a C counter: no int object made per read
     cdef list _keys
+    cdef unsigned long long _dim0
+    cdef tuple _shape1
 
     @cython.locals(end=Py_ssize_t)
     cpdef object get_buffer(self, Py_ssize_t sizehint=*)

@@ -17,6 +17,7 @@ order among those that came back, so FIFO holds however many come back in what o
 
 from __future__ import annotations
 
+from asyncio import Future, InvalidStateError
 from bisect import bisect_left
 from collections import deque
 from typing import Any
@@ -82,7 +83,15 @@ class Table:
         if waiters is not None:
             if type(waiters) is not deque:  # one waiter
                 del self._waiters[key]
-                if not waiters.done():
+                if type(waiters) is Future:
+                    # An asyncio future refuses a result once it is done (a cancelled
+                    # recv's): no done() call first, a method call on every delivery.
+                    try:
+                        waiters.set_result(value)
+                        return True
+                    except InvalidStateError:
+                        pass
+                elif not waiters.done():
                     waiters.set_result(value)
                     return True
             else:
