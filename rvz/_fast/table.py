@@ -85,7 +85,8 @@ class Table:
                 del self._waiters[key]
                 if type(waiters) is Future:
                     # An asyncio future refuses a result once it is done (a cancelled
-                    # recv's): no done() call first, a method call on every delivery.
+                    # recv's), so it is not asked done() first: that is a method call on
+                    # every delivery.  Other waiters (a parked request) are asked.
                     try:
                         waiters.set_result(value)
                         return True
