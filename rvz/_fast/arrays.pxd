@@ -1,6 +1,6 @@
 # The C entry points of arrays.pyx that other compiled modules cimport: the decoder builds
-# arrays with new_array_c and block_array_c, the engine frames (DATA, DATA_MANY) and
-# measures values with the others.
+# arrays with new_array_c and block_array_c (their 1-D shapes with shape1_c), the engine
+# frames (DATA, DATA_MANY) and measures values with the others.
 
 from libc.stdint cimport uint64_t
 
@@ -9,6 +9,7 @@ cdef object new_array_c(int code, tuple shape, bytearray src, Py_ssize_t offset,
 cdef object block_array_c(int code, tuple shape, object block, bytearray src,
                           Py_ssize_t offset, Py_ssize_t avail)
 cdef tuple describe_c(object value)
+cdef tuple shape1_c(unsigned long long dim0)
 cdef int append_data_c(bytearray out, uint64_t step, uint64_t request_id, bytes key, int code,
                        tuple shape, Py_ssize_t nbytes, object value, bint with_payload) except -1
 cdef Py_ssize_t nbytes_c(object value) except -1

@@ -45,13 +45,14 @@ def describe(object value):
     return describe_c(value)
 
 
-# The shape of the last 1-D array described: a stream sends one shape over and over, and
-# the tuple (and, past 256 elements, its int) would otherwise be made and freed each time.
-cdef Py_ssize_t _last_dim0 = -1
-cdef tuple _last_shape1 = ()
+# The last 1-D shape made, for the sender's describe and the receiver's decoder: a stream
+# carries one shape over and over, and the tuple (and, past 256 elements, its int) would
+# otherwise be made and freed for every value.
+cdef unsigned long long _last_dim0 = 0
+cdef tuple _last_shape1 = (0,)
 
 
-cdef inline tuple _shape1(Py_ssize_t dim0):
+cdef tuple shape1_c(unsigned long long dim0):
     global _last_dim0, _last_shape1
     if dim0 != _last_dim0:
         _last_shape1 = (dim0,)
@@ -72,7 +73,7 @@ cdef tuple describe_c(object value):
             code = _CODE_OF_TYPENUM[typenum]
             if code > 0:
                 if cnp.PyArray_NDIM(arr) == 1:  # the common tensor: no attribute lookup
-                    return value, code, _shape1(cnp.PyArray_DIM(arr, 0)), cnp.PyArray_NBYTES(arr)
+                    return value, code, shape1_c(cnp.PyArray_DIM(arr, 0)), cnp.PyArray_NBYTES(arr)
                 return value, code, value.shape, cnp.PyArray_NBYTES(arr)
     return _describe_other(value)
 

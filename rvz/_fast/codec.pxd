@@ -2,7 +2,7 @@ cimport cython
 from cpython.bytearray cimport PyByteArray_AS_STRING
 from libc.string cimport memcmp
 
-from rvz._fast.arrays cimport block_array_c, new_array_c
+from rvz._fast.arrays cimport block_array_c, new_array_c, shape1_c
 from rvz._fast.recvpool cimport RecvPool
 
 cdef extern from "Python.h":
@@ -70,8 +70,6 @@ cdef class Decoder:
     cdef public Py_ssize_t frames
     cdef public long long bytes_in  # a C counter: no int object made per read
     cdef list _keys
-    cdef unsigned long long _dim0
-    cdef tuple _shape1
 
     @cython.locals(end=Py_ssize_t)
     cpdef object get_buffer(self, Py_ssize_t sizehint=*)

@@ -320,7 +320,6 @@ class Decoder:
     """
 
     __slots__ = ("_buf", "_view", "_head", "_size", "_start", "_end", "_direct_min", "_max_payload",
-                 "_dim0", "_shape1",
                  "_dest", "_dest_filled", "_dest_len", "_pending", "_state", "_failed",
                  "pool", "frames", "bytes_in", "_full_size", "admit",
                  "stop_at_handshake", "_peek", "_keys")
@@ -362,10 +361,6 @@ class Decoder:
         # the same str object, neither decoded nor hashed again (its hash is cached), so
         # the engine's route and table lookups find it at once.
         self._keys: list[Any] = [None] * (2 * KEY_CACHE)
-        # The last 1-D shape decoded, compiled: a stream carries one shape over and over,
-        # and its tuple (and, past 256 elements, its int) would be made for every value.
-        self._dim0 = 0
-        self._shape1: tuple = (0,)
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._failed is not None:
@@ -730,10 +725,8 @@ class Decoder:
             dim0 = _u64(buf, pos)
             if dim0 >= _DIM1_LIMIT or dim0 * _ITEMSIZES[code] != payload_len:
                 self._check_size(key, code, (dim0,), payload_len)
-            if dim0 != self._dim0:
-                self._shape1 = (dim0,)
-                self._dim0 = dim0
-            return self._shape1
+            # arrays.pyx's: the tuple of the last 1-D shape made, while the shape repeats
+            return shape1_c(dim0)  # type: ignore[name-defined]  # noqa: F821
         if code == _C_BYTES:
             if ndim != 0:
                 self._fail(f"bytes value for key {key} has a shape")
