@@ -233,6 +233,43 @@ async def test_unclaimed_held_values_are_pushed_during_close(cluster) -> None:  
         assert sorted(got) == [0, 1, 2]
 
 
+async def _linked(w: rvz.Node, p: rvz.Node) -> None:
+    """One exchange from ``w`` to ``p``, so that a connection between them is up."""
+    await w.send(key("warm"), np.array([0]))
+    assert int((await p.recv(key("warm"), timeout=5))[0]) == 0
+
+
+@pytest.mark.loop_timeout(20)
+async def test_held_values_nobody_asks_for_are_pushed_at_claim_timeout(cluster) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, "recv", claim_timeout=0.2) as (w, p):
+        await _linked(w, p)
+        k = key("unasked")
+        for i in range(3):
+            await w.send(k, np.array([i]))
+        assert w._held_bytes > 0
+        await eventually(lambda: w._held_bytes == 0 and queued(p, k) == 3,
+                         "the held values were pushed to the consumer")
+        assert [int((await p.recv(k, timeout=5))[0]) for _ in range(3)] == [0, 1, 2]
+
+
+@pytest.mark.loop_timeout(20)
+async def test_held_values_of_a_key_the_consumer_pulls_are_not_pushed(cluster) -> None:  # type: ignore[no-untyped-def]
+    """A request that takes a held value marks its key as pulled: the values held with it
+    stay held past claim_timeout (a push could overtake the next request's answer)."""
+    async with pair(cluster, "recv", claim_timeout=0.5) as (w, p):
+        await _linked(w, p)
+        k = key("pulled")
+        for i in range(3):
+            await w.send(k, np.array([i]))
+        held = w._held_bytes
+        assert int((await p.recv(k, timeout=5))[0]) == 0   # asked for and answered
+        assert 0 < w._held_bytes < held
+        await asyncio.sleep(1.0)  # two claim timeouts, twenty heartbeats
+        assert w._held_bytes > 0 and queued(p, k) == 0     # still held, none pushed
+        assert [int((await p.recv(k, timeout=5))[0]) for _ in range(2)] == [1, 2]
+        assert w._held_bytes == 0
+
+
 @pytest.mark.parametrize("mode", ["recv", "send"])
 @pytest.mark.loop_timeout(5)
 async def test_close_is_not_held_by_a_dial_to_a_dead_peer(cluster, mode) -> None:  # type: ignore[no-untyped-def]

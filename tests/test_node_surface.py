@@ -312,6 +312,25 @@ def test_empty_step_tables_are_dropped(run, cluster) -> None:  # type: ignore[no
     run(main(), timeout=15)
 
 
+@pytest.mark.parametrize("mode", ["recv", "send"])
+def test_a_step_whose_table_was_dropped_gets_a_new_one_that_a_clean_up_reaches(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    """The engine remembers the last step's table: after the heartbeat drops that table,
+    the step's next recv must wait in a table the node knows, which ``cleanup_step``
+    aborts (a recv left in the forgotten one would wait forever)."""
+    async def main() -> None:
+        async with pair(cluster, mode) as (w, p):
+            await w.step(5).send(key("s"), np.arange(2))
+            assert (await p.step(5).recv(key("s"), timeout=5)).tolist() == [0, 1]
+            await eventually(lambda: 5 not in p._tables, "the empty table of step 5 dropped")
+            waiting = await pending(p.step(5).recv(key("s"), timeout=5))
+            assert 5 in p._tables and p._tables[5].waiting(str(key("s"))) == 1
+            await p.cleanup_step(5)
+            with pytest.raises(rvz.Aborted):
+                await waiting
+
+    run(main(), timeout=15)
+
+
 def test_a_recv_driven_step_s_request_map_goes_with_its_table(run, cluster) -> None:  # type: ignore[no-untyped-def]
     """A consumer keeps a step's map of outstanding requests while the step's table lives
     (a stream of recvs would otherwise make and free one per request), and drops it with

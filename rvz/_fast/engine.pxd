@@ -17,6 +17,7 @@ cdef str RECV, SEND
 cdef Py_ssize_t MESSAGE_COST, HOLD_LOW_WATER, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY
 cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, MAX_KEY, LARGE_READ, COPY_WRITE_MAX
 cdef long long ALONE_NS
+cdef object _NO_STEP
 cpdef Py_ssize_t nbytes_of(object value) except -1
 cdef bytes copy_bytes(bytearray data)
 cdef unsigned long thread_ident()
@@ -179,6 +180,8 @@ cdef class Core:
     cdef public object claim_timeout
     cdef public dict peers
     cdef public dict tables
+    cdef object _last_step
+    cdef Table _last_table
     cdef public dict dead_steps
     cdef public dict step_peers
     cdef public dict routes

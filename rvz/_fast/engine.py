@@ -119,6 +119,7 @@ NEVER = 1 << 62  # ``Wire.tune_from`` of a transport that does not tune its read
 KEY_WAYS_MAX = 1 << 14
 _ROUTE_CACHE_MAX = 1 << 16
 _DEVICES_MAX = 4096
+_NO_STEP = object()  # ``Core._last_step`` before any table is looked up: no step is it
 
 # The two modes.  The engine keeps only these two objects as modes (``canonical_mode``,
 # ``Core._check_mode``), so that the per-message tests are identity tests.
@@ -736,6 +737,11 @@ class Core:
         self.claim_timeout = claim_timeout
         self.peers: dict = {}              # (job, task) -> Peer
         self.tables: dict = {}             # step -> Table: where a key is matched
+        # The step of the last table looked up, and its table: nearly every send, recv and
+        # frame names the step the one before it did, and an identity test costs less than
+        # a dict lookup.  ``drop_table``, the only place a table leaves ``tables``, resets it.
+        self._last_step: Any = _NO_STEP
+        self._last_table: Any = None
         self.dead_steps: dict = {}         # step -> why it was cleaned up
         self.step_peers: dict = {}         # step -> peers that took part in it
         self.routes: dict = {}             # key text -> Route
@@ -828,6 +834,8 @@ class Core:
         return peer
 
     def table(self, step: Any) -> Table:
+        if step is self._last_step:
+            return self._last_table
         table = self.tables.get(step)
         if table is None:
             dead = self.dead_steps.get(step)
@@ -835,11 +843,15 @@ class Core:
                 raise Aborted(dead)
             table = Table()
             self.tables[step] = table
+        self._last_step = step
+        self._last_table = table
         return table
 
     def remote_table(self, step: Any, conn: Wire) -> Any:
         """The table of ``step`` for a frame from a peer: None if the step was cleaned up; a
         new table only while fewer than ``max_steps`` exist."""
+        if step is self._last_step:
+            return self._last_table
         table = self.tables.get(step)
         if table is None:
             if step in self.dead_steps:
@@ -849,6 +861,8 @@ class Core:
                                     "(max_steps)")
             table = Table()
             self.tables[step] = table
+        self._last_step = step
+        self._last_table = table
         return table
 
     def admit(self, conn: Wire, step: Any, request_id: Any, key: str, nbytes: Any) -> None:
@@ -1296,6 +1310,8 @@ class Core:
         requests goes too when nothing is asked in it any more (else the last answer's
         ``_drop_key`` drops it)."""
         table = self.tables.pop(step, None)
+        self._last_step = _NO_STEP
+        self._last_table = None
         keys = self.outstanding.get(step)
         if keys is not None and not keys:
             del self.outstanding[step]
@@ -1603,11 +1619,17 @@ class Core:
             return
         table = self.remote_table(step, conn)
         self.joined(step, peer)
-        if self.claim_timeout is not None:
-            self.asked[(step, route.text)] = self.loop.time()
         waiter = RemoteWaiter.__new__(RemoteWaiter)  # compiled: a C call, no argument tuple
         waiter.init(self, conn, step, request_id, route)
         value = table.take_or_wait(route.text, waiter)
+        if value is not EMPTY and self.claim_timeout is not None:
+            # The consumer pulls this key: its values held before now are not pushed at
+            # claim_timeout (``Node._push_unclaimed``), which could reorder them.  A request
+            # that finds nothing held (it parks: a consumer-first exchange) can spare no
+            # value, as every value held later is held after it, and the claims of values
+            # taken earlier are covered by the requests that took them: it records nothing
+            # (a tuple, a clock read and a dict insert less per parked request).
+            self.asked[(step, route.text)] = self.loop.time()
         if value is EMPTY and peer.queue:
             # A push of this key waiting for credit: the consumer asks for it because the
             # window is full of other keys' values (see ``unblock``): answer it now.

@@ -206,6 +206,8 @@ class Table:
 
     def waiting(self, key: str) -> int:
         """How many live waiters ``key`` has."""
+        if not self._waiters:  # (a producer's table has none: its sends ask this first)
+            return 0
         waiters = self._waiters.get(key)
         if waiters is None:
             return 0
