@@ -17,7 +17,7 @@ import os
 import sys
 from types import ModuleType, SimpleNamespace
 
-MODULES = ("arrays", "keys", "table", "codec", "recvpool", "engine")
+MODULES = ("arrays", "keys", "table", "codec", "recvpool", "engine", "calls")
 _PACKAGE = "rvz._fast"
 
 
@@ -88,6 +88,7 @@ codec = active.codec
 arrays = active.arrays
 recvpool = active.recvpool
 engine = active.engine
+calls = active.calls
 
 
 def implementation() -> str:

@@ -3,7 +3,9 @@
 The per-message work lives in the protocol engine (``rvz._fast.engine``): ``Core`` matches
 keys in its per-step tables (``Core.table(step)``), runs both remote modes and counts
 credit; ``Wire`` frames and coalesces what one connection sends.  This module is the shell
-around it: everything that awaits, dials, times out or spans several peers.
+around it: everything that awaits, dials, times out or spans several peers.  ``send`` and
+``recv``, which every message passes through, are compiled in ``Node``'s base class
+(``rvz._fast.calls``) and hand their slow paths back to this one.
 
 Recv-Driven (``mode="recv"``): ``send`` keeps the value in the producer's table; the
 consumer's ``recv`` sends REQUEST {step, key, request id}; the producer parks it as a
@@ -42,7 +44,7 @@ import sys
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from threading import get_ident
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _impl
 from .cluster import ClusterSpec, split_address
@@ -68,6 +70,10 @@ _codec = _impl.codec
 _keys = _impl.keys
 _table = _impl.table
 _engine = _impl.engine
+if TYPE_CHECKING:  # the annotated source; at run time, the variant _impl loaded
+    from ._fast.calls import NodeCalls as _NodeCalls
+else:
+    _NodeCalls = _impl.calls.NodeCalls
 EMPTY = _table.EMPTY
 nbytes_of = _engine.nbytes_of
 
@@ -99,7 +105,7 @@ def _observe(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-class Node:
+class Node(_NodeCalls):
     """One task of a cluster: ``async with Node(cluster, job, task, mode) as node``.
 
     ``connect_timeout`` bounds dialling a peer that is not up yet (retried with backoff);
@@ -555,17 +561,10 @@ class Node:
 
     # -- send ----------------------------------------------------------------------------------
 
-    async def send(self, key: KeyLike, value: SendValue, *, mode: Mode | None = None, step: int = 0,
-                   timeout: float | None = None) -> None:
-        """Send ``value`` (a numpy array or bytes) on ``key``; the key's src must be this node.
-
-        Returns once the value is queued: locally, in our table for the consumer to fetch
-        (Recv-Driven), or on the wire (Send-Driven).  Waits only for backpressure; a send
-        that fits the push window completes without suspending.
-        """
-        pending = self._core.send(key, value, mode, step, timeout)
-        if pending is not None:
-            await self._send_wait(pending, step, timeout)
+    # send and recv, the per-message calls, are compiled (rvz/_fast/calls.py); named here so
+    # that they are documented as Node's own.
+    send = _NodeCalls.send
+    recv = _NodeCalls.recv
 
     async def send_many(self, items: Iterable[tuple[KeyLike, SendValue]], *,
                         mode: Mode | None = None, step: int = 0, timeout: float | None = None) -> None:
@@ -656,41 +655,6 @@ class Node:
                 pass
 
     # -- recv ----------------------------------------------------------------------------------
-
-    async def recv(self, key: KeyLike, *, mode: Mode | None = None, step: int = 0,
-                   timeout: float | None = None) -> Value:
-        """Receive the next value of ``key`` (FIFO); the key's dst must be this node.
-
-        A value already queued is returned without suspending.  ``timeout`` raises
-        ``TimeoutError``; cancelling the awaiting task cancels just this recv.  Remote
-        failures raise ``PeerLost`` or ``Aborted`` with the original cause.
-        """
-        core = self._core
-        got = core.recv(key, step, mode, timeout)
-        if type(got) is not tuple:
-            return got
-        # Nothing queued: wait here (one coroutine per recv, no nested one).
-        waiter, route, table, peer, dial, stamp = got
-        loop = self._loop
-        if dial:
-            self._spawn(self._link(peer, route.text))  # to notice if it is gone
-        text = route.text
-        handle = None if timeout is None else _table.arm_timeout(
-            loop, timeout, table, text, waiter, peer.name if peer is not None else None)
-        try:
-            return await waiter
-        except BaseException:
-            # The value may have been delivered just before the failure: it goes back to the
-            # queue, where it is unconsumed again (its credit is returned when it is taken),
-            # or to the next waiter, which consumed it (the credit already counted stands).
-            if _table.give_back(table, text, waiter, stamp) and peer is not None:
-                core.unconsumed(route.src, waiter.result())
-            raise
-        finally:
-            if handle is not None:
-                handle.cancel()
-            if peer is not None and core.requests:  # (nothing to rebalance otherwise)
-                core.rebalance(step, text, table)
 
     async def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None, step: int = 0,
                         timeout: float | None = None) -> list[Value]:

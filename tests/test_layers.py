@@ -36,7 +36,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # usable by every layer above _fast
     ("utilities",    ("rvz.rendezvous", "rvz.cluster", "rvz.runner", "rvz.types")),
     ("transports",   ("rvz.connection", "rvz.onesided", "rvz.onesided.*")),
-    ("node",         ("rvz.node",)),
+    # Node, and its compiled base (send and recv), which rvz._impl loads like the hot paths
+    ("node",         ("rvz._fast.calls", "rvz.node")),
     ("public API",   ("rvz",)),
     ("bench",        ("rvz.bench", "rvz.bench.*")),
 ]

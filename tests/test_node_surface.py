@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 from typing import Any
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import rvz
+from rvz import _impl
 
 from .conftest import FAST, WORKER, eventually, key, pair, pending, settle
 
@@ -373,5 +375,40 @@ def test_a_relayed_step_abort_names_its_origin_once(run) -> None:  # type: ignor
             assert text.count("/job:a/") == 1, text          # the origin, once
             assert text.count(str(bc)) == 1, text             # the key, once
             assert "step 3" in text, text
+
+    run(main(), timeout=15)
+
+
+def test_send_and_recv_are_the_active_variant_s_and_behave_as_coroutines() -> None:
+    """``Node.send`` and ``Node.recv`` come from ``NodeCalls`` of the variant that loaded (a
+    C coroutine function when compiled) and keep Node's signature and documentation."""
+    assert rvz.Node.__mro__[1] is _impl.calls.NodeCalls
+    assert _impl.calls.__file__.endswith(".py") == (rvz.implementation() == "python")
+    for name, positional in (("send", ["self", "key", "value"]), ("recv", ["self", "key"])):
+        method = getattr(rvz.Node, name)
+        assert inspect.iscoroutinefunction(method), name
+        params = inspect.signature(method).parameters
+        assert [p for p in params if params[p].kind is not params[p].KEYWORD_ONLY] == positional
+        assert [p for p in params if params[p].kind is params[p].KEYWORD_ONLY] == \
+            ["mode", "step", "timeout"]
+        assert "the key's " in (method.__doc__ or ""), name
+
+
+@pytest.mark.parametrize("mode", ["recv", "send"])
+def test_a_send_and_a_recv_run_as_tasks_and_a_cancelled_recv_takes_nothing(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    """What a call returns is a coroutine: ``asyncio.create_task`` (which refuses any other
+    awaitable) runs it, and cancelling a waiting one leaves the next value to the next recv."""
+    async def main() -> None:
+        async with pair(cluster, mode) as (w, p):
+            got = asyncio.create_task(p.recv(key("c"), timeout=5))
+            sent = asyncio.create_task(w.send(key("c"), np.arange(3)))
+            await sent
+            assert (await got).tolist() == [0, 1, 2]
+            gone = await pending(p.recv(key("d"), timeout=5))
+            gone.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+            await w.send(key("d"), np.arange(2))
+            assert (await p.recv(key("d"), timeout=5)).tolist() == [0, 1]
 
     run(main(), timeout=15)

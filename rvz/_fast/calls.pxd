@@ -1,0 +1,7 @@
+from rvz._fast.engine cimport Core
+
+
+cdef class NodeCalls:
+    # C fields: send and recv reach the engine through C calls, with no attribute lookup.
+    cdef public Core _core
+    cdef public object _loop
