@@ -12,11 +12,9 @@ from .types import KeyLike, SendValue, Value
 _table = _impl.table
 _keys = _impl.keys
 
-
-def _text(key: Any) -> str:
-    if isinstance(key, _keys.Key):
-        return str(key)
-    return str(_keys.as_key(key))
+# Key strings whose canonical form a Rendezvous remembers (all forgotten when it is full:
+# keys change every step, so old ones are not worth an eviction order).
+TEXTS_MAX = 65536
 
 
 class Rendezvous:
@@ -29,17 +27,31 @@ class Rendezvous:
 
     def __init__(self) -> None:
         self._table = _table.Table()
+        # key string -> its canonical form.  Parsing a key string was most of the cost of a
+        # send and a recv; a string that failed to parse is not kept, so it fails every time.
+        self._texts: dict[str, str] = {}
+
+    def _text(self, key: Any) -> str:
+        if type(key) is str:
+            text = self._texts.get(key)
+            if text is None:
+                text = str(_keys.as_key(key))
+                if len(self._texts) >= TEXTS_MAX:
+                    self._texts.clear()
+                self._texts[key] = text
+            return text
+        return str(_keys.as_key(key))  # a Key keeps its string form
 
     def send(self, key: KeyLike, value: SendValue) -> None:
         """Queue ``value`` on ``key``; never blocks (the next ``recv`` of the key takes it)."""
-        self._table.put(_text(key), value)
+        self._table.put(self._text(key), value)
 
     async def recv(self, key: KeyLike, timeout: float | None = None) -> Value:
         """The next value of ``key`` (FIFO), waiting up to ``timeout`` seconds for a ``send``.
 
         Raises ``TimeoutError`` when the time is up and ``rvz.Aborted`` after ``abort``.
         """
-        text = _text(key)
+        text = self._text(key)
         table = self._table
         value = table.take(text)
         if value is not _table.EMPTY:
@@ -53,7 +65,7 @@ class Rendezvous:
         """``send`` each ``(key, value)`` pair, in order."""
         put = self._table.put
         for key, value in items:
-            put(_text(key), value)
+            put(self._text(key), value)
 
     async def recv_many(self, keys: Iterable[KeyLike], timeout: float | None = None) -> list[Value]:
         """The next value of each key, in the order of ``keys`` (a key may repeat).
@@ -61,7 +73,7 @@ class Rendezvous:
         All or nothing: on a timeout, a cancellation or an abort, the values already taken
         go back to the head of their keys' queues, in order.
         """
-        texts = [_text(key) for key in keys]
+        texts = [self._text(key) for key in keys]
         table = self._table
         values = []
         stamps = []
@@ -89,6 +101,6 @@ class Rendezvous:
 
     def pending(self, key: KeyLike) -> tuple[int, int]:
         """``(queued values, waiting receivers)`` of ``key``."""
-        text = _text(key)
+        text = self._text(key)
         return self._table.queued(text), self._table.waiting(text)
 

@@ -415,3 +415,24 @@ async def test_waiter_timeout_and_cancel_give_the_value_back() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert table.take(k) == "v"
+
+
+@pytest.mark.loop_timeout(5)
+async def test_key_strings_parsed_once_stay_exact_past_the_cache_bound(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A Rendezvous remembers the canonical form of key strings it parsed: a bad string still
+    fails every time, and when more keys come than it keeps, it starts over without losing
+    a value or mixing keys up."""
+    monkeypatch.setattr(rvz.rendezvous, "TEXTS_MAX", 4)
+    rv = rvz.Rendezvous()
+    keys = [str(key(f"k{i}")) for i in range(10)]
+    for rounds in range(2):
+        for i, text in enumerate(keys):
+            rv.send(text, (rounds, i))
+        assert len(rv._texts) <= 4
+    for i, text in enumerate(keys):
+        assert [await rv.recv(text, timeout=1) for _ in range(2)] == [(0, i), (1, i)]
+        assert rv.pending(key(f"k{i}")) == (0, 0)  # the Key and its string: one queue
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            rv.send("not a key", 1)
+    assert "not a key" not in rv._texts
