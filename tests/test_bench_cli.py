@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -574,3 +575,27 @@ def test_floor_bench_runs_both_lanes_on_this_implementation(tmp_path: Path) -> N
     assert result["rvz_ns"] == min(runs["rvz"]) > 0
     assert result["ratio"] == pytest.approx(result["rvz_ns"] / result["null_ns"])
     assert f"{result['ratio']:.2f}x" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_wakeup_bench_reports_the_slope_of_the_p50s_it_measured(tmp_path: Path) -> None:
+    """``bench/wakeup.py`` runs a two-process echo at each level of work; run it small and
+    check that each level's p50 is the median of its runs and the slope comes from them."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "wakeup.py"
+    out = tmp_path / "wakeup.json"
+    proc = subprocess.run([sys.executable, str(script), "--work", "0,2", "--rounds", "300",
+                           "--repeat", "3", "--loop", "asyncio", "--json", str(out)],
+                          capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    runs = result["runs_p50_us"]
+    assert sorted(runs) == ["0.0", "2.0"] and all(len(r) == 3 for r in runs.values())
+    for level, p50 in result["p50_us"].items():
+        assert p50 == statistics.median(runs[level]) > 0
+    slope = (result["p50_us"]["2.0"] - result["p50_us"]["0.0"]) / 4.0
+    assert result["slope"]["2.0"] == pytest.approx(slope)
+    assert f"{slope:.2f}x" in proc.stdout
+    bad = subprocess.run([sys.executable, str(script), "--work", "2"], capture_output=True,
+                         text=True, timeout=20)
+    assert bad.returncode == 2 and "two or more distinct levels" in bad.stderr
+

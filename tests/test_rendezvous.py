@@ -206,7 +206,7 @@ async def test_abort_under_rvz_error() -> None:
 
 
 class FakeWaiter:
-    """A future-shaped object, as the node's parked remote requests are."""
+    """A future-shaped object the table knows nothing more of."""
 
     def __init__(self) -> None:
         self.result: object = None
@@ -227,11 +227,16 @@ class FakeWaiter:
         self.exc = exc
 
 
+class TableWaiter(FakeWaiter, _impl.table.Waiter):
+    """The same, as a ``Waiter`` (the engine's parked requests and ``recv_many``'s slots
+    are): compiled, the table calls its methods through C, which must reach these."""
+
+
 async def test_table_holds_values_or_waiters_never_both() -> None:
     table = _impl.table.Table()
     k = str(K)
     assert table.take(k) is _impl.table.EMPTY
-    w1, w2 = FakeWaiter(), FakeWaiter()
+    w1, w2 = FakeWaiter(), TableWaiter()
     assert table.take_or_wait(k, w1) is _impl.table.EMPTY
     assert table.take_or_wait(k, w2) is _impl.table.EMPTY
     assert (table.queued(k), table.waiting(k)) == (0, 2)
@@ -272,8 +277,8 @@ async def test_tables_match_a_model_under_random_operations() -> None:
         elif op < 0.6:  # take
             got = table.take(k)
             assert got == (vs.pop(0) if vs else _impl.table.EMPTY)
-        elif op < 0.85:  # take, else wait
-            w = FakeWaiter()
+        elif op < 0.85:  # take, else wait (either kind of waiter)
+            w = FakeWaiter() if rng.random() < 0.5 else TableWaiter()
             got = table.take_or_wait(k, w)
             if vs:
                 assert got == vs.pop(0)

@@ -9,7 +9,7 @@ from rvz._fast.arrays cimport (append_data_c, append_request_c, describe_c, many
 from rvz._fast.codec cimport Decoder
 from rvz._fast.codec cimport payload_view as payload_view_c
 from rvz._fast.keys cimport canonical_devices as canonical_devices_c
-from rvz._fast.table cimport Table
+from rvz._fast.table cimport Table, Waiter
 
 cdef bint COMPILED
 cdef str RECV, SEND
@@ -78,13 +78,13 @@ cdef class Request:
     cdef public Peer peer
     cdef public object step
     cdef public str key
-    cdef public bytes wire
+    cdef public Route route
     cdef public object conn
 
-    cdef init(self, object request_id, Peer peer, object step, str key, bytes wire)
+    cdef init(self, object request_id, Peer peer, object step, Route route)
 
 
-cdef class RemoteWaiter:
+cdef class RemoteWaiter(Waiter):
     cdef public Core core
     cdef public Wire conn
     cdef public object step
@@ -191,7 +191,7 @@ cdef class Core:
     cdef public dict cancelled
     cdef public object cancel_order
     cdef public dict asked
-    cdef object _request_ids
+    cdef long long last_request_id
     cdef public Py_ssize_t held_bytes
     cdef public Py_ssize_t held_count
     cdef public object hold_waiters
@@ -238,10 +238,11 @@ cdef class Core:
     cpdef undefer(self, Wire conn)
     cpdef Py_ssize_t held_cost(self)
     cpdef released_held(self, Py_ssize_t nbytes)
-    @cython.locals(route=Route, table=Table, peer=Peer, link=Wire, text=str)
+    @cython.locals(route=Route, table=Table, peer=Peer, link=Wire)
     cpdef object recv(self, object key, object step, object mode, object timeout)
+    cpdef tuple new_waiter(self, Table table, Route route, object peer, bint dial)
     cpdef str recv_mode(self, Peer peer, object mode)
-    @cython.locals(request=Request, keys=dict, key=str)
+    @cython.locals(request=Request, keys=dict, key=str, request_id=object)
     cpdef Request new_request(self, Peer peer, object step, Route route)
     @cython.locals(keys=dict)
     cpdef Py_ssize_t outstanding_count(self, object step, str key) except -1
@@ -255,6 +256,7 @@ cdef class Core:
     cpdef ask_stuck(self, Peer peer, object step, Route route, Table table)
     @cython.locals(request=Request)
     cpdef send_requests(self, Wire conn, list requests)
+    cpdef send_request(self, Wire conn, Request request)
     @cython.locals(keys=dict)
     cpdef forget_request(self, object request_id, object step, str key)
     cdef _drop_key(self, object step, dict keys, str key)
@@ -277,7 +279,7 @@ cdef class Core:
     cpdef object take_many(self, list routes, object step)
     @cython.locals(event=tuple)
     cpdef dispatch(self, Wire conn, list events)
-    @cython.locals(route=Route, table=Table, peer=Peer, cost=Py_ssize_t)
+    @cython.locals(route=Route, table=Table, peer=Peer, cost=Py_ssize_t, request=Request)
     cpdef on_data(self, Wire conn, object step, object request_id, str key, object value)
     @cython.locals(route=Route, table=Table, peer=Peer, n=Py_ssize_t, i=Py_ssize_t,
                    cost=Py_ssize_t, routes=list)

@@ -23,7 +23,6 @@ close) stays in ``rvz.node.Node``; this module calls back into it only for those
 
 from __future__ import annotations
 
-import itertools
 from asyncio import Future
 from asyncio.events import _get_running_loop
 from collections import deque
@@ -43,7 +42,7 @@ from ..errors import (
 from . import arrays as _arrays
 from . import codec as _codec
 from . import keys as _keys
-from .table import EMPTY, Batch, Table
+from .table import EMPTY, Batch, Table, Waiter
 
 try:  # Cython's own module; a compiled build sees the constant True
     import cython
@@ -266,22 +265,22 @@ class Peer:
 class Request:
     """A Recv-Driven request we sent and that has not been answered yet."""
 
-    __slots__ = ("id", "peer", "step", "key", "wire", "conn")
+    __slots__ = ("id", "peer", "step", "key", "route", "conn")
 
-    def __init__(self, request_id: int, peer: Peer, step: Any, key: str, wire: bytes) -> None:
-        self.init(request_id, peer, step, key, wire)
+    def __init__(self, request_id: int, peer: Peer, step: Any, route: Route) -> None:
+        self.init(request_id, peer, step, route)
 
-    def init(self, request_id: int, peer: Peer, step: Any, key: str, wire: bytes) -> None:
+    def init(self, request_id: int, peer: Peer, step: Any, route: Route) -> None:
         self.id = request_id
         self.peer = peer
         self.step = step
-        self.key = key
-        self.wire = wire      # the key as it goes on the wire (its route's)
+        self.key = route.text
+        self.route = route     # its answer's route (the key checked once, when asked)
         self.conn: Any = None  # where it went: a CANCEL must follow it there
 
 
-class RemoteWaiter:
-    """A remote consumer's request parked in our table, shaped like a future for ``Table``."""
+class RemoteWaiter(Waiter):
+    """A remote consumer's request parked in our table (a ``Waiter``)."""
 
     __slots__ = ("core", "conn", "step", "request_id", "route", "_done")
 
@@ -755,7 +754,7 @@ class Core:
         # (step, key) -> loop time of the last request for it, so a value a consumer is
         # pulling is not pushed at claim_timeout (that would reorder it).
         self.asked: dict = {}
-        self._request_ids = itertools.count(1)
+        self.last_request_id = 0  # request ids start at 1: a frame with id 0 is a push
         self.held_bytes = 0                # Recv-Driven values waiting for remote consumers
         self.held_count = 0
         self.hold_waiters: deque = deque()
@@ -1146,31 +1145,32 @@ class Core:
         self.enter(timeout)
         route = self.own_route(key, False)
         table = self.table(step)
-        text = route.text
-        value = table.take(text)
+        value = table.take(route.text)
         peer = route.peer
         if value is not EMPTY:
             if peer is not None:
                 self.consumed_from(peer, value)
             return value
-        waiter = self.future()
-        self.waits_consumer += 1
-        table.wait(text, waiter)
         if peer is None:
-            return (waiter, route, table, None, False, table.stamp)
+            return self.new_waiter(table, route, None, False)
         self.joined(step, peer)
-        try:
-            mode = self.recv_mode(peer, mode)
-        except ValueError:
-            table.remove_waiter(text, waiter)
-            raise
+        mode = self.recv_mode(peer, mode)
         # Send-Driven too while the producer is blocked on a window full of other keys'
         # values (see ``unblock``, which asked for the recvs already waiting).
         if mode is RECV or peer.stuck:
+            # The request leaves first, the waiter is made after: its answer can only come
+            # once this task yields, and a round trip's latency runs from here to the write.
             self.request(peer, step, route)
-            return (waiter, route, table, peer, False, table.stamp)
+            return self.new_waiter(table, route, peer, False)
         link = peer.link
         dial = (link is None or link.closed) and not peer.live_connections()
+        return self.new_waiter(table, route, peer, dial)
+
+    def new_waiter(self, table: Table, route: Route, peer: Any, dial: bool) -> tuple:
+        """A recv found nothing queued: its future waits in the table (``recv``'s tuple)."""
+        waiter = self.future()
+        self.waits_consumer += 1
+        table.wait(route.text, waiter)
         return (waiter, route, table, peer, dial, table.stamp)
 
     def recv_mode(self, peer: Peer, mode: Any) -> str:
@@ -1184,9 +1184,10 @@ class Core:
         return self._check_mode(mode)
 
     def new_request(self, peer: Peer, step: Any, route: Route) -> Request:
-        request_id = next(self._request_ids)
+        self.last_request_id += 1  # (a C integer when compiled: no call to an iterator)
+        request_id = self.last_request_id
         request = Request.__new__(Request)  # compiled: no argument tuple parsed by __init__
-        request.init(request_id, peer, step, route.text, route.wire)
+        request.init(request_id, peer, step, route)
         self.requests[request_id] = request
         # ``outstanding``: per step, per key, a lone request's id as it is (the common case:
         # one recv waiting on a key), a deque of ids, oldest first, once a second one is
@@ -1228,7 +1229,8 @@ class Core:
         request = self.new_request(peer, step, route)
         conn = peer.link
         if conn is not None and conn.ready and not conn.closed:
-            self.send_requests(conn, [request])
+            self.send_request(conn, request)
+            conn.requests_queued()
         else:
             self.shell._request_when_linked([request])
 
@@ -1263,20 +1265,26 @@ class Core:
 
     def send_requests(self, conn: Wire, requests: list) -> None:
         """Put requests (all of one step) on ``conn``: one frame for one, REQUESTS for many."""
-        dataplane = conn.dataplane
-        for request in requests:
-            request.conn = conn
-            if dataplane is not None:  # one-sided: offer the destination first
-                dataplane.on_request(request.step, request.id, request.key)
         if len(requests) == 1:
-            request = requests[0]
-            conn.write_request(request.step, request.id, request.wire)
+            self.send_request(conn, requests[0])
         else:
+            dataplane = conn.dataplane
+            for request in requests:
+                request.conn = conn
+                if dataplane is not None:  # one-sided: offer the destination first
+                    dataplane.on_request(request.step, request.id, request.key)
             step = requests[0].step
-            entries = [(r.id, r.wire) for r in requests]
+            entries = [(r.id, r.route.wire) for r in requests]
             for frame in encode_requests_split(step, entries):
                 conn.write_frame(frame)
         conn.requests_queued()
+
+    def send_request(self, conn: Wire, request: Request) -> None:
+        """Put one request on ``conn`` (the caller then calls ``conn.requests_queued``)."""
+        request.conn = conn
+        if conn.dataplane is not None:  # one-sided: offer the destination first
+            conn.dataplane.on_request(request.step, request.id, request.key)
+        conn.write_request(request.step, request.id, request.route.wire)
 
     def forget_request(self, request_id: Any, step: Any, key: str) -> None:
         keys = self.outstanding.get(step)
@@ -1535,14 +1543,18 @@ class Core:
         if peer is None:
             raise ProtocolError("DATA before HELLO")
         asked = False
+        route = None
         if request_id:
             request = self.requests.pop(request_id, None)
             if request is not None:
                 asked = True
                 self.forget_request(request_id, step, key)
+                if request.key == key and request.peer is peer:
+                    route = request.route  # checked when it was asked for
             elif self.cancelled.pop(request_id, None) is not None:
                 asked = True
-        route = self.arriving_route(peer, key)
+        if route is None:
+            route = self.arriving_route(peer, key)
         cost = nbytes_of(value) + MESSAGE_COST
         if asked:
             peer.answered += cost

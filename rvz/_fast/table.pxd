@@ -1,5 +1,12 @@
+cimport cython
+
 cdef list _spare
 cdef object _each(object waiters)
+
+cdef class Waiter:
+    cpdef bint done(self) except -1
+    cpdef set_result(self, object value)
+
 
 cdef class Table:
     cdef dict _values
@@ -11,6 +18,7 @@ cdef class Table:
     cdef public long long puts
 
     cpdef object aborted_error(self, str key)
+    @cython.locals(waiter=Waiter)
     cpdef bint put(self, str key, object value) except -1
     cpdef bint put_front(self, str key, object value) except -1
     cpdef object take(self, str key)
@@ -36,7 +44,7 @@ cdef class Batch:
     cdef public list slots
 
 
-cdef class Slot:
+cdef class Slot(Waiter):
     cdef public Batch batch
     cdef public Py_ssize_t index
     cdef public bint filled

@@ -3,8 +3,9 @@
 For each key the table holds a FIFO of values that wait for a receiver, or a FIFO of
 waiters that wait for a value, never both.  A waiter is anything shaped like an
 ``asyncio.Future`` (``done``, ``set_result``, ``set_exception``): a local ``recv``'s
-future, or the parked request of a remote consumer.  A waiter already done (cancelled, timed
-out, its connection gone) is skipped, so a cancel never loses a value.
+future, or a ``Waiter`` (the parked request of a remote consumer, a ``recv_many``'s
+slot).  A waiter already done (cancelled, timed out, its connection gone) is skipped, so a
+cancel never loses a value.
 
 rvz runs on one event loop thread, so the table needs no lock: callbacks run from
 ``set_result`` after the table's state is already consistent.
@@ -31,6 +32,23 @@ SPARE = 1024  # emptied queues kept for reuse, across the process's tables
 # emptied deques are kept here for the next key rather than freed and made again.
 # (One thread at a time per table; list.pop and list.append are atomic among threads.)
 _spare: list = []
+
+
+class Waiter:
+    """A waiter that is not an asyncio future: a ``recv_many``'s ``Slot`` here, a remote
+    consumer's parked request in the engine.  Compiled, the table calls ``done`` and
+    ``set_result`` of these as C methods; a future's are looked up by name on every call."""
+
+    __slots__ = ()
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def set_result(self, value: Any) -> None:
+        raise NotImplementedError
+
+    def set_exception(self, exc: BaseException) -> None:
+        raise NotImplementedError
 
 
 class Table:
@@ -92,17 +110,22 @@ class Table:
                         return True
                     except InvalidStateError:
                         pass
+                elif isinstance(waiters, Waiter):
+                    waiter = waiters
+                    if not waiter.done():
+                        waiter.set_result(value)
+                        return True
                 elif not waiters.done():
                     waiters.set_result(value)
                     return True
             else:
                 while waiters:
-                    waiter = waiters.popleft()
-                    if not waiter.done():
+                    other = waiters.popleft()
+                    if not other.done():
                         if not waiters:
                             del self._waiters[key]
                             self._retire(waiters)
-                        waiter.set_result(value)
+                        other.set_result(value)
                         return True
                 del self._waiters[key]  # only waiters already done
                 self._retire(waiters)
@@ -284,7 +307,7 @@ def _each(waiters: Any) -> Any:
     return waiters if type(waiters) is deque else (waiters,)
 
 
-class Slot:
+class Slot(Waiter):
     """One position of a ``Batch`` waiting in a key's queue, shaped like a future."""
 
     __slots__ = ("batch", "index", "filled")
