@@ -681,25 +681,13 @@ class Node(_NodeCalls):
         loop = self._loop
         assert loop is not None
         waiting = batch.wait()
-        asks: dict[Any, list[Any]] = {}  # peer -> requests to send it
-        dialled: set[Any] = set()  # peers this batch started a link to: one task each, not one a key
         try:
-            for i in waiting:
-                route = routes[i]
-                if route.src == self.id:
-                    continue
-                peer = core.peer(route.src)
-                core.joined(step, peer)
-                # Send-Driven too when the producer is blocked on a window full of values
-                # not taken (see Core.unblock).
-                if core.recv_mode(peer, mode) == "recv" or peer.stuck:
-                    asks.setdefault(peer, []).append(core.new_request(peer, step, route))
-                elif peer not in dialled and not peer.live_connections():
-                    dialled.add(peer)
-                    self._spawn(self._link(peer, route.text))  # to notice if it is gone
+            asks, dial = core.ask_many(waiting, routes, mode, step)
         except BaseException:
             self._undo_batch(batch)
             raise
+        for peer, text in dial.items():  # one link task a producer, not one a key
+            self._spawn(self._link(peer, text))  # to notice if it is gone
         for peer, requests in asks.items():
             conn = peer.link
             if conn is not None and conn.ready and not conn.closed:

@@ -275,6 +275,9 @@ cdef class Core:
                    i=Py_ssize_t, code=int, nbytes=Py_ssize_t, cost=Py_ssize_t, shape=tuple)
     cpdef Py_ssize_t push_many(self, list items, Py_ssize_t start, object step) except -1
     cpdef list check_routes(self, list keys, bint sending)
+    @cython.locals(route=Route, peer=Peer, last=Peer, ask=bint, i=Py_ssize_t, asks=dict,
+                   dial=dict, requests=list)
+    cpdef tuple ask_many(self, list waiting, list routes, object mode, object step)
     @cython.locals(route=Route, table=Table)
     cpdef object take_many(self, list routes, object step)
     @cython.locals(event=tuple)

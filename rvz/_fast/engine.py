@@ -1451,6 +1451,38 @@ class Core:
         """Every key's route, checked before a batch touches anything."""
         return [self.own_route(key, sending) for key in keys]
 
+    def ask_many(self, waiting: list, routes: list, mode: Any, step: Any) -> tuple:
+        """The keys of a ``recv_many`` that wait (``waiting``: indexes into ``routes``) from
+        their producers: Recv-Driven ones get a request each (not sent yet), and the
+        Send-Driven producers with no connection are listed once each, with the first of
+        their keys (the node dials them, to notice if they are gone).  Returns
+        ``({peer: [requests]}, {peer: key to dial for})``.  The producer's mode is decided
+        once per run of keys from one producer."""
+        asks: dict = {}
+        dial: dict = {}
+        last = None
+        ask = False
+        for i in waiting:
+            route = routes[i]
+            peer = route.peer
+            if peer is None:  # a local key: a local send fills it
+                continue
+            if peer is not last:
+                last = peer
+                self.joined(step, peer)
+                # Send-Driven too when the producer is blocked on a window full of values
+                # not taken (see ``unblock``).
+                ask = self.recv_mode(peer, mode) is RECV or peer.stuck
+                if not ask and peer not in dial and not peer.live_connections():
+                    dial[peer] = route.text
+            if ask:
+                requests = asks.get(peer)
+                if requests is None:
+                    asks[peer] = [self.new_request(peer, step, route)]
+                else:
+                    requests.append(self.new_request(peer, step, route))
+        return asks, dial
+
     def take_many(self, routes: list, step: Any) -> Any:
         """Take what is queued for a ``recv_many``: the list of values when every key had
         one, else a ``Batch`` (its missing slots are not registered yet)."""
