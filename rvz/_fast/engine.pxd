@@ -71,6 +71,8 @@ cdef class Peer:
     cdef object __weakref__
 
     cpdef list live_connections(self)
+    @cython.locals(link=Wire)
+    cpdef bint unconnected(self) except -1
 
 
 cdef class Request:
@@ -238,9 +240,10 @@ cdef class Core:
     cpdef undefer(self, Wire conn)
     cpdef Py_ssize_t held_cost(self)
     cpdef released_held(self, Py_ssize_t nbytes)
-    @cython.locals(route=Route, table=Table, peer=Peer, link=Wire)
+    @cython.locals(route=Route, table=Table, peer=Peer)
     cpdef object recv(self, object key, object step, object mode, object timeout)
     cpdef tuple new_waiter(self, Table table, Route route, object peer, bint dial)
+    cpdef bint must_ask(self, Peer peer, object mode) except -1
     cpdef str recv_mode(self, Peer peer, object mode)
     @cython.locals(request=Request, keys=dict, key=str, request_id=object)
     cpdef Request new_request(self, Peer peer, object step, Route route)

@@ -258,6 +258,11 @@ class Peer:
             conns.append(link)
         return conns
 
+    def unconnected(self) -> bool:
+        """No live connection to it (a live link answers without building the list)."""
+        link = self.link
+        return (link is None or link.closed) and not self.live_connections()
+
     def __repr__(self) -> str:
         return f"<Peer {self.name} at {self.address}>"
 
@@ -1154,17 +1159,12 @@ class Core:
         if peer is None:
             return self.new_waiter(table, route, None, False)
         self.joined(step, peer)
-        mode = self.recv_mode(peer, mode)
-        # Send-Driven too while the producer is blocked on a window full of other keys'
-        # values (see ``unblock``, which asked for the recvs already waiting).
-        if mode is RECV or peer.stuck:
+        if self.must_ask(peer, mode):
             # The request leaves first, the waiter is made after: its answer can only come
             # once this task yields, and a round trip's latency runs from here to the write.
             self.request(peer, step, route)
             return self.new_waiter(table, route, peer, False)
-        link = peer.link
-        dial = (link is None or link.closed) and not peer.live_connections()
-        return self.new_waiter(table, route, peer, dial)
+        return self.new_waiter(table, route, peer, peer.unconnected())
 
     def new_waiter(self, table: Table, route: Route, peer: Any, dial: bool) -> tuple:
         """A recv found nothing queued: its future waits in the table (``recv``'s tuple)."""
@@ -1172,6 +1172,12 @@ class Core:
         self.waits_consumer += 1
         table.wait(route.text, waiter)
         return (waiter, route, table, peer, dial, table.stamp)
+
+    def must_ask(self, peer: Peer, mode: Any) -> bool:
+        """Whether a recv of a key from ``peer`` asks the producer for its value: Recv-Driven,
+        and Send-Driven too while the producer is blocked on a window full of other keys'
+        values (see ``unblock``, which asked for the recvs already waiting)."""
+        return self.recv_mode(peer, mode) is RECV or peer.stuck
 
     def recv_mode(self, peer: Peer, mode: Any) -> str:
         """The mode a recv of a key from ``peer`` runs in.
@@ -1470,10 +1476,8 @@ class Core:
             if peer is not last:
                 last = peer
                 self.joined(step, peer)
-                # Send-Driven too when the producer is blocked on a window full of values
-                # not taken (see ``unblock``).
-                ask = self.recv_mode(peer, mode) is RECV or peer.stuck
-                if not ask and peer not in dial and not peer.live_connections():
+                ask = self.must_ask(peer, mode)
+                if not ask and peer not in dial and peer.unconnected():
                     dial[peer] = route.text
             if ask:
                 requests = asks.get(peer)
