@@ -62,6 +62,7 @@ from .errors import (
     TransportError,
     WrongEndpoint,
 )
+from .poll import BusyPoll
 from .types import KeyLike, Mode, SendValue, TransportName, Value
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,9 @@ class Node(_NodeCalls):
     keeps serving held values.
     Up to ``recv_pool`` bytes of memory for large received arrays are kept and used again once
     every array on a block is gone (0: allocate each array anew).
+    ``busy_poll`` > 0 keeps the event loop polling instead of sleeping while a recv waits on
+    a peer, for up to that many seconds after the last such recv began: a CPU spins, and a
+    small round trip no longer pays the wake-up of an idle one (see ``rvz.poll``).
     """
 
     def __init__(self, cluster: ClusterSpec | dict[str, Any], job: str, task: int,
@@ -129,7 +133,7 @@ class Node(_NodeCalls):
                  ssl: _ssl.SSLContext | tuple[_ssl.SSLContext, _ssl.SSLContext] | None = None,
                  max_parked: int = 65536, max_steps: int = 65536, step_idle: float | None = 600.0,
                  hello_timeout: float = 10.0, max_unidentified: int = 64,
-                 answer_backlog: int = 32 << 20) -> None:
+                 answer_backlog: int = 32 << 20, busy_poll: float = 0.0) -> None:
         if mode not in MODES:
             raise ConfigError(f"mode must be 'recv' or 'send', not {mode!r}")
         if transport not in TRANSPORTS:
@@ -150,6 +154,9 @@ class Node(_NodeCalls):
                               ("claim_timeout", 0.0 if claim_timeout is None else claim_timeout)):
             if not seconds >= 0:
                 raise ConfigError(f"{name} must be >= 0 seconds, not {seconds!r}")
+        if not isinstance(busy_poll, (int, float)) or not 0 <= busy_poll < 1.0:
+            # A wait longer than a second is no round trip: spinning through it only burns a CPU.
+            raise ConfigError(f"busy_poll must be >= 0 and < 1 second, not {busy_poll!r}")
         self.cluster = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec(cluster)
         self.job = job
         self.task = int(task)
@@ -188,6 +195,8 @@ class Node(_NodeCalls):
         self.hold_limit = hold_limit
         self.claim_timeout = claim_timeout
         self.max_payload = max_payload
+        self.busy_poll = busy_poll
+        self._poll = None  # the BusyPoll of the running loop (start), if busy_poll
         # Memory for large received arrays, reused once the caller dropped them (0: none).
         self._recv_pool = _impl.recvpool.RecvPool(recv_pool) if recv_pool > 0 else None
         self.incarnation = incarnation if incarnation is not None else int.from_bytes(os.urandom(8), "little")
@@ -250,6 +259,8 @@ class Node(_NodeCalls):
         """Listen on this task's address and start the heartbeat."""
         self._loop = asyncio.get_running_loop()
         self._core.attach(self._loop, get_ident())
+        if self.busy_poll:
+            self._poll = BusyPoll(self._loop, self.busy_poll)
         host, port = split_address(self.address)
         if self._host is not None:
             host = self._host
@@ -339,7 +350,8 @@ class Node(_NodeCalls):
         ``steps`` maps each step with a table to its ``queued_values``, ``queued_keys``,
         ``waiting_recvs`` and ``waiting_keys``.  ``held`` counts the Recv-Driven values
         kept for remote consumers; ``waits`` how often a send (``producer``) or a recv
-        (``consumer``) had to wait.
+        (``consumer``) had to wait.  ``busy_poll`` (None when off) gives its ``budget`` and how
+        many loop passes it kept awake (``spins``).
         """
         core = self._core
         outstanding: dict[Any, int] = {}
@@ -389,6 +401,8 @@ class Node(_NodeCalls):
             "unidentified": sum(1 for c in self._conns
                                 if not c.ready and not c.closed and c.close_reason is None),
             "recv_pool": self._recv_pool.stats() if self._recv_pool is not None else None,
+            "busy_poll": ({"budget": self.busy_poll, "spins": self._poll.spins}
+                          if self._poll is not None else None),
         }
 
     # -- what the connections tell the node (rvz.connection.Owner) ----------------------------
@@ -694,9 +708,16 @@ class Node(_NodeCalls):
                 core.send_requests(conn, requests)
             else:
                 self._request_when_linked(requests)
+        poll = self._poll
+        if poll is not None and any(routes[i].peer is not None for i in waiting):
+            poll.begin()
+        else:
+            poll = None
         try:
             return await _table.wait_batch(batch, loop, timeout, self._unconsume)
         finally:
+            if poll is not None:
+                poll.end()
             if asks:
                 table = batch.table
                 for text in {routes[i].text for i in waiting}:

@@ -45,7 +45,8 @@ MEMORY = {"idle_rss", "peak_rss", "peak_above_idle", "peak_was_reset"}
 PINGPONG_ROW = {"variant", "mode", "size", "loop", "impl", "concurrency", "label", "count",
                 "min_us", "p50_us", "p90_us", "p99_us", "max_us", "mean_us", "samples_us",
                 "ratio_socket", "ratio_streams", "baseline_socket_p50_us",
-                "baseline_streams_p50_us", "runs_p50_us", "ratio_pyzmq", "baseline_pyzmq_p50_us"}
+                "baseline_streams_p50_us", "runs_p50_us", "ratio_pyzmq", "baseline_pyzmq_p50_us",
+                "busy_poll_us", "busy_poll_spins"}
 RENDEZVOUS_ROW = {"order", "mode", "size", "rounds", "warmup_rounds", "loop", "impl",
                   "producer_waited", "consumer_waited", "recv_call_p50_us", "clock", "count",
                   "p50_us", "p90_us", "p99_us", "max_us", "samples_us"}
@@ -139,6 +140,29 @@ def test_pingpong(tmp_path: Path, loop: str) -> None:
             assert row["baseline_pyzmq_p50_us"] == zmq["p50_us"]
             assert row["ratio_pyzmq"] == pytest.approx(row["p50_us"] / zmq["p50_us"])
         assert r["pyzmq"] == {"used": True, "skipped": None}
+
+
+@pytest.mark.timeout(40)
+def test_pingpong_busy_poll_polls_the_rvz_nodes_and_the_streams_echo_only(tmp_path: Path) -> None:
+    r = run_json(tmp_path, "pingpong", "--busy-poll", "150", "--mode", "send", "--iters", "30",
+                 *TINY)
+    assert r["options"]["busy_poll"] == 150
+    assert "busy-poll 150 us: rvz nodes and pingpong's streams echo" in r["_stdout"]
+    rows = {row["variant"]: row for row in r["pingpong"]}
+    assert set(rows) == BASE_VARIANTS | {"rvz"}
+    for variant, row in rows.items():
+        if variant in ("rvz", "streams"):
+            # loop passes kept awake, both sides (the workers count their own BusyPoll)
+            assert row["busy_poll_us"] == 150 and row["busy_poll_spins"] > 0, row
+        else:
+            assert row["busy_poll_us"] == 0 and row["busy_poll_spins"] is None, row
+    plain = run_json(tmp_path, "pingpong", "--mode", "send", "--iters", "20", "--no-baselines",
+                     *TINY)
+    (row,) = plain["pingpong"]
+    assert row["busy_poll_us"] == 0 and row["busy_poll_spins"] is None
+    assert "busy-poll" not in plain["_stdout"]
+    bad = bench("pingpong", "--busy-poll", "-5", *TINY)
+    assert bad.returncode == 2 and "--busy-poll" in bad.stderr
 
 
 @pytest.mark.timeout(40)
@@ -361,7 +385,7 @@ def test_plot_draws_only_panels_with_data() -> None:
 def test_each_subcommand_lists_only_its_options() -> None:
     every = {"--transport", "--mode", "--sizes", "--iters", "--duration", "--warmup", "--loop",
              "--impl", "--json", "--plot", "--profile", "--quiet", "--targets", "--client",
-             "--addr"}
+             "--addr", "--busy-poll"}
     measured = {"--repeat", "--concurrency", "--no-baselines"}
     expected = {
         "stream": every | measured | {"--batch", "--compare-impl"},

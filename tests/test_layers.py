@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # picks the compiled or the pure-Python variant of the two layers above
     ("impl switch",  ("rvz._impl",)),
     # usable by every layer above _fast
-    ("utilities",    ("rvz.rendezvous", "rvz.cluster", "rvz.runner", "rvz.types")),
+    ("utilities",    ("rvz.rendezvous", "rvz.cluster", "rvz.runner", "rvz.types", "rvz.poll")),
     ("transports",   ("rvz.connection", "rvz.onesided", "rvz.onesided.*")),
     # Node, and its compiled base (send and recv), which rvz._impl loads like the hot paths
     ("node",         ("rvz._fast.calls", "rvz.node")),

@@ -5,3 +5,4 @@ cdef class NodeCalls:
     # C fields: send and recv reach the engine through C calls, with no attribute lookup.
     cdef public Core _core
     cdef public object _loop
+    cdef public object _poll

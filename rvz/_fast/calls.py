@@ -22,11 +22,12 @@ if TYPE_CHECKING:
 
 class NodeCalls:
     """The compiled base of ``rvz.Node``: ``_core`` is its engine, ``_loop`` its running loop
-    (None before ``start``).  The slow paths call back into ``Node`` (``_send_wait``,
-    ``_spawn``, ``_link``)."""
+    (None before ``start``), ``_poll`` its ``rvz.poll.BusyPoll`` (None: off).  The slow paths
+    call back into ``Node`` (``_send_wait``, ``_spawn``, ``_link``)."""
 
     _core: Core
     _loop: Any
+    _poll: Any
 
     async def send(self, key: KeyLike, value: SendValue, *, mode: Mode | None = None,
                    step: int = 0, timeout: float | None = None) -> None:
@@ -59,6 +60,9 @@ class NodeCalls:
         text = route.text
         handle = None if timeout is None else arm_timeout(
             self._loop, timeout, table, text, waiter, peer.name if peer is not None else None)
+        poll = self._poll if peer is not None else None  # (a local value needs no polling)
+        if poll is not None:
+            poll.begin()
         try:
             return await waiter
         except BaseException:
@@ -71,5 +75,7 @@ class NodeCalls:
         finally:
             if handle is not None:
                 handle.cancel()
+            if poll is not None:
+                poll.end()
             if peer is not None and core.requests:  # (nothing to rebalance otherwise)
                 core.rebalance(step, text, table)

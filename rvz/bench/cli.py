@@ -94,6 +94,10 @@ def _add_options(parser: argparse.ArgumentParser, groups: tuple[str, ...]) -> No
         g.add_argument("--concurrency", type=int, help="operations in flight (stream lanes; "
                        "default 64 up to 4K tensors, 4 up to 256K, 1 above; pingpong 1); the "
                        "4K '1 in flight' row always runs one plain send loop")
+    g.add_argument("--busy-poll", type=float, default=0.0, metavar="US",
+                   help="rvz nodes keep their loop polling while a recv waits on a peer, up "
+                   "to US microseconds (Node(busy_poll=); default 0: off); pingpong's asyncio "
+                   "streams echo polls the same way, the other baselines do not")
     g.add_argument("--loop", default="auto", choices=("auto", "uvloop", "asyncio"),
                    help="event loop of the workers (default: uvloop when installed)")
     g.add_argument("--impl", choices=("compiled", "python"),
@@ -197,6 +201,9 @@ class Options:
             raise UsageError("--concurrency must be at least 1")
         if args.warmup is not None and args.warmup < 0:
             raise UsageError("--warmup must not be negative")
+        if not 0 <= args.busy_poll < 1e6:
+            raise UsageError("--busy-poll must be >= 0 and under a second (in microseconds)")
+        self.busy_poll: float = args.busy_poll / 1e6  # seconds
         orders = ORDERS if args.order == "all" else tuple(o.strip() for o in args.order.split(","))
         for order in orders:
             if order not in ORDERS:
@@ -322,7 +329,7 @@ class Bench:
         sides = {}
         for role, link in (("a", a), ("b", b)):
             side = dict(case, role=role, bind_host=link.host, transport=self.opts.transport,
-                        loop=self.opts.loop)
+                        loop=self.opts.loop, busy_poll=self.opts.busy_poll)
             if self.opts.args.profile:
                 os.makedirs(self.opts.args.profile, exist_ok=True)
                 name = f"{self.case_no:02d}-{case['kind']}-{case['impl']}-{case.get('mode', '')}-" \
@@ -485,11 +492,16 @@ class Bench:
                 "concurrency": concurrency}
         ra, rb = self.run_case(case)
         samples = rb.pop("samples_ns")
+        polls = variant in ("rvz", "streams") and opts.busy_poll > 0
         row = {"variant": variant, "mode": mode if variant == "rvz" else None, "size": size,
                "loop": opts.loop, "impl": opts.impl, "concurrency": concurrency,
+               "busy_poll_us": opts.busy_poll * 1e6 if polls else 0.0,
                "label": label(variant, mode, opts.loop, "pingpong")}
         row.update(report.latency_stats(samples))
         row["process"] = {"a": ra.get("process"), "b": rb.get("process")}
+        # loop passes busy polling kept awake, both sides (None: neither polled)
+        spins = [side["spins"] for side in (ra, rb) if side.get("spins") is not None]
+        row["busy_poll_spins"] = sum(spins) if spins else None
         row["_samples"] = samples
         self.step(f"pingpong {row['label']:<16} {size_label(size):>5}: p50 {row['p50_us']:.1f} us, "
                   f"p99 {row['p99_us']:.1f} us")
@@ -510,6 +522,8 @@ class Bench:
                 row = dict(same[0])
                 row.update(report.latency_stats(samples))
                 row["runs_p50_us"] = [r["p50_us"] for r in same]
+                if row["busy_poll_spins"] is not None:
+                    row["busy_poll_spins"] = sum(r["busy_poll_spins"] or 0 for r in same)
                 row["samples_us"] = [s / 1e3 for s in report.subsample(samples)]
                 rows.append(row)
         for row in rows:
@@ -707,6 +721,10 @@ def render(results: dict[str, Any], targets: bool = False) -> str:
                  f"{results['impl']} hot paths, {results['loop']}, {results['transport']}, "
                  f"2 processes on {m.get('hostname')} ({m.get('cpus')} CPUs, "
                  f"{m.get('cpu_model', m.get('machine'))}); {results['elapsed_s']:.1f} s")
+    poll_us = (results.get("options") or {}).get("busy_poll") or 0.0
+    if poll_us:  # (absent from the JSON of runs before it existed)
+        parts.append(f"busy-poll {poll_us:g} us: rvz nodes and pingpong's streams echo keep their "
+                     "loop polling while they wait (a CPU spins a side); other baselines sleep")
     cal = m.get("calibration")
     if cal:  # (absent from the JSON of runs before it was measured)
         parts.append(f"machine speed (same run): Python loop step {cal['python_step_ns']:.0f} ns, "

@@ -184,6 +184,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         loop = row.get("loop") if row else "uvloop"
         detail = (f"p50 {row['p50_us']:.1f} us vs {loop} echo {row['baseline_streams_p50_us']:.1f} us"
                   if row and r is not None else "not measured")
+        if row and row.get("busy_poll_us"):
+            detail += f" (both busy-polling {row['busy_poll_us']:g} us)"
         add(f"pingpong-{mode}-64B", f"pingpong {mode}-driven 64B p50 vs {loop} echo",
             f"<= {ceiling}x", r, at_most(r, ceiling), detail)
 

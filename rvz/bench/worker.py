@@ -46,6 +46,7 @@ from typing import IO, Any
 import numpy as np
 
 import rvz
+from rvz.poll import BusyPoll
 
 A_JOB = "a"
 B_JOB = "b"
@@ -251,7 +252,9 @@ async def finish(node: rvz.Node, role: str) -> None:
 
 def make_node(case: dict[str, Any], addrs: dict[str, str], job: str) -> rvz.Node:
     cluster = rvz.ClusterSpec({A_JOB: [addrs["a"]], B_JOB: [addrs["b"]]})
-    options = case.get("node_options") or {}
+    options = dict(case.get("node_options") or {})
+    if case.get("busy_poll"):
+        options["busy_poll"] = case["busy_poll"]
     return rvz.Node(cluster, job, 0, mode=case["mode"], transport=case["transport"], **options)
 
 
@@ -371,6 +374,7 @@ async def rvz_pingpong(case: dict[str, Any], addrs: dict[str, str], role: str) -
 
             await asyncio.gather(*(echo(lane) for lane in range(lanes)))
             await finish(node, role)
+            result["spins"] = _spins(node)
         else:
             samples: list[int] = []
             clock = time.perf_counter_ns
@@ -388,8 +392,15 @@ async def rvz_pingpong(case: dict[str, Any], addrs: dict[str, str], role: str) -
             body, last = payloads(size)
             await asyncio.gather(*(pinger(lane) for lane in range(lanes)))
             result["samples_ns"] = samples[plan.warmup_total:]
+            result["spins"] = _spins(node)
             await finish(node, role)
     return result
+
+
+def _spins(node: rvz.Node) -> int | None:
+    """How many loop passes busy polling kept awake (None: it was off)."""
+    polled = node.stats()["busy_poll"]
+    return None if polled is None else int(polled["spins"])
 
 
 async def wait_until(t_ns: int) -> None:
@@ -835,6 +846,13 @@ async def streams_stream(case: dict[str, Any], addrs: dict[str, str], role: str,
         await _streams_close(writer, server)
 
 
+def busy_poll(case: dict[str, Any]) -> BusyPoll | None:
+    """What an rvz node with the case's ``busy_poll`` uses (None: off), for a baseline that
+    is to skip the same sleeps."""
+    budget = float(case.get("busy_poll") or 0.0)
+    return BusyPoll(asyncio.get_running_loop(), budget) if budget > 0 else None
+
+
 async def streams_pingpong(case: dict[str, Any], addrs: dict[str, str], role: str,
                            listener: socket.socket | None) -> dict[str, Any]:
     size = int(case["size"])
@@ -842,15 +860,22 @@ async def streams_pingpong(case: dict[str, Any], addrs: dict[str, str], role: st
     n = FRAME.size + size
     flag = FRAME.size - 4
     reader, writer, server = await _streams_pair(addrs, role, listener, 1 << 16)
+    # Polling as the rvz nodes do when asked (--busy-poll): begin and end inline, as rvz's
+    # recv does, not a coroutine around the read that rvz does not pay.
+    poll = busy_poll(case)
     try:
         if role == "a":
             while True:
+                if poll is not None:
+                    poll.begin()
                 frame = await reader.readexactly(n)
+                if poll is not None:
+                    poll.end()
                 writer.write(frame)
                 if frame[flag]:
                     await writer.drain()
                     await reader.read(1)
-                    return {}
+                    return {"spins": None if poll is None else poll.spins}
         samples: list[int] = []
         clock = time.perf_counter_ns
         body, last = (bytes(f) for f in _frames(size))
@@ -858,10 +883,15 @@ async def streams_pingpong(case: dict[str, Any], addrs: dict[str, str], role: st
         async def one(frame: Any) -> None:
             t = clock()
             writer.write(frame)
+            if poll is not None:
+                poll.begin()
             await reader.readexactly(n)
+            if poll is not None:
+                poll.end()
             samples.append(clock() - t)
         await produce(plan, one, body, last, 16)
-        return {"samples_ns": samples[plan.warmup:]}
+        return {"samples_ns": samples[plan.warmup:],
+                "spins": None if poll is None else poll.spins}
     finally:
         await _streams_close(writer, server)
 
