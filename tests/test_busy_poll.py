@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -113,8 +114,11 @@ async def test_every_way_a_wait_ends_closes_it(cluster, mode) -> None:  # type: 
 
 
 @pytest.mark.parametrize("mode", ["send", "recv"])
-async def test_a_ping_pong_between_two_polling_nodes_carries_every_value(cluster, mode) -> None:  # type: ignore[no-untyped-def]
-    both = {"busy_poll": 0.0002}
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_ping_pong_between_two_polling_nodes_carries_every_value(cluster, mode, transport) -> None:  # type: ignore[no-untyped-def]
+    both: dict[str, Any] = {"busy_poll": 0.0002, "transport": transport}
+    if transport == "shm":  # every value through the shared-memory channel, none on TCP
+        both["onesided"] = {"tcp_max": -1}
     async with pair(cluster, mode, worker=both, ps=both) as (w, p):
         ping = key("ping")
         pong = key("pong", src=PS, dst=WORKER)
@@ -132,6 +136,11 @@ async def test_a_ping_pong_between_two_polling_nodes_carries_every_value(cluster
         for node in (w, p):
             poll = poll_of(node)
             assert poll.spins > 0 and poll.waiting == 0
+            if transport == "shm":  # the values came through the channels, whose completions
+                # the polling loop found on the descriptor it watches
+                channels = [ch for e in node._onesided.engines.values() for ch in e.channels.values()]
+                assert sum(ch.stats["tcp"] for ch in channels) == 0
+                assert sum(ch.stats["inline"] + ch.stats["writes"] for ch in channels) >= 300
 
 
 @pytest.mark.parametrize("bad", [-0.001, 1.0, math.nan, math.inf, "0.1", None])

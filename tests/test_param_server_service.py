@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -292,6 +293,24 @@ def test_demo_runs_shards_and_workers_as_processes(tmp_path: Path) -> None:
     assert "2 checkpoints" in proc.stdout and "evicted" in proc.stdout
     assert lines[-1] == "global step per shard: [40] (equal on every shard)"
     assert (tmp_path / "ps0" / "default" / "MANIFEST.json").exists()
+
+
+def test_demo_nodes_busy_poll_when_asked(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    argv = [sys.executable, "-m", "examples.param_server", "demo", "--shards", "2", "--workers", "1",
+            "--steps", "20", "--batch", "16"]
+    proc = subprocess.run([*argv, "--busy-poll", "200"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    spins = [int(m) for m in re.findall(r"^ps \d: served .*, busy-poll spins (\d+)$", proc.stdout,
+                                        re.MULTILINE)]
+    assert len(spins) == 2 and all(n > 0 for n in spins), proc.stdout  # every shard's loop polled
+    assert proc.stdout.splitlines()[-1] == "global step per shard: [20] (equal on every shard)"
+    plain = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 0 and "busy-poll" not in plain.stdout, plain.stdout + plain.stderr
+    bad = subprocess.run([*argv, "--busy-poll", "-1"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode != 0 and "--busy-poll" in bad.stderr
 
 
 def test_the_bench_reports_every_figure_with_its_same_run_baseline(tmp_path: Path) -> None:

@@ -75,6 +75,9 @@ def add_service_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("recv", "send"), default="recv",
                    help="rvz mode of every node: Recv-Driven or Send-Driven")
     p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto")
+    p.add_argument("--busy-poll", type=float, default=0.0, metavar="US",
+                   help="rvz's busy_poll for every node, in microseconds (0: off); pays when "
+                   "each process has a CPU of its own")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2, help="worker processes (tasks of the worker job)")
 
@@ -125,7 +128,14 @@ def service_config(args: argparse.Namespace, num_workers: int) -> PSConfig:
                     num_workers=num_workers, consistency=args.consistency, staleness=args.staleness,
                     evict_every=args.evict_every, checkpoint_dir=args.checkpoint_dir,
                     checkpoint_every=args.checkpoint_every, full_every=args.full_every,
-                    mode=args.mode, loop=args.loop)
+                    mode=args.mode, loop=args.loop, node_options=node_options(args))
+
+
+def node_options(args: argparse.Namespace) -> dict[str, Any]:
+    """rvz.Node options from the command line."""
+    if not 0 <= args.busy_poll < 1e6:
+        raise SystemExit("--busy-poll must be >= 0 and under a second (in microseconds)")
+    return {"busy_poll": args.busy_poll / 1e6} if args.busy_poll else {}
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -139,7 +149,8 @@ def print_shard(r: dict[str, Any]) -> None:
               f"{t['created']}, evicted {t['evicted']}, global step {t['global_step']}")
     print(f"ps {r['shard']}: served {r['lookups']} pulls ({r['ids_looked_up']} ids), {r['pushes']} "
           f"pushes, {r['aborted_steps']} aborted steps, {len(r['checkpoints'])} checkpoints, "
-          f"{r['consistency']} max staleness {r['max_staleness']}")
+          f"{r['consistency']} max staleness {r['max_staleness']}"
+          + ("" if r.get("busy_poll_spins") is None else f", busy-poll spins {r['busy_poll_spins']}"))
 
 
 def demo(args: argparse.Namespace) -> int:

@@ -317,7 +317,8 @@ class ShardServer:
                 "pushes": self.stats.pushes, "ids_pushed": self.stats.ids_pushed,
                 "aborted_steps": self.stats.aborted_steps, "lost_workers": self.stats.lost_workers,
                 "checkpoints": list(self.stats.checkpoints), "evicted": self.stats.evicted,
-                "max_staleness": self.stats.max_staleness, "consistency": self.consistency}
+                "max_staleness": self.stats.max_staleness, "consistency": self.consistency,
+                "busy_poll_spins": (self.node.stats()["busy_poll"] or {}).get("spins")}
 
 
 async def _drop(receive: asyncio.Future[Any]) -> None:
