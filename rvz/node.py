@@ -62,7 +62,7 @@ from .errors import (
     TransportError,
     WrongEndpoint,
 )
-from .poll import BusyPoll
+from .poll import BusyPoll, check_budget
 from .types import KeyLike, Mode, SendValue, TransportName, Value
 
 log = logging.getLogger(__name__)
@@ -154,9 +154,10 @@ class Node(_NodeCalls):
                               ("claim_timeout", 0.0 if claim_timeout is None else claim_timeout)):
             if not seconds >= 0:
                 raise ConfigError(f"{name} must be >= 0 seconds, not {seconds!r}")
-        if not isinstance(busy_poll, (int, float)) or not 0 <= busy_poll < 1.0:
-            # A wait longer than a second is no round trip: spinning through it only burns a CPU.
-            raise ConfigError(f"busy_poll must be >= 0 and < 1 second, not {busy_poll!r}")
+        try:
+            check_budget(busy_poll)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.cluster = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec(cluster)
         self.job = job
         self.task = int(task)

@@ -21,6 +21,17 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from typing import Any
+
+# A wait longer than this is no round trip: spinning through it only burns a CPU.
+MAX_BUDGET = 1.0  # seconds
+
+
+def check_budget(seconds: Any) -> None:
+    """ValueError unless ``seconds`` is a busy-poll budget: a number, 0 (off) <= it <
+    ``MAX_BUDGET``.  What ``Node(busy_poll=)`` and the command lines that set it accept."""
+    if not isinstance(seconds, (int, float)) or not 0 <= seconds < MAX_BUDGET:
+        raise ValueError(f"busy_poll must be >= 0 and < {MAX_BUDGET:g} second, not {seconds!r}")
 
 
 class BusyPoll:

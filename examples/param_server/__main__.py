@@ -26,6 +26,7 @@ import threading
 from typing import Any
 
 import rvz
+from rvz.poll import check_budget
 
 from .launch import (
     Processes,
@@ -133,9 +134,12 @@ def service_config(args: argparse.Namespace, num_workers: int) -> PSConfig:
 
 def node_options(args: argparse.Namespace) -> dict[str, Any]:
     """rvz.Node options from the command line."""
-    if not 0 <= args.busy_poll < 1e6:
-        raise SystemExit("--busy-poll must be >= 0 and under a second (in microseconds)")
-    return {"busy_poll": args.busy_poll / 1e6} if args.busy_poll else {}
+    seconds = args.busy_poll / 1e6
+    try:
+        check_budget(seconds)
+    except ValueError as exc:
+        raise SystemExit(f"--busy-poll {args.busy_poll:g} (microseconds): {exc}") from None
+    return {"busy_poll": seconds} if seconds else {}
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:

@@ -260,6 +260,7 @@ cdef class Core:
     @cython.locals(request=Request)
     cpdef send_requests(self, Wire conn, list requests)
     cpdef send_request(self, Wire conn, Request request)
+    cdef _sent_on(self, Wire conn, Request request)
     @cython.locals(keys=dict)
     cpdef forget_request(self, object request_id, object step, str key)
     cdef _drop_key(self, object step, dict keys, str key)

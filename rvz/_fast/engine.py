@@ -1274,11 +1274,8 @@ class Core:
         if len(requests) == 1:
             self.send_request(conn, requests[0])
         else:
-            dataplane = conn.dataplane
             for request in requests:
-                request.conn = conn
-                if dataplane is not None:  # one-sided: offer the destination first
-                    dataplane.on_request(request.step, request.id, request.key)
+                self._sent_on(conn, request)
             step = requests[0].step
             entries = [(r.id, r.route.wire) for r in requests]
             for frame in encode_requests_split(step, entries):
@@ -1287,10 +1284,15 @@ class Core:
 
     def send_request(self, conn: Wire, request: Request) -> None:
         """Put one request on ``conn`` (the caller then calls ``conn.requests_queued``)."""
-        request.conn = conn
-        if conn.dataplane is not None:  # one-sided: offer the destination first
-            conn.dataplane.on_request(request.step, request.id, request.key)
+        self._sent_on(conn, request)
         conn.write_request(request.step, request.id, request.route.wire)
+
+    def _sent_on(self, conn: Wire, request: Request) -> None:
+        """``request`` goes out on ``conn``: a CANCEL must follow it there, and a one-sided
+        connection offers the destination of its answer first."""
+        request.conn = conn
+        if conn.dataplane is not None:
+            conn.dataplane.on_request(request.step, request.id, request.key)
 
     def forget_request(self, request_id: Any, step: Any, key: str) -> None:
         keys = self.outstanding.get(step)

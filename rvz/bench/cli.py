@@ -26,6 +26,7 @@ import time
 from typing import Any, TextIO, cast
 
 import rvz
+from rvz.poll import check_budget
 
 from . import control, report
 from .control import LocalWorker, RemoteWorker, WorkerError, WorkerLink
@@ -201,9 +202,11 @@ class Options:
             raise UsageError("--concurrency must be at least 1")
         if args.warmup is not None and args.warmup < 0:
             raise UsageError("--warmup must not be negative")
-        if not 0 <= args.busy_poll < 1e6:
-            raise UsageError("--busy-poll must be >= 0 and under a second (in microseconds)")
         self.busy_poll: float = args.busy_poll / 1e6  # seconds
+        try:
+            check_budget(self.busy_poll)
+        except ValueError as exc:
+            raise UsageError(f"--busy-poll {args.busy_poll:g} (microseconds): {exc}") from None
         orders = ORDERS if args.order == "all" else tuple(o.strip() for o in args.order.split(","))
         for order in orders:
             if order not in ORDERS:
