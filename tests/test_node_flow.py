@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,7 @@ from .conftest import (
     pending,
     provider_or_skip,
     record_writes,
+    settle,
 )
 from .hostile import MANY_FIXED
 
@@ -468,6 +471,37 @@ async def test_a_batch_waiting_behind_a_full_window_is_asked_for(cluster) -> Non
             producer.cancel()
 
 
+PING, PONG = key("ping", src=PS, dst=WORKER), key("pong")
+
+
+@contextlib.asynccontextmanager
+async def recv_driven_echo(cluster: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """Two Recv-Driven nodes ``(p, conn)``: ``conn`` the connection ``p`` dialled (both use
+    it), and a task on the other node that answers each ``PING`` with a ``PONG`` of the same
+    value, until a negative one, which the block's end sends.  No heartbeat within the
+    test: a ping or a credit return of its own would be a lone frame between exchanges."""
+    async with pair(cluster, "recv", heartbeat=5.0, peer_timeout=30.0) as (w, p):
+        async def echo() -> None:
+            while True:
+                value = await w.recv(PING, timeout=10)
+                await w.send(PONG, value)
+                if value[0] < 0:
+                    return
+
+        await w.send(key("warmup"), np.arange(1))
+        await p.recv(key("warmup"), timeout=5)
+        conn = p._peers[("worker", 0)].link
+        assert conn is not None
+        echoing = asyncio.ensure_future(echo())
+        try:
+            yield p, conn
+            await p.send(PING, np.array([-1]))
+            await p.recv(PONG, timeout=5)
+            await asyncio.wait_for(echoing, 5)
+        finally:
+            echoing.cancel()
+
+
 @pytest.mark.loop_timeout(20)
 async def test_recv_driven_exchange_writes_answer_and_next_request_together(cluster) -> None:  # type: ignore[no-untyped-def]
     # A node that answers a request and then asks for its reply (Recv-Driven ping-pong)
@@ -475,68 +509,80 @@ async def test_recv_driven_exchange_writes_answer_and_next_request_together(clus
     # once and the request at the end of the iteration, which costs a second write here and
     # a second wake-up at the peer.  That write leaves as the recv that queued the request
     # suspends, not one loop iteration later.  A lone frame goes back to leaving at once.
-    ping, pong = key("ping", src=PS, dst=WORKER), key("pong")
-    # No heartbeat within the test: a ping or a credit return of its own would be a lone
-    # frame between the exchanges.
-    async with pair(cluster, "recv", heartbeat=5.0, peer_timeout=30.0) as (w, p):
-        async def echo() -> None:
-            while True:
-                value = await w.recv(ping, timeout=10)
-                await w.send(pong, value)
-                if value[0] < 0:
-                    return
-
-        await w.send(key("warmup"), np.arange(1))
-        await p.recv(key("warmup"), timeout=5)   # linked: both use the connection p dialled
+    async with recv_driven_echo(cluster) as (p, conn):
         peer = p._peers[("worker", 0)]
-        conn = peer.link
-        assert conn is not None
 
         def asked() -> bool:
             return any(c.parked for c in peer.live_connections())
 
-        echoing = asyncio.ensure_future(echo())
+        early: list[bool] = []
+        written, transport = record_writes(conn, early=early)
         try:
-            early: list[bool] = []
-            written, transport = record_writes(conn, early=early)
-            try:
-                rounds = 12
-                for i in range(rounds):
-                    # The echo's request for this ping is parked here: the send answers it.
-                    await eventually(asked, "the echo asked for a ping")
-                    await p.send(ping, np.array([i]))
-                    assert (await p.recv(pong, timeout=5))[0] == i
-                data = _impl.codec.DATA
-                request = _impl.codec.REQUEST
-                exchanges = [t for t in written if data in t]
-                assert len(exchanges) == rounds, written
-                # The first exchange writes its answer alone; from the second on, the answer
-                # and the next request leave together, in one write per exchange.
-                assert exchanges[0] == [data], written
-                assert all(t == [data, request] for t in exchanges[1:]), written
-                assert len(written) == rounds + 1, written
-                # ... each from within the recv call: its iteration's flush had not run yet
-                paired = [e for t, e in zip(written, early, strict=True) if t == [data, request]]
-                assert paired == [True] * (rounds - 1), (written, early)
-                # A lone answer (no request after it in its iteration): held once, as the
-                # last iteration wrote two frames, and written at the end of the iteration;
-                # the next lone answer leaves within the send call.
-                for i in (100, 101):
-                    await eventually(asked, "the echo asked for a ping")
-                    before = len(written)
-                    await p.send(ping, np.array([i]))
-                    assert (len(written) > before) == (i == 101), written
-                    await asyncio.sleep(0)
-                    assert written[before:] == [[data]], written
-                    assert (await p.recv(pong, timeout=5))[0] == i
-            finally:
-                conn.transport = transport
-            await eventually(asked, "the echo asked for a ping")
-            await p.send(ping, np.array([-1]))
-            await p.recv(pong, timeout=5)
-            await asyncio.wait_for(echoing, 5)
+            rounds = 12
+            for i in range(rounds):
+                # The echo's request for this ping is parked here: the send answers it.
+                await eventually(asked, "the echo asked for a ping")
+                await p.send(PING, np.array([i]))
+                assert (await p.recv(PONG, timeout=5))[0] == i
+            data = _impl.codec.DATA
+            request = _impl.codec.REQUEST
+            exchanges = [t for t in written if data in t]
+            assert len(exchanges) == rounds, written
+            # The first exchange writes its answer alone; from the second on, the answer
+            # and the next request leave together, in one write per exchange.
+            assert exchanges[0] == [data], written
+            assert all(t == [data, request] for t in exchanges[1:]), written
+            assert len(written) == rounds + 1, written
+            # ... each from within the recv call: its iteration's flush had not run yet
+            paired = [e for t, e in zip(written, early, strict=True) if t == [data, request]]
+            assert paired == [True] * (rounds - 1), (written, early)
+            # A lone answer (no request after it in its iteration): held once, as the
+            # last iteration wrote two frames, and written by the flush after it, in the
+            # next loop pass; the next lone answer leaves within the send call.
+            for i in (100, 101):
+                await eventually(asked, "the echo asked for a ping")
+                before = len(written)
+                await p.send(PING, np.array([i]))
+                assert (len(written) > before) == (i == 101), written
+                await settle(2)
+                assert written[before:] == [[data]], written
+                assert (await p.recv(PONG, timeout=5))[0] == i
         finally:
-            echoing.cancel()
+            conn.transport = transport
+
+
+@pytest.mark.loop_timeout(20)
+async def test_the_flush_ending_a_recv_driven_group_takes_no_loop_pass_of_its_own(cluster) -> None:  # type: ignore[no-untyped-def]
+    # An answer and the next request leave together from the recv's call; the flush that
+    # ends their group was scheduled by the read that woke the task (``flush_after_read``),
+    # so it runs in that same loop pass: the next pass finds it done.  Scheduled by the
+    # held answer, from the task, it cost a pass of its own (a poll of the kernel) on every
+    # message of a Recv-Driven ping-pong.
+    async with recv_driven_echo(cluster) as (p, conn):
+        loop = asyncio.get_running_loop()
+        written, transport = record_writes(conn)
+        passes: list[tuple[int, bool]] = []  # per loop pass: writes so far, a flush pending
+        ticking = True
+
+        def tick() -> None:
+            passes.append((len(written), bool(conn._flush_scheduled)))
+            if ticking:
+                loop.call_soon(tick)
+
+        tick()
+        try:
+            for i in range(12):
+                await p.send(PING, np.array([i]))
+                assert (await p.recv(PONG, timeout=5))[0] == i
+        finally:
+            ticking = False
+            conn.transport = transport
+    group = [_impl.codec.DATA, _impl.codec.REQUEST]
+    groups = [n for n, t in enumerate(written) if t == group]
+    assert len(groups) >= 8, written
+    # the first pass that saw each group's write: its flush had run
+    after = [next(pending for seen, pending in passes if seen > n) for n in groups]
+    assert after == [False] * len(groups), (written, passes)
 
 
 @pytest.mark.loop_timeout(20)

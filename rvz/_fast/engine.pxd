@@ -131,6 +131,7 @@ cdef class Wire:
     cdef public bint _answer_queued
     cdef object _call_soon
     cdef object _flush_cb
+    cdef object _read_flush_cb
     cdef public object transport
     cdef public bint gather
     cdef public bint tuning

@@ -374,6 +374,7 @@ class Wire:
         self._answer_queued = False       # an answer waits in ``_out`` (see ``requests_queued``)
         self._call_soon = core.loop.call_soon
         self._flush_cb = self.flush       # bound once: scheduled in every busy loop iteration
+        self._read_flush_cb = self.flush_after_read
         self.transport: Any = None        # the stream transport bytes are written to
         self.gather = False               # its ``writelines`` is one gathered write (no copy)
         self.tuning = False               # the transport tunes its reads: tell it of each one
@@ -408,6 +409,12 @@ class Wire:
         into_payload = self.decoder.payload_left() != 0
         self._alone_at = 0  # the peer spoke: a frame of ours may leave alone again
         self._feed(nbytes)
+        if self._hold_first and not self._flush_scheduled:
+            # Frames go in groups here: the first of the next one will be held (``_at_once``),
+            # typically an answer that a task this read woke gives before it asks for the
+            # next value.  See ``flush_after_read``.
+            self._flush_scheduled = True
+            self._call_soon(self._read_flush_cb)
         # (``self.decoder.pool`` spelled out each time: typed, so these are C reads)
         if nbytes >= LARGE_READ and self.decoder.pool is not None and not self.decoder.pool.due:
             self.decoder.pool.due = True
@@ -629,6 +636,21 @@ class Wire:
         self._burst = 0
         self._alone_at = 0
         self._write_out()
+
+    def flush_after_read(self) -> None:
+        """The flush a read scheduled while frames go in groups (``buffer_updated``).
+
+        It runs right after the tasks that read woke (their callbacks were ahead of it in
+        the ready queue), in the same loop pass.  When their group has already left
+        (``requests_queued`` wrote an answer and its request together), it ends the group
+        as the held frame's own flush would have, without the loop pass of its own that
+        flush costs when a task schedules it: a poll of the kernel on every message of a
+        Recv-Driven ping-pong.  What is still held (a request alone) waits for the next
+        pass, as it would have: the peer's next frame may join it there."""
+        if self._out or self._gathered:
+            self._call_soon(self._flush_cb)
+        else:
+            self.flush()
 
     def requests_queued(self) -> None:
         """A recv that is about to wait queued its request(s).  If they follow an answer
