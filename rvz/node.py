@@ -23,7 +23,7 @@ When the two sides disagree on a key's mode nothing is lost and nothing hangs:
 * producer holds, consumer waits locally: a consumer whose own default is Send-Driven
   still asks a node whose default (from its HELLO) is Recv-Driven; for a per-call override
   nobody can know of, a held value nobody requested within ``claim_timeout`` seconds is
-  pushed to its consumer.
+  pushed to its consumer (``claim_timeout`` after the last request for its key, if any).
 FIFO order per key holds within one mode; across modes on one key it is not guaranteed.
 
 Everything this node sends a peer (pushes, requests, answers, credit) goes on one
@@ -34,6 +34,7 @@ connection, ``Peer.link``: one ordered stream per direction, coalesced per loop 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hashlib
 import hmac
 import ipaddress
@@ -315,6 +316,14 @@ class Node(_NodeCalls):
                 err = RvzError(f"node {self.name} is {self._state}{where}")
             raise err from self._close_cause
 
+    def _check_empty_batch(self, step: int) -> None:
+        """An empty batch does nothing, but fails as any call would on a node that is not
+        running or a step that was cleaned up (or an id that is no step)."""
+        self._check_running()
+        table = self._core.table(step)
+        if table.aborted:
+            raise table.aborted_error("")
+
     def _entry(self, timeout: float | None) -> None:
         """Checks every public call makes: the calling thread and the timeout (``send`` and
         ``recv`` have the engine make them in the same call as the rest)."""
@@ -593,7 +602,10 @@ class Node(_NodeCalls):
         batch = list(items)
         core = self._core
         core.check_routes([item[0] for item in batch], True)
-        assert self._loop is not None or not batch
+        if not batch:
+            self._check_empty_batch(step)
+            return
+        assert self._loop is not None
         end = None if timeout is None or self._loop is None else self._loop.time() + timeout
         start = 0
         while True:
@@ -601,7 +613,7 @@ class Node(_NodeCalls):
             if blocked is None:
                 return
             index, pending = blocked
-            left = None if end is None else max(0.0, end - self._loop.time())  # type: ignore[union-attr]
+            left = None if end is None else max(0.0, end - self._loop.time())
             await self._send_wait(pending, step, left, timeout)
             start = index + 1
 
@@ -684,6 +696,7 @@ class Node(_NodeCalls):
         core = self._core
         routes = core.check_routes(list(keys), False)
         if not routes:
+            self._check_empty_batch(step)
             return []
         got = core.take_many(routes, step)
         if type(got) is list:
@@ -1012,25 +1025,49 @@ class Node(_NodeCalls):
     def _push_unclaimed(self, now: float) -> None:
         core = self._core
         claims = core.claims
+        timeout = self.claim_timeout
+        if timeout is None:
+            return  # (nothing is claimed)
+        # A claim is (deadline, step, key), or (deadline, step, key, True) once it came due
+        # for a key its consumer pulls (``asked`` forgets a request after claim_timeout).
+        later: list[tuple[Any, ...]] = []  # claims that come due again
         while claims and claims[0][0] <= now:
-            deadline, step, key = claims.popleft()
+            claim = claims.popleft()
+            deadline, step, key = claim[0], claim[1], claim[2]
             table = core.tables.get(step)
             if table is None or table.aborted or not table.queued(key):
                 continue
             asked = core.asked.get((step, key))
-            if asked is not None and asked >= deadline - self.claim_timeout:
-                continue  # its consumer is pulling this key: it will ask for this one too
+            pulled = len(claim) > 3
+            if asked is not None and asked >= deadline - timeout:
+                pulled = True
+                # Its consumer pulls this key and will likely ask for this one too: pushing it
+                # now could overtake that request's answer (a push waiting for credit while
+                # the answer, which needs none, goes).  But a consumer may have asked once and
+                # then wait locally (recvs with mode="send", or a request made only because
+                # the handshake said we hold): the claim comes due claim_timeout after the
+                # key's last request, and then goes only if it can be written at once.
+                if asked + timeout > now:
+                    later.append((asked + timeout, step, key, True))
+                    continue
             route = core.route(key)
             if route.peer is None or not route.peer.live_connections():
                 continue  # not connected (lost?): it stays held for the consumer to ask
             value = table.take(key)
-            core.released_held(nbytes_of(value))
+            nbytes = nbytes_of(value)
+            if pulled and core.push_link(route.peer, nbytes) is None:
+                table.put_front(key, value)  # not now: it would wait behind others
+                later.append((now + max(timeout, self.heartbeat), step, key, True))
+                continue
+            core.released_held(nbytes)
             value, code, shape, nbytes = _codec.describe(value)
             peer = core.peer(route.dst)
             log.info("%s: pushing unclaimed %s to %s after %ss", self.name, key, peer.name,
                      self.claim_timeout)
             done = core.queue_push(peer, step, route, value, code, shape, nbytes)
             done.add_done_callback(_log_unclaimed_failure)
+        for claim in later:
+            bisect.insort(claims, claim)  # (the deque stays in deadline order)
 
     # -- frames the engine hands up ------------------------------------------------------------
 
@@ -1206,7 +1243,7 @@ class Node(_NodeCalls):
         its own id (a counter).  Step 0, where plain ``send``/``recv`` run, cannot be
         cleaned up (``ValueError``): it would break them for good.
         """
-        if step_id == 0:
+        if _engine.step_id(step_id) == 0:
             raise ValueError("step 0 is the step of plain send/recv and cannot be cleaned up; "
                              "run work that may need a clean-up under node.step(n), n > 0")
         self._entry(None)
@@ -1259,7 +1296,7 @@ class Step:
 
     def __init__(self, node: Node, step_id: int) -> None:
         self.node = node
-        self.id = step_id
+        self.id = _engine.step_id(step_id)  # a bad id fails here, not at the first call
 
     async def send(self, key: KeyLike, value: SendValue, *, mode: Mode | None = None,
                    timeout: float | None = None) -> None:

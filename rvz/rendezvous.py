@@ -17,12 +17,19 @@ _keys = _impl.keys
 TEXTS_MAX = 65536
 
 
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and not timeout >= 0:
+        raise ValueError(f"timeout must be None or >= 0 seconds, not {timeout!r}")
+
+
 class Rendezvous:
     """Keyed FIFO exchange inside one process, on the running event loop.
 
     ``send`` never blocks; ``recv`` returns at once when a value is queued and otherwise
     waits for the next ``send`` of that key.  ``abort(exc)`` fails every pending and every
-    later operation with ``rvz.Aborted`` whose ``__cause__`` is ``exc``.
+    later operation with ``rvz.Aborted`` whose ``__cause__`` is ``exc``.  Values are handed
+    over as they are (the table alone: nothing is copied, converted or checked); keys and
+    timeouts are checked as a node checks them.
     """
 
     def __init__(self) -> None:
@@ -51,6 +58,7 @@ class Rendezvous:
 
         Raises ``TimeoutError`` when the time is up and ``rvz.Aborted`` after ``abort``.
         """
+        _check_timeout(timeout)
         text = self._text(key)
         table = self._table
         value = table.take(text)
@@ -62,10 +70,12 @@ class Rendezvous:
         return await _table.wait_waiter(table, text, waiter, table.stamp, loop, timeout, None)
 
     def send_many(self, items: Iterable[tuple[KeyLike, SendValue]]) -> None:
-        """``send`` each ``(key, value)`` pair, in order."""
+        """``send`` each ``(key, value)`` pair, in order; every key is checked before any
+        value is queued."""
+        checked = [(self._text(key), value) for key, value in items]
         put = self._table.put
-        for key, value in items:
-            put(self._text(key), value)
+        for text, value in checked:
+            put(text, value)
 
     async def recv_many(self, keys: Iterable[KeyLike], timeout: float | None = None) -> list[Value]:
         """The next value of each key, in the order of ``keys`` (a key may repeat).
@@ -73,13 +83,16 @@ class Rendezvous:
         All or nothing: on a timeout, a cancellation or an abort, the values already taken
         go back to the head of their keys' queues, in order.
         """
+        _check_timeout(timeout)
         texts = [self._text(key) for key in keys]
         table = self._table
+        if not texts and table.aborted:
+            raise table.aborted_error("")  # as any other call after abort()
         values = []
         stamps = []
         for text in texts:
             values.append(table.take(text))
-            stamps.append(table.stamp)
+            stamps.append(table.took)
         missing = sum(1 for v in values if v is _table.EMPTY)
         if not missing:
             return values

@@ -21,6 +21,7 @@ import contextlib
 import gc
 import json
 import os
+import random
 import sys
 import weakref
 from collections.abc import AsyncIterator
@@ -31,7 +32,7 @@ import pytest
 
 import rvz
 
-from .conftest import FAST, PS, WORKER, key, pair, pending, settle
+from .conftest import FAST, PS, WORKER, eventually, key, pair, pending, settle
 from .procs import ready_process
 
 MODES = ["recv", "send"]
@@ -332,6 +333,50 @@ async def test_empty_batches(cluster) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.loop_timeout(15)
+async def test_empty_batches_fail_where_any_call_would(cluster) -> None:  # type: ignore[no-untyped-def]
+    # "Every pending and later operation of the step fails with Aborted", and so does every
+    # operation of a closed node: empty batches too, though they have nothing to do.
+    async with pair(cluster, "send") as (w, p):
+        await w.step(5).send(key(), v(1))
+        assert ints(await p.step(5).recv_many([key()], timeout=5)) == [1]
+        await p.step(5).cleanup()
+        await eventually(lambda: 5 in w._core.dead_steps, "the clean-up reached the worker")
+        for node in (w, p):
+            with pytest.raises(rvz.Aborted, match="5"):
+                await node.step(5).send_many([])
+            with pytest.raises(rvz.Aborted, match="5"):
+                await node.step(5).recv_many([])
+    for node in (w, p):
+        with pytest.raises(rvz.Aborted):
+            await node.send_many([])
+        with pytest.raises(rvz.Aborted):
+            await node.recv_many([])
+    rv = rvz.Rendezvous()
+    rv.abort(ValueError("stop"))
+    with pytest.raises(rvz.Aborted) as info:
+        await rv.recv_many([])
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+@pytest.mark.loop_timeout(15)
+async def test_rendezvous_checks_keys_and_timeouts_as_a_node_does() -> None:
+    # Every key of a send_many is checked before anything is queued, and a timeout must be
+    # None or >= 0; values pass as they are (the table alone).
+    rv = rvz.Rendezvous()
+    a = key("a")
+    with pytest.raises(rvz.KeyFormatError):
+        rv.send_many([(a, v(0)), ("not a key", v(1))])
+    assert rv.pending(a) == (0, 0)  # nothing went in
+    for call in (rv.recv(a, timeout=-1), rv.recv_many([a], timeout=-0.5)):
+        with pytest.raises(ValueError, match="timeout"):
+            await call
+    scalar = np.float16(1.5)
+    rv.send_many([(a, scalar), (a, b"raw")])
+    first, second = await rv.recv_many([a, a], timeout=1)
+    assert first is scalar and second == b"raw"
+
+
+@pytest.mark.loop_timeout(15)
 async def test_per_call_mode_overrides(cluster) -> None:  # type: ignore[no-untyped-def]
     keys = [key("x"), key("y"), key("x")]
     items = [(k, v(i)) for i, k in enumerate(keys)]
@@ -439,6 +484,61 @@ async def test_interrupted_recv_many_loses_nothing(cluster, mode, how) -> None: 
         # and no waiter of the batch is left to swallow a later value
         await w.send_many([(never, v(99)), (a, v(4))])
         assert ints(await p.recv_many([never, a], timeout=5)) == [99, 4]
+
+
+@pytest.mark.parametrize("target", ["rendezvous", "recv", "send"])
+@pytest.mark.loop_timeout(20)
+async def test_values_that_come_back_twice_keep_their_order(cluster, target) -> None:  # type: ignore[no-untyped-def]
+    # The head of a key came back with the value behind it (a failed batch); a second batch
+    # takes it again and fails too: it goes back ahead of that value, as it was (it keeps
+    # the stamp it came back with, not a fresh one, which ranked it behind).
+    a, never = key("a"), key("never")
+    async with contextlib.AsyncExitStack() as stack:
+        if target == "rendezvous":
+            rv = rvz.Rendezvous()
+            rv.send_many([(a, v(0)), (a, v(1))])
+            recv_many: Any = rv.recv_many
+        else:
+            w, p = await stack.enter_async_context(pair(cluster, target))
+            await w.send_many([(a, v(0)), (a, v(1))])
+            recv_many = p.recv_many
+        for keys in ([a, a, never], [a, never]):
+            with pytest.raises(TimeoutError):
+                await recv_many(keys, timeout=0.3)
+        assert ints(await recv_many([a, a], timeout=5)) == [0, 1]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.loop_timeout(20)
+async def test_fifo_survives_any_mix_of_failed_batches(seed) -> None:  # type: ignore[no-untyped-def]
+    # Batches over a few keys that time out, are cancelled or complete, while values keep
+    # coming: every key's values reach the receivers once each, in the order sent.
+    rng = random.Random(seed)
+    rv = rvz.Rendezvous()
+    keys = [key(f"k{i}") for i in range(3)]
+    sent = [0] * len(keys)
+    got: list[list[int]] = [[] for _ in keys]
+    for _ in range(300):
+        for _ in range(rng.randint(0, 3)):
+            i = rng.randrange(len(keys))
+            rv.send(keys[i], v(sent[i]))
+            sent[i] += 1
+        picks = [rng.randrange(len(keys)) for _ in range(rng.randint(1, 4))]
+        batch = asyncio.ensure_future(rv.recv_many([keys[i] for i in picks],
+                                                   timeout=rng.choice([0, 0.001, None])))
+        await asyncio.sleep(0)
+        if not batch.done() and rng.random() < 0.5:
+            batch.cancel()
+        try:
+            values = await asyncio.wait_for(batch, 0.01)
+        except (TimeoutError, asyncio.CancelledError):
+            continue
+        for i, value in zip(picks, values, strict=True):
+            got[i].append(int(value[0]))
+    for i, k in enumerate(keys):  # the rest, still queued
+        got[i] += ints(await rv.recv_many([k] * (sent[i] - len(got[i])), timeout=1))
+        assert got[i] == list(range(sent[i])), (i, got[i])
+        assert rv.pending(k) == (0, 0)
 
 
 @pytest.mark.loop_timeout(15)

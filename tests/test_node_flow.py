@@ -256,10 +256,11 @@ async def test_held_values_nobody_asks_for_are_pushed_at_claim_timeout(cluster) 
 
 
 @pytest.mark.loop_timeout(20)
-async def test_held_values_of_a_key_the_consumer_pulls_are_not_pushed(cluster) -> None:  # type: ignore[no-untyped-def]
+async def test_held_values_of_a_key_the_consumer_pulls_wait_claim_timeout_after_its_request(cluster) -> None:  # type: ignore[no-untyped-def]
     """A request that takes a held value marks its key as pulled: the values held with it
-    stay held past claim_timeout (a push could overtake the next request's answer)."""
-    async with pair(cluster, "recv", claim_timeout=0.5) as (w, p):
+    stay held for claim_timeout after that request (its consumer is likely to ask for them
+    too, and a push could overtake that answer), then are pushed, in order."""
+    async with pair(cluster, "recv", claim_timeout=2.0) as (w, p):
         await _linked(w, p)
         k = key("pulled")
         for i in range(3):
@@ -267,10 +268,33 @@ async def test_held_values_of_a_key_the_consumer_pulls_are_not_pushed(cluster) -
         held = w._held_bytes
         assert int((await p.recv(k, timeout=5))[0]) == 0   # asked for and answered
         assert 0 < w._held_bytes < held
-        await asyncio.sleep(1.0)  # two claim timeouts, twenty heartbeats
+        await asyncio.sleep(0.5)  # ten heartbeats, a quarter of claim_timeout
         assert w._held_bytes > 0 and queued(p, k) == 0     # still held, none pushed
-        assert [int((await p.recv(k, timeout=5))[0]) for _ in range(2)] == [1, 2]
+        await eventually(lambda: queued(p, k) == 2, "the held values were pushed", within=5.0)
         assert w._held_bytes == 0
+        assert [int((await p.recv(k, mode="send", timeout=5))[0]) for _ in range(2)] == [1, 2]
+
+
+@pytest.mark.loop_timeout(20)
+async def test_held_values_of_a_pulled_key_are_not_pushed_behind_a_full_window(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Past that time, a held value of a pulled key goes only if it can be written at once:
+    queued behind a full push window, the answer to the consumer's next request (which needs
+    no credit) would overtake it.  It stays held, and that request takes it, in order."""
+    window = 4096
+    async with pair(cluster, "recv", claim_timeout=0.2, push_window=window) as (w, p):
+        await _linked(w, p)
+        k, filler = key("pulled"), key("filler")
+        for i in range(3):
+            await w.send(k, np.array([i]))
+        assert int((await p.recv(k, timeout=5))[0]) == 0   # asked for: the key is pulled
+        peer = w._peers[("ps", 0)]
+        blocked = asyncio.ensure_future(w.send(filler, np.zeros(window, np.uint8), mode="send"))
+        await eventually(lambda: peer.credit < 64, "the window is spent")
+        await asyncio.sleep(1.0)  # five claim timeouts
+        assert queued(p, k) == 0 and w._held_count == 2  # none pushed behind the window
+        assert [int((await p.recv(k, timeout=5))[0]) for _ in range(2)] == [1, 2]
+        assert (await p.recv(filler, timeout=5)).nbytes == window
+        await asyncio.wait_for(blocked, 5)
 
 
 @pytest.mark.parametrize("mode", ["recv", "send"])

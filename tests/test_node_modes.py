@@ -206,6 +206,28 @@ async def test_producer_holds_consumer_waits_locally(cluster) -> None:  # type: 
         assert queued(w, k) == 0 and w._held_count == 0
 
 
+
+@pytest.mark.loop_timeout(15)
+@pytest.mark.parametrize("first_ask", ["recv call", "handshake"])
+async def test_held_values_of_a_key_asked_for_once_are_still_pushed(cluster, first_ask) -> None:  # type: ignore[no-untyped-def]
+    # A request for a key defers the push of its other held values (its consumer pulls the
+    # key, and will ask for them too): to claim_timeout after that request, not for good. A
+    # consumer that asked once, then waits locally (its recvs say mode="send"; or it asked
+    # only because the handshake told it the producer holds), still gets them all.
+    k = key("asked-once")
+    consumer_mode = "recv" if first_ask == "recv call" else "send"
+    async with rvz.Node(cluster, "worker", 0, "recv", **FAST) as w:
+        for i in range(3):
+            await w.send(k, np.array([i]))            # held: nobody is connected yet
+        async with rvz.Node(cluster, "ps", 0, consumer_mode, **FAST) as p:
+            # The handshake's ask (a Send-Driven node meeting one that holds) or this recv's
+            # own request takes the first value.
+            got = [int((await p.recv(k, mode="recv" if first_ask == "recv call" else "send",
+                                     timeout=5))[0])]
+            got += [int((await p.recv(k, mode="send", timeout=5))[0]) for _ in range(2)]
+            assert got == [0, 1, 2]
+            assert queued(w, k) == 0 and w._held_count == 0
+
 # -- values -----------------------------------------------------------------------------------
 
 VALUES = [

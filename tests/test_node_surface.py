@@ -238,6 +238,39 @@ def test_bad_arguments_fail_before_anything_happens(run, cluster) -> None:  # ty
     run(main(), timeout=15)
 
 
+@pytest.mark.parametrize("mode", ["recv", "send"])
+def test_a_step_id_the_wire_cannot_carry_is_refused_at_the_call(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    # A step id is an integer in [0, 2**64): anything else is refused by the call that
+    # names it, not when its first frame is written (the value was lost there, and the
+    # error went to a loop callback).
+    async def main() -> None:
+        async with pair(cluster, mode) as (w, p):
+            for bad, error in ((-1, ValueError), (1 << 64, ValueError), ("x", TypeError),
+                               (None, TypeError), (1.5, TypeError)):
+                with pytest.raises(error, match="step id"):
+                    await w.send(key("s"), np.arange(1), step=bad)
+                with pytest.raises(error, match="step id"):
+                    await w.send_many([(key("s"), np.arange(1))], step=bad)
+                with pytest.raises(error, match="step id"):
+                    await p.recv(key("s"), step=bad, timeout=5)
+                with pytest.raises(error, match="step id"):
+                    await p.recv_many([key("s")], step=bad, timeout=5)
+                with pytest.raises(error, match="step id"):
+                    w.step(bad)
+                with pytest.raises(error, match="step id"):
+                    await w.cleanup_step(bad)
+            # the largest id is one, numpy integers too; nothing was sent before
+            top = w.step((1 << 64) - 1)
+            await top.send(key("s"), np.arange(2))
+            assert (await p.step((1 << 64) - 1).recv(key("s"), timeout=5)).tolist() == [0, 1]
+            await w.step(np.int64(3)).send(key("s"), np.arange(3))
+            assert (await p.recv(key("s"), step=3, timeout=5)).tolist() == [0, 1, 2]
+            with pytest.raises(TimeoutError):
+                await p.recv(key("s"), timeout=0.2)
+
+    run(main(), timeout=20)
+
+
 def test_a_node_not_started_says_how_to_start_it(run, cluster) -> None:  # type: ignore[no-untyped-def]
     async def main() -> None:
         node = rvz.Node(cluster, "worker", 0)

@@ -228,6 +228,7 @@ cdef class Core:
     cpdef hold(self, Table table, object step, Route route, object value, Py_ssize_t nbytes)
     @cython.locals(conn=Wire)
     cdef Wire open_link(self, Peer peer)
+    cpdef Wire push_link(self, Peer peer, Py_ssize_t nbytes)
     @cython.locals(conn=Wire, cost=Py_ssize_t)
     cpdef object push(self, Peer peer, object step, Route route, object value, int code,
                       tuple shape, Py_ssize_t nbytes)

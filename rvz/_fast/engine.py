@@ -23,6 +23,7 @@ close) stays in ``rvz.node.Node``; this module calls back into it only for those
 
 from __future__ import annotations
 
+import operator
 from asyncio import Future
 from asyncio.events import _get_running_loop
 from collections import deque
@@ -124,6 +125,19 @@ _NO_STEP = object()  # ``Core._last_step`` before any table is looked up: no ste
 # ``Core._check_mode``), so that the per-message tests are identity tests.
 RECV = "recv"
 SEND = "send"
+
+
+def step_id(step: Any) -> int:
+    """``step`` as a step id: an integer in [0, 2**64), which the wire carries as a u64.
+    Checked when a step's table is made (and by ``node.step``): an id the wire cannot carry
+    would otherwise fail only when its first frame is written, away from the caller."""
+    try:
+        n = operator.index(step)
+    except TypeError:
+        raise TypeError(f"a step id is an integer, not {type(step).__name__}") from None
+    if not 0 <= n < 1 << 64:
+        raise ValueError(f"step id {n} is out of range [0, 2**64)")
+    return n
 
 
 def canonical_mode(mode: Any) -> Any:
@@ -867,6 +881,7 @@ class Core:
             dead = self.dead_steps.get(step)
             if dead is not None:
                 raise Aborted(dead)
+            step_id(step)
             table = Table()
             self.tables[step] = table
         self._last_step = step
@@ -1030,14 +1045,23 @@ class Core:
              nbytes: int) -> Any:
         """Send-Driven: write the value to its consumer now if the link, its credit and the
         socket allow (returns None), else queue it behind earlier pushes (returns a future)."""
-        conn = self.open_link(peer)
-        cost = nbytes + MESSAGE_COST
-        if conn is not None and (peer.credit >= cost or peer.credit >= peer.window):
-            peer.credit -= cost
+        conn = self.push_link(peer, nbytes)
+        if conn is not None:
+            peer.credit -= nbytes + MESSAGE_COST
             conn.write_value(step, 0, route.wire, value, code, shape, nbytes)
             return None
         self.waits_producer += 1
         return self.queue_push(peer, step, route, value, code, shape, nbytes)
+
+    def push_link(self, peer: Peer, nbytes: int) -> Any:
+        """The link a push of ``nbytes`` is written to at once (``open_link``, and the
+        credit allows it; a value larger than the whole window goes when all of it is
+        back), else None: the push would wait in the peer's queue."""
+        conn = self.open_link(peer)
+        cost = nbytes + MESSAGE_COST
+        if conn is not None and (peer.credit >= cost or peer.credit >= peer.window):
+            return conn
+        return None
 
     def open_link(self, peer: Peer) -> Any:
         """The link a push to ``peer`` may be written to now (handshake done, open, not
@@ -1526,7 +1550,7 @@ class Core:
                 missing += 1
             else:
                 values[i] = value
-                stamps[i] = table.stamp
+                stamps[i] = table.took
                 if route.peer is not None:
                     self.consumed_from(route.peer, value)
         if not missing:

@@ -15,6 +15,7 @@ cdef class Table:
     cdef object _abort_message
     cdef dict _back
     cdef public long long stamp
+    cdef public long long took
     cdef public long long puts
 
     cpdef object aborted_error(self, str key)
@@ -29,7 +30,7 @@ cdef class Table:
     cpdef Py_ssize_t queued(self, str key) except -1
     cpdef list abort(self, str message, object cause)
     cpdef bint put_back(self, str key, object value, long long stamp) except -1
-    cdef _took_back(self, str key)
+    cdef long long _took_back(self, str key, long long fresh) except? -1
     cdef object _queue(self, object item)
     cdef _retire(self, object queue)
 

@@ -13,7 +13,9 @@ rvz runs on one event loop thread, so the table needs no lock: callbacks run fro
 A value can come back after it was delivered (its recv was cancelled, or a batch failed
 before it resumed).  Every take and every waiter gets a stamp, in the order values leave the
 key's queue; a value that comes back is put ahead of the values never delivered, in stamp
-order among those that came back, so FIFO holds however many come back in what order.
+order among those that came back, so FIFO holds however many come back in what order.  A
+value that came back keeps its stamp when it is taken again (``took``): a fresh one would
+place it behind the others that came back with it, should it come back once more.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class Table:
     """Per-key FIFO of values or waiters, with abort (TF LocalRendezvous)."""
 
     __slots__ = ("_values", "_waiters", "_abort_cause", "_abort_message", "_back", "stamp",
-                 "puts")
+                 "took", "puts")
 
     def __init__(self) -> None:
         self._values: dict[str, deque[Any]] = {}   # key -> values nobody received yet
@@ -66,7 +68,8 @@ class Table:
         self._abort_message: Any = None
         # key -> stamps of the values at the head of its queue that came back (ascending)
         self._back: dict[str, list] = {}
-        self.stamp = 0  # the stamp of the last take or queued waiter
+        self.stamp = 0  # the last stamp given, to a take or a queued waiter
+        self.took = 0   # the stamp of the value the last take returned (see ``take``)
         self.puts = 0   # values put (with ``stamp``, a mark of activity)
 
     def _queue(self, item: Any) -> deque:
@@ -84,7 +87,7 @@ class Table:
 
     def aborted_error(self, key: str) -> Aborted:
         """A fresh ``Aborted`` for ``key`` carrying the abort's original cause."""
-        err = Aborted(f"{self._abort_message} (key {key})")
+        err = Aborted(f"{self._abort_message} (key {key})" if key else self._abort_message)
         err.__cause__ = self._abort_cause
         return err
 
@@ -164,16 +167,20 @@ class Table:
             values.insert(i, value)
         return False
 
-    def _took_back(self, key: str) -> None:
-        """The head of ``key``'s queue left: drop its stamp if it was a value that came back."""
+    def _took_back(self, key: str, fresh: int) -> int:
+        """The head of ``key``'s queue left: its stamp if it was a value that came back
+        (which it takes along), else ``fresh``."""
         stamps = self._back.get(key)
-        if stamps is not None:
-            del stamps[0]
-            if not stamps:
-                del self._back[key]
+        if stamps is None:
+            return fresh
+        stamp = stamps.pop(0)
+        if not stamps:
+            del self._back[key]
+        return stamp
 
     def take(self, key: str) -> object:
-        """Pop the oldest queued value of ``key``, or return ``EMPTY``."""
+        """Pop the oldest queued value of ``key``, or return ``EMPTY``; ``took`` is then the
+        stamp to give it back under."""
         if self._abort_message is not None:
             raise self.aborted_error(key)
         values = self._values.get(key)
@@ -184,8 +191,7 @@ class Table:
             del self._values[key]
             self._retire(values)
         self.stamp += 1
-        if self._back:
-            self._took_back(key)
+        self.took = self._took_back(key, self.stamp) if self._back else self.stamp
         return value
 
     def take_or_wait(self, key: str, waiter: object) -> object:
@@ -353,7 +359,7 @@ class Batch:
         self.table = table
         self.keys = keys
         self.values = values
-        self.stamps = stamps  # the table's stamp of each position's take or waiter
+        self.stamps = stamps  # the stamp of each position's take (``took``) or waiter
         self.missing = missing
         self.future = future
         self.slots: list = []
@@ -368,7 +374,7 @@ class Batch:
             if values[i] is EMPTY:
                 slot = Slot(self, i)
                 value = table.take_or_wait(keys[i], slot)
-                self.stamps[i] = table.stamp
+                self.stamps[i] = table.stamp if value is EMPTY else table.took
                 if value is EMPTY:
                     self.slots.append(slot)
                     waiting.append(i)
