@@ -423,10 +423,11 @@ class Wire:
         into_payload = self.decoder.payload_left() != 0
         self._alone_at = 0  # the peer spoke: a frame of ours may leave alone again
         self._feed(nbytes)
-        if self._hold_first and not self._flush_scheduled:
+        if self._hold_first and not self._flush_scheduled and self.decoder.payload_left() == 0:
             # Frames go in groups here: the first of the next one will be held (``_at_once``),
             # typically an answer that a task this read woke gives before it asks for the
-            # next value.  See ``flush_after_read``.
+            # next value.  See ``flush_after_read``.  (Not after a read that stopped inside
+            # a payload: a large value arrives in many, and the frame it ends wakes the task.)
             self._flush_scheduled = True
             self._call_soon(self._read_flush_cb)
         # (``self.decoder.pool`` spelled out each time: typed, so these are C reads)
