@@ -1247,6 +1247,7 @@ class Node(_NodeCalls):
             raise ValueError("step 0 is the step of plain send/recv and cannot be cleaned up; "
                              "run work that may need a clean-up under node.step(n), n > 0")
         self._entry(None)
+        self._check_running()  # (a closed node's steps are all gone: nothing to clean up)
         core = self._core
         text = message or f"step {step_id} was cleaned up by {self.name}"
         if step_id not in core.dead_steps:

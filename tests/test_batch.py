@@ -508,6 +508,123 @@ async def test_values_that_come_back_twice_keep_their_order(cluster, target) -> 
         assert ints(await recv_many([a, a], timeout=5)) == [0, 1]
 
 
+@contextlib.asynccontextmanager
+async def local_table(cluster: rvz.ClusterSpec, target: str) -> AsyncIterator[tuple[Any, Any]]:
+    """``(send_many, endpoint)`` of one table: a ``Rendezvous``, or a node's local keys
+    (their table is the one a consumer's recv and recv_many wait in, in both modes)."""
+    if target == "rendezvous":
+        rv = rvz.Rendezvous()
+        yield rv.send_many, rv
+    else:
+        async with rvz.Node(cluster, "ps", 0, "recv", **FAST) as node:
+            yield node.send_many, node
+        return
+
+
+@pytest.mark.parametrize("target", ["rendezvous", "node"])
+@pytest.mark.loop_timeout(10)
+async def test_a_value_given_back_past_a_waiter_already_gone_keeps_its_place(cluster, target) -> None:  # type: ignore[no-untyped-def]
+    # A batch holds [0, 1] of a key whose only waiter is another batch's slot, cancelled a
+    # moment before: the first batch fails in the same pass, before the slot has left the
+    # key.  0 must go back to its place at the head, not behind 1 (the slot no longer wants
+    # it, and a put past it queued the value as if it were new).
+    a, never = local("a"), local("never")
+    async with local_table(cluster, target) as (send_many, end):
+        await _maybe(send_many([(a, v(0)), (a, v(1))]))
+        holder = await pending(end.recv_many([a, a, never], timeout=10))
+        late = await pending(end.recv_many([a, never], timeout=10))
+        holder.cancel()  # first, so it restores before the late batch leaves the key
+        late.cancel()
+        for task in (holder, late):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert ints(await end.recv_many([a, a], timeout=5)) == [0, 1]
+
+
+@pytest.mark.parametrize("target", ["rendezvous", "node"])
+@pytest.mark.parametrize("taker", ["recv", "recv_many"])
+@pytest.mark.loop_timeout(10)
+async def test_a_value_passed_on_and_given_back_again_keeps_its_place(cluster, target, taker) -> None:  # type: ignore[no-untyped-def]
+    # 0 and 1 are taken by two batches; a third receiver waits.  The first batch fails: 0
+    # goes on to the waiter.  The second fails: 1 is queued again.  The waiter fails too,
+    # after 0 reached it: 0 must go back ahead of 1, where it was taken from, not by the
+    # place of the waiter (which came after both).
+    a, never = local("a"), local("never")
+    async with local_table(cluster, target) as (send_many, end):
+        await _maybe(send_many([(a, v(0)), (a, v(1))]))
+        first = await pending(end.recv_many([a, never], timeout=10))
+        second = await pending(end.recv_many([a, never], timeout=10))
+        waiter = await pending(end.recv(a, timeout=10) if taker == "recv"
+                               else end.recv_many([a, never], timeout=10))
+        # The first batch restores in its task's next step; the callback queued behind that
+        # step finds 0 delivered to the waiter, which has not resumed yet, and cancels it.
+        first.cancel()
+        asyncio.get_running_loop().call_soon(lambda: (second.cancel(), waiter.cancel()))
+        for task in (first, second, waiter):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert ints(await end.recv_many([a, a], timeout=5)) == [0, 1]
+
+
+async def _maybe(result: Any) -> Any:
+    """Await ``result`` if it is awaitable (``Rendezvous.send_many`` is not)."""
+    return await result if asyncio.iscoroutine(result) else result
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.loop_timeout(30)
+async def test_fifo_survives_receivers_failing_together(seed) -> None:  # type: ignore[no-untyped-def]
+    # Several receivers (recv and recv_many) wait at once and are cancelled together, in
+    # random order, some a loop step later than others, while values keep coming: values
+    # pass from a failing receiver to the next and come back more than once.  No value is
+    # lost or doubled, and what is left in a key's queue is in order.
+    rng = random.Random(seed)
+    rv = rvz.Rendezvous()
+    loop = asyncio.get_running_loop()
+    keys = [key(f"k{i}") for i in range(2)]
+    sent = [0] * len(keys)
+    got: list[list[int]] = [[] for _ in keys]
+
+    def send_some() -> None:
+        for _ in range(rng.randint(0, 2)):
+            i = rng.randrange(len(keys))
+            rv.send(keys[i], v(sent[i]))
+            sent[i] += 1
+
+    for _ in range(200):
+        send_some()
+        receivers = []
+        for _ in range(rng.randint(1, 4)):
+            picks = [rng.randrange(len(keys)) for _ in range(rng.randint(1, 3))]
+            if len(picks) == 1 and rng.random() < 0.5:
+                aw: Any = rv.recv(keys[picks[0]], timeout=rng.choice([0, 0.001, 0.01]))
+            else:
+                aw = rv.recv_many([keys[i] for i in picks], timeout=rng.choice([0, 0.001, 0.01]))
+            receivers.append((picks, asyncio.ensure_future(aw)))
+        await asyncio.sleep(0)
+        for _picks, task in rng.sample(receivers, len(receivers)):
+            if rng.random() < 0.6:
+                (task.cancel() if rng.random() < 0.5 else loop.call_soon(task.cancel))
+            if rng.random() < 0.3:
+                loop.call_soon(send_some)
+        done = await asyncio.gather(*(task for _, task in receivers), return_exceptions=True)
+        for (picks, _), values in zip(receivers, done, strict=True):
+            if isinstance(values, BaseException):
+                assert isinstance(values, (TimeoutError, asyncio.TimeoutError,
+                                           asyncio.CancelledError)), values
+                continue
+            # (One receiver may get a key's values out of order: a value that came back
+            # after it took a later one is the head of the queue when its next slot waits.)
+            for i, value in zip(picks, values if isinstance(values, list) else [values],
+                                strict=True):
+                got[i].append(int(value[0]))
+    for i, k in enumerate(keys):
+        rest = ints(await rv.recv_many([k] * (sent[i] - len(got[i])), timeout=1))
+        assert rest == sorted(rest), (i, rest)
+        assert sorted(got[i] + rest) == list(range(sent[i])), i
+        assert rv.pending(k) == (0, 0)
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.loop_timeout(20)
 async def test_fifo_survives_any_mix_of_failed_batches(seed) -> None:  # type: ignore[no-untyped-def]

@@ -40,7 +40,7 @@ def describe(value: Any) -> tuple:
     Arrays come back C-contiguous and in little-endian order (a copy only when the caller's
     array was not); numpy scalars as 0-d arrays; ``bytes``-like values as they are.
     """
-    if type(value) is np.ndarray and value.flags.c_contiguous:
+    if type(value) is np.ndarray and value.flags.c_contiguous and value.ndim <= MAX_NDIM:
         code = _CODE_OF_DTYPE.get(value.dtype, -1)
         if code > 0:
             return value, code, value.shape, value.nbytes

@@ -74,7 +74,8 @@ cdef tuple describe_c(object value):
             if code > 0:
                 if cnp.PyArray_NDIM(arr) == 1:  # the common tensor: no attribute lookup
                     return value, code, shape1_c(cnp.PyArray_DIM(arr, 0)), cnp.PyArray_NBYTES(arr)
-                return value, code, value.shape, cnp.PyArray_NBYTES(arr)
+                if cnp.PyArray_NDIM(arr) <= 32:  # MAX_NDIM (more: describe_other refuses it)
+                    return value, code, value.shape, cnp.PyArray_NBYTES(arr)
     return _describe_other(value)
 
 

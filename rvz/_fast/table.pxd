@@ -17,10 +17,15 @@ cdef class Table:
     cdef public long long stamp
     cdef public long long took
     cdef public long long puts
+    cdef object _handed
 
     cpdef object aborted_error(self, str key)
-    @cython.locals(waiter=Waiter)
     cpdef bint put(self, str key, object value) except -1
+    @cython.locals(waiter=Waiter)
+    cdef object _hand(self, str key, object value)
+    @cython.locals(slot=Slot)
+    cdef _restamp(self, object waiter, long long stamp)
+    cpdef long long handed(self, object waiter, long long stamp) except? -2
     cpdef bint put_front(self, str key, object value) except -1
     cpdef object take(self, str key)
     cpdef object take_or_wait(self, str key, object waiter)

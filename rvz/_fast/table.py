@@ -24,6 +24,7 @@ from asyncio import Future, InvalidStateError
 from bisect import bisect_left
 from collections import deque
 from typing import Any
+from weakref import WeakKeyDictionary
 
 from ..errors import Aborted
 
@@ -57,7 +58,7 @@ class Table:
     """Per-key FIFO of values or waiters, with abort (TF LocalRendezvous)."""
 
     __slots__ = ("_values", "_waiters", "_abort_cause", "_abort_message", "_back", "stamp",
-                 "took", "puts")
+                 "took", "puts", "_handed")
 
     def __init__(self) -> None:
         self._values: dict[str, deque[Any]] = {}   # key -> values nobody received yet
@@ -71,6 +72,7 @@ class Table:
         self.stamp = 0  # the last stamp given, to a take or a queued waiter
         self.took = 0   # the stamp of the value the last take returned (see ``take``)
         self.puts = 0   # values put (with ``stamp``, a mark of activity)
+        self._handed: Any = None  # recv future -> stamp of the value it took (``handed``)
 
     def _queue(self, item: Any) -> deque:
         """A new queue holding ``item``, from the spares when there is one."""
@@ -100,44 +102,52 @@ class Table:
         if self._abort_message is not None:
             raise self.aborted_error(key)
         self.puts += 1
-        waiters = self._waiters.get(key)
-        if waiters is not None:
-            if type(waiters) is not deque:  # one waiter
-                del self._waiters[key]
-                if type(waiters) is Future:
-                    # An asyncio future refuses a result once it is done (a cancelled
-                    # recv's), so it is not asked done() first: that is a method call on
-                    # every delivery.  Other waiters (a parked request) are asked.
-                    try:
-                        waiters.set_result(value)
-                        return True
-                    except InvalidStateError:
-                        pass
-                elif isinstance(waiters, Waiter):
-                    waiter = waiters
-                    if not waiter.done():
-                        waiter.set_result(value)
-                        return True
-                elif not waiters.done():
-                    waiters.set_result(value)
-                    return True
-            else:
-                while waiters:
-                    other = waiters.popleft()
-                    if not other.done():
-                        if not waiters:
-                            del self._waiters[key]
-                            self._retire(waiters)
-                        other.set_result(value)
-                        return True
-                del self._waiters[key]  # only waiters already done
-                self._retire(waiters)
+        if self._waiters and self._hand(key, value) is not None:
+            return True
         values = self._values.get(key)
         if values is None:
             self._values[key] = self._queue(value)
         else:
             values.append(value)
         return False
+
+    def _hand(self, key: str, value: object) -> Any:
+        """Give ``value`` to the oldest live waiter of ``key``, dropping those already done
+        on the way; returns that waiter, or None if there was none (the caller queues it)."""
+        waiters = self._waiters.get(key)
+        if waiters is None:
+            return None
+        if type(waiters) is not deque:  # one waiter
+            del self._waiters[key]
+            if type(waiters) is Future:
+                # An asyncio future refuses a result once it is done (a cancelled recv's),
+                # so it is not asked done() first: that is a method call on every delivery.
+                # Other waiters (a parked request) are asked.
+                try:
+                    waiters.set_result(value)
+                    return waiters
+                except InvalidStateError:
+                    return None
+            if isinstance(waiters, Waiter):
+                waiter = waiters
+                if not waiter.done():
+                    waiter.set_result(value)
+                    return waiter
+            elif not waiters.done():
+                waiters.set_result(value)
+                return waiters
+            return None
+        while waiters:
+            other = waiters.popleft()
+            if not other.done():
+                if not waiters:
+                    del self._waiters[key]
+                    self._retire(waiters)
+                other.set_result(value)
+                return other
+        del self._waiters[key]  # only waiters already done
+        self._retire(waiters)
+        return None
 
     def put_front(self, key: str, value: object) -> bool:
         """Return a value ahead of every other (to the next waiter, else the queue's head)."""
@@ -153,7 +163,12 @@ class Table:
         if self._abort_message is not None:
             return False
         if key in self._waiters:
-            return self.put(key, value)
+            waiter = self._hand(key, value)
+            if waiter is not None:
+                self.puts += 1
+                self._restamp(waiter, stamp)
+                return True
+            # (only waiters already done: the value goes to its place in the queue)
         values = self._values.get(key)
         if values is None:
             values = self._values[key] = deque()
@@ -166,6 +181,27 @@ class Table:
             stamps.insert(i, stamp)
             values.insert(i, value)
         return False
+
+    def _restamp(self, waiter: Any, stamp: int) -> None:
+        """``waiter`` took a value that came back under ``stamp``: should it come back once
+        more, it goes back under that stamp, not under the waiter's own (a later one, which
+        would place it behind values that came back after it was first taken)."""
+        if type(waiter) is Slot:
+            slot: Slot = waiter
+            slot.batch.stamps[slot.index] = stamp
+        elif type(waiter) is Future:  # a recv's; see ``handed``
+            if self._handed is None:
+                self._handed = WeakKeyDictionary()
+            self._handed[waiter] = stamp
+        # (a remote consumer's parked request: its value is written out, never given back)
+
+    def handed(self, waiter: Any, stamp: int) -> int:
+        """The stamp to give back the value of the recv future ``waiter``, queued under
+        ``stamp``: the stamp of the value it took if that value had come back (``put_back``).
+        (Weakly keyed: the entry goes with the future, when its recv completes.)"""
+        if self._handed is None:
+            return stamp
+        return self._handed.pop(waiter, stamp)
 
     def _took_back(self, key: str, fresh: int) -> int:
         """The head of ``key``'s queue left: its stamp if it was a value that came back
@@ -422,6 +458,7 @@ def give_back(table: Table, key: str, waiter: Any, stamp: int) -> bool:
     the other receivers.  True if the value went back to the queue."""
     if waiter.done() and not waiter.cancelled():
         if waiter.exception() is None:
+            stamp = table.handed(waiter, stamp)
             return not table.put_back(key, waiter.result(), stamp) and not table.aborted
         return False
     table.remove_waiter(key, waiter)

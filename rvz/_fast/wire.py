@@ -26,10 +26,14 @@ CODES = {np.dtype(s).str: i + 1 for i, s in enumerate(WIRE_DTYPES)}
 
 
 def describe_other(value: Any) -> tuple:
-    """``describe`` for everything but a little-endian, C-contiguous array of a wire dtype."""
+    """``describe`` for everything but a little-endian, C-contiguous array of a wire dtype
+    with at most ``MAX_NDIM`` dimensions."""
     if isinstance(value, np.generic):  # a numpy scalar (say ``arr.sum()``): a 0-d array
         value = np.asarray(value)
     if isinstance(value, np.ndarray):
+        if value.ndim > MAX_NDIM:  # (refused here, by the call: the frame could not carry it)
+            raise ValueError(f"array has {value.ndim} dimensions; rvz carries at most "
+                             f"{MAX_NDIM}")
         code = CODES.get(value.dtype.str, -1)
         if code < 0:
             dtype = value.dtype
