@@ -892,13 +892,20 @@ class Node(_NodeCalls):
         if keep is None:
             self._fail_queued_pushes(peer, lost)
 
-    def _fail_queued_pushes(self, peer: Any, error: Callable[[str], BaseException]) -> None:
+    def _fail_queued_pushes(self, peer: Any, error: Callable[[str], BaseException],
+                            step: int | None = None) -> None:
+        """Fail the pushes waiting in ``peer``'s queue (only ``step``'s, if given); the
+        rest keep their order and are pumped again."""
         queue = peer.queue
         peer.queue = deque()
         for item in queue:
             done, route = item[0], item[2]
-            if not done.done():
+            if step is not None and item[1] != step:
+                peer.queue.append(item)
+            elif not done.done():
                 done.set_exception(error(route.text))
+        if step is not None and peer.queue and len(peer.queue) < len(queue):
+            self._core.pump(peer)  # the one that waited for credit may have been failed
 
     def _spawn(self, coro: Awaitable[Any], delivery: bool = False) -> None:
         """Run ``coro`` in the background; ``delivery`` if it carries a value that close()
@@ -1271,6 +1278,10 @@ class Node(_NodeCalls):
             del core.dead_steps[next(iter(core.dead_steps))]
         core.dead_steps[step] = message
         self._drop_table(step, message, cause)
+        for peer in core.peers.values():
+            if peer.queue:  # Send-Driven sends of the step still waiting for credit or a link
+                self._fail_queued_pushes(
+                    peer, lambda key: _table.aborted_error(message, cause, key), step)
         core.drop_outstanding(step)
         for peer in core.step_peers.pop(step, ()):
             peer.joined_step = None

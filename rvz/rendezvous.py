@@ -17,11 +17,6 @@ _keys = _impl.keys
 TEXTS_MAX = 65536
 
 
-def _check_timeout(timeout: float | None) -> None:
-    if timeout is not None and not timeout >= 0:
-        raise ValueError(f"timeout must be None or >= 0 seconds, not {timeout!r}")
-
-
 class Rendezvous:
     """Keyed FIFO exchange inside one process, on the running event loop.
 
@@ -58,7 +53,7 @@ class Rendezvous:
 
         Raises ``TimeoutError`` when the time is up and ``rvz.Aborted`` after ``abort``.
         """
-        _check_timeout(timeout)
+        _table.check_timeout(timeout)
         text = self._text(key)
         table = self._table
         value = table.take(text)
@@ -83,7 +78,7 @@ class Rendezvous:
         All or nothing: on a timeout, a cancellation or an abort, the values already taken
         go back to the head of their keys' queues, in order.
         """
-        _check_timeout(timeout)
+        _table.check_timeout(timeout)
         texts = [self._text(key) for key in keys]
         table = self._table
         if not texts and table.aborted:

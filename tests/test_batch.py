@@ -518,7 +518,6 @@ async def local_table(cluster: rvz.ClusterSpec, target: str) -> AsyncIterator[tu
     else:
         async with rvz.Node(cluster, "ps", 0, "recv", **FAST) as node:
             yield node.send_many, node
-        return
 
 
 @pytest.mark.parametrize("target", ["rendezvous", "node"])

@@ -398,6 +398,40 @@ async def test_cleanup_by_a_producer_that_never_used_the_step(cluster, mode) -> 
         with pytest.raises(rvz.Aborted) as info:
             await waiting
         assert "producer failed in step 5" in str(info.value)
+        assert str(info.value).count(str(key("never_sent"))) == 1, str(info.value)
+
+
+@pytest.mark.parametrize("by", ["producer", "consumer"])
+@pytest.mark.loop_timeout(15)
+async def test_cleanup_fails_a_send_driven_send_still_waiting_for_credit(cluster, by) -> None:  # type: ignore[no-untyped-def]
+    """Sends of step 6 fill the push window (the consumer takes none) and the next one waits
+    for credit; then either side cleans the step up.  That send fails with ``Aborted``
+    naming its key, and its value never leaves: a step-0 send queued behind it goes, and it
+    is the only value the consumer gets."""
+    async with pair(cluster, "send", push_window=MIB) as (w, p):
+        await w.send(key("warmup"), np.arange(1))  # the two are connected
+        assert (await p.recv(key("warmup"), timeout=5)).tolist() == [0]
+        k = key("stalled")
+        for i in range(8):
+            stalled = asyncio.ensure_future(w.step(6).send(k, array(i)))
+            await settle()
+            if not stalled.done():
+                break
+            stalled.result()
+        else:
+            raise AssertionError("the push window never filled")
+        behind = asyncio.ensure_future(w.send(key("behind"), np.arange(3)))
+        await settle()
+        assert not behind.done()  # it keeps its place behind the stalled send
+        await (w if by == "producer" else p).step(6).cleanup("step 6 failed")
+        with pytest.raises(rvz.Aborted) as info:
+            await asyncio.wait_for(stalled, 5)
+        assert "step 6 failed" in str(info.value) and str(k) in str(info.value)
+        await asyncio.wait_for(behind, 5)
+        assert (await p.recv(key("behind"), timeout=5)).tolist() == [0, 1, 2]
+        with pytest.raises(rvz.Aborted):
+            await p.step(6).recv(k, timeout=1)
+        assert w._core.peer(p.id).queue == collections.deque()
 
 
 @pytest.mark.parametrize("mode", ["recv", "send"])

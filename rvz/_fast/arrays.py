@@ -51,11 +51,10 @@ def append_data(out: bytearray, step: int, request_id: int, key: bytes, code: in
                 shape: tuple, nbytes: int, value: Any, with_payload: bool) -> None:
     """Append a DATA frame's header and key to ``out``, and its payload if ``with_payload``.
 
-    The caller has checked the key's length (at most ``codec.MAX_KEY`` bytes).
+    The caller has checked the key's length (at most ``codec.MAX_KEY`` bytes) and the
+    shape's (at most ``MAX_NDIM``: ``describe`` refuses more).
     """
     ndim = len(shape)
-    if ndim > MAX_NDIM:
-        raise ValueError(f"array has {ndim} dimensions; rvz carries at most {MAX_NDIM}")
     out += _DATA_HEADERS[ndim].pack(VERSION, DATA, 0, 20 + 8 * ndim + len(key), nbytes,
                                     step, request_id, len(key), code, ndim, *shape)
     out += key

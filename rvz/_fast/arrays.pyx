@@ -34,6 +34,10 @@ _TYPENUMS[:] = [0, cnp.NPY_BOOL, cnp.NPY_INT8, cnp.NPY_UINT8, cnp.NPY_INT16, cnp
                 cnp.NPY_FLOAT32, cnp.NPY_FLOAT64, cnp.NPY_COMPLEX64, cnp.NPY_COMPLEX128]
 
 
+# A C copy of the wire's limit: compared with as a C int, not a boxed Python global.
+cdef int _C_MAX_NDIM = MAX_NDIM
+assert MAX_NDIM <= 32  # block_array_c's dims array
+
 # wire code of each numpy type number (-1: not carried), for native-order arrays
 cdef int[32] _CODE_OF_TYPENUM
 _CODE_OF_TYPENUM[:] = [-1] * 32
@@ -74,7 +78,7 @@ cdef tuple describe_c(object value):
             if code > 0:
                 if cnp.PyArray_NDIM(arr) == 1:  # the common tensor: no attribute lookup
                     return value, code, shape1_c(cnp.PyArray_DIM(arr, 0)), cnp.PyArray_NBYTES(arr)
-                if cnp.PyArray_NDIM(arr) <= 32:  # MAX_NDIM (more: describe_other refuses it)
+                if cnp.PyArray_NDIM(arr) <= _C_MAX_NDIM:  # (more: describe_other refuses it)
                     return value, code, value.shape, cnp.PyArray_NBYTES(arr)
     return _describe_other(value)
 
@@ -107,8 +111,6 @@ cdef int append_data_c(bytearray out, uint64_t step, uint64_t request_id, bytes 
     cdef Py_ssize_t old = PyByteArray_GET_SIZE(out)
     cdef Py_ssize_t i
     cdef char* p
-    if ndim > MAX_NDIM:
-        raise ValueError(f"array has {ndim} dimensions; rvz carries at most {MAX_NDIM}")
     if with_payload:
         add += nbytes
     PyByteArray_Resize(out, old + add)

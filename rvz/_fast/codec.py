@@ -67,7 +67,7 @@ FRAME_NAMES = {HELLO: "HELLO", DATA: "DATA", REQUEST: "REQUEST", CANCEL: "CANCEL
                DATA_MANY: "DATA_MANY"}
 
 HEADER_SIZE = 16
-MAX_NDIM = 32
+MAX_NDIM = _wire.MAX_NDIM
 MAX_KEY = 4096           # bytes of a key on the wire
 MAX_META = 65536         # bytes of any frame's metadata
 # After a large payload, the next read asks for this much only: the next frame's header
@@ -151,20 +151,17 @@ def payload_view(value: Any) -> memoryview:
 def encode_data(step: int, request_id: int, key: bytes, code: int, shape: tuple,
                 nbytes: int) -> bytes:
     """Header and metadata of a DATA frame; the payload follows it on the wire."""
-    ndim = len(shape)
-    if ndim > MAX_NDIM:
-        raise ValueError(f"array has {ndim} dimensions; rvz carries at most {MAX_NDIM}")
-    klen = len(key)
-    if klen > MAX_KEY:
-        raise ValueError(f"key of {klen} bytes is longer than {MAX_KEY}")
     out = bytearray()
-    _append_data(out, step, request_id, key, code, shape, nbytes, None, False)
+    append_data(out, step, request_id, key, code, shape, nbytes, None, False)
     return bytes(out)
 
 
 def append_data(out: bytearray, step: int, request_id: int, key: bytes, code: int,
                 shape: tuple, nbytes: int, value: Any, with_payload: bool) -> None:
-    """Append a DATA frame to a write buffer: header and key, and the payload if asked."""
+    """Append a DATA frame to a write buffer: header and key, and the payload if asked.
+
+    The shape and key are checked here, for any caller; the engine's own writes trust them,
+    as every value it sends went through ``describe`` and every key through ``keys``."""
     if len(shape) > MAX_NDIM:
         raise ValueError(f"array has {len(shape)} dimensions; rvz carries at most {MAX_NDIM}")
     if len(key) > MAX_KEY:

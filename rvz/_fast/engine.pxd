@@ -9,7 +9,7 @@ from rvz._fast.arrays cimport (append_data_c, append_request_c, describe_c, many
 from rvz._fast.codec cimport Decoder
 from rvz._fast.codec cimport payload_view as payload_view_c
 from rvz._fast.keys cimport canonical_devices as canonical_devices_c
-from rvz._fast.table cimport Table, Waiter
+from rvz._fast.table cimport Table, Waiter, check_timeout
 
 cdef bint COMPILED
 cdef str RECV, SEND

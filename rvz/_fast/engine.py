@@ -43,7 +43,7 @@ from ..errors import (
 from . import arrays as _arrays
 from . import codec as _codec
 from . import keys as _keys
-from .table import EMPTY, Batch, Table, Waiter
+from .table import EMPTY, Batch, Table, Waiter, check_timeout
 
 try:  # Cython's own module; a compiled build sees the constant True
     import cython
@@ -329,8 +329,10 @@ class RemoteWaiter(Waiter):
         self._done = True
         self.conn.parked.pop(self.request_id, None)
         code = "aborted" if isinstance(exc, Aborted) else type(exc).__name__
+        # The consumer's error names the key it asked for; the table's says it again.
+        text = str(exc).removesuffix(f" (key {self.route.text})")
         self.conn.write_frame(encode_error(self.request_id, self.step, self.route.text, code,
-                                           str(exc)))
+                                           text))
 
 
 class Wire:
@@ -996,8 +998,8 @@ class Core:
             raise RuntimeError(
                 f"node {self.name} runs on another thread's event loop; call it from that "
                 "thread, e.g. asyncio.run_coroutine_threadsafe(node.recv(key), node_loop)")
-        if timeout is not None and not timeout >= 0:
-            raise ValueError(f"timeout must be None or >= 0 seconds, not {timeout!r}")
+        if timeout is not None:
+            check_timeout(timeout)
 
     def send(self, key: Any, value: Any, mode: Any, step: Any, timeout: Any) -> Any:
         """The synchronous part of ``Node.send`` (``enter`` first).

@@ -3,6 +3,8 @@ cimport cython
 cdef list _spare
 cdef object _each(object waiters)
 
+cpdef check_timeout(object timeout)
+
 cdef class Waiter:
     cpdef bint done(self) except -1
     cpdef set_result(self, object value)

@@ -37,6 +37,19 @@ SPARE = 1024  # emptied queues kept for reuse, across the process's tables
 _spare: list = []
 
 
+def check_timeout(timeout: Any) -> None:
+    """Refuse a timeout that is neither None nor a number of seconds >= 0 (NaN too)."""
+    if timeout is not None and not timeout >= 0:
+        raise ValueError(f"timeout must be None or >= 0 seconds, not {timeout!r}")
+
+
+def aborted_error(message: str, cause: Any, key: str) -> Aborted:
+    """The ``Aborted`` every operation on ``key`` of an aborted table (or step) fails with."""
+    err = Aborted(f"{message} (key {key})" if key else message)
+    err.__cause__ = cause
+    return err
+
+
 class Waiter:
     """A waiter that is not an asyncio future: a ``recv_many``'s ``Slot`` here, a remote
     consumer's parked request in the engine.  Compiled, the table calls ``done`` and
@@ -89,9 +102,7 @@ class Table:
 
     def aborted_error(self, key: str) -> Aborted:
         """A fresh ``Aborted`` for ``key`` carrying the abort's original cause."""
-        err = Aborted(f"{self._abort_message} (key {key})" if key else self._abort_message)
-        err.__cause__ = self._abort_cause
-        return err
+        return aborted_error(self._abort_message, self._abort_cause, key)
 
     @property
     def aborted(self) -> bool:
