@@ -221,6 +221,7 @@ class Node(_NodeCalls):
         self._onesided_options = onesided
         self._onesided: Any = None
         self._closing_pushes: list[Any] = []
+        self._said_bye = False  # close() said BYE: a connection made since says it at once
 
     # the engine's state, read by the one-sided hub and by tests
     @property
@@ -436,6 +437,12 @@ class Node(_NodeCalls):
         self._conns.add(conn)
         assert self._loop is not None
         conn.opened = self._loop.time()
+        if self._said_bye:
+            # A dial (ours or the peer's) that completed while close() drains: our HELLO is
+            # out, so the peer may already count it ready; it must end with BYE as well.
+            self._say_bye(conn)
+            conn.close()
+            return
         if not conn.outbound:
             unidentified = sum(1 for c in self._conns
                                if not c.ready and not c.outbound and c.close_reason is None)
@@ -516,8 +523,17 @@ class Node(_NodeCalls):
         for conn in list(self._conns):
             if not conn.closed and conn.ready:
                 core.flush_credit_now(conn.peer)
-                conn.write_frame(_codec.encode_bye())
-            conn.flush()
+        # BYE on every open connection, those still in their handshake too.  Ours is not
+        # complete until we read the peer's HELLO, but the peer completes its own when it
+        # reads ours (sent at connection_made), and from then on it takes an end without BYE
+        # for a lost peer: it fails every connection to us, among them the one still
+        # carrying the values pushed above.  BYE after our HELLO is always in order; a peer
+        # whose own handshake is not complete either (it waits for our AUTH) refuses it as a
+        # protocol error, on a connection it never counted ready: that fails nothing else.
+        self._said_bye = True
+        for conn in list(self._conns):
+            if not conn.closed:
+                self._say_bye(conn)
         for conn in list(self._conns):
             if not conn.closed:
                 try:
@@ -544,6 +560,15 @@ class Node(_NodeCalls):
                         self.name, self.linger, undelivered)
         # Give the transports one iteration to run their close callbacks.
         await asyncio.sleep(0)
+
+    def _say_bye(self, conn: Connection) -> None:
+        """Write BYE as ``conn``'s last frame.  Nothing may follow it: the peer's decoder
+        takes any frame after BYE as a protocol error, and fails every connection to us.
+        A dial, a request or a credit finishing while close() drains would write one, so
+        the connection counts as closed here from now on (its writes are dropped)."""
+        conn.write_frame(_codec.encode_bye())
+        conn.flush()
+        conn.closed_here = True
 
     def abort(self, exc: BaseException | None = None) -> None:
         """Close at once: every pending and later operation fails with ``Aborted``."""

@@ -206,6 +206,53 @@ async def test_recv_driven_close_delivers_held_values(cluster) -> None:  # type:
             await p.recv(k, timeout=8)
 
 
+@pytest.mark.loop_timeout(20)
+async def test_close_says_bye_on_a_connection_still_in_its_handshake(cluster, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A producer closes while a second connection to its consumer is in the handshake on
+    its side (it has not read the consumer's HELLO) but complete on the consumer's (which
+    read the producer's).  That connection must end with BYE too: ended without one, the
+    consumer took the producer for lost and reset the first connection, and with it the
+    values close() had pushed there that it had not read yet."""
+    async with pair(cluster, "recv", claim_timeout=None) as (w, p):
+        await _linked(w, p)  # the consumer dialled: the link both sides use
+        on_p = p._peers[("worker", 0)]
+        first = on_p.out
+        # The producer dials too; the consumer's side of that connection keeps what it
+        # writes (its HELLO, its pings), so the producer never completes the handshake.
+        kept: list[bytes] = []
+        make = p._connection
+
+        def connection(outbound: bool, peer: Any = None) -> Any:
+            conn = make(outbound, peer)
+            if not outbound and not kept:
+                conn.write_frame = kept.append
+            return conn
+
+        monkeypatch.setattr(p, "_connection", connection)
+        w._spawn(w._dial(w._peers[("ps", 0)], asyncio.get_running_loop().create_future()))
+        await eventually(lambda: any(c.ready for c in on_p.inbound),
+                         "the consumer completed the handshake of the producer's dial")
+        second = next(iter(on_p.inbound))
+        on_w = w._peers[("ps", 0)]
+        assert on_w.out is None and [c.ready for c in w._conns].count(False) == 1
+        k = key("held_at_close")
+        for i in range(5):
+            await w.send(k, np.array([i]))
+        assert w._held_count == 5
+        # What close() pushes on the first connection waits, unread, in the consumer's socket
+        # until the second connection has ended.
+        first.transport.pause_reading()
+        closing = asyncio.ensure_future(w.close())
+        await eventually(lambda: second.closed, "the second connection ended")
+        if not first.closed:
+            first.transport.resume_reading()
+        await closing
+        await eventually(lambda: first.closed, "the consumer read the first connection to its end")
+        assert queued(p, k) == 5, f"the first connection ended with {first.close_reason!r}"
+        assert first.bye_received, first.close_reason
+        assert [int((await p.recv(k, timeout=5))[0]) for _ in range(5)] == [0, 1, 2, 3, 4]
+
+
 @pytest.mark.loop_timeout(5)
 async def test_recv_driven_close_gives_up_after_linger(cluster, caplog) -> None:  # type: ignore[no-untyped-def]
     w = await rvz.Node(cluster, "worker", 0, "recv",

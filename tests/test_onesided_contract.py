@@ -157,6 +157,46 @@ async def test_slot_exhaustion_queues_in_order_and_credit_returns(cluster: rvz.C
         assert len(inn.slot_imms[k_text(k)]) <= 2  # never more than max_slots outstanding
 
 
+@pytest.mark.loop_timeout(30)
+async def test_a_want_ahead_of_its_last_slots_write_is_granted_when_the_budget_is_short(
+        cluster: rvz.ClusterSpec) -> None:
+    # A producer asks for slots (over TCP) once it filled its last one, whose write the
+    # consumer learns of from the completion pipe: the want can come first.  The consumer
+    # then counts the filled slot as the producer's and grants nothing, expecting to grant it
+    # again when the write shows up.  If by then a key that waits for budget took the room,
+    # that refill does not fit: the want must still be served, not forgotten (the producer
+    # waited for a grant until grant_timeout failed the channel, losing what was in it).
+    # Holding the consumer's completion queue makes that order certain.
+    provider_or_skip("shm")
+    small, large = 100_000, 175_000   # float32: 2 slots of the small size fit, not 3
+    opts = {**OPTS, "max_slots": 1, "slot_budget": 1 << 20}
+    async with pair(cluster, "send", transport="shm", onesided=opts) as (w, p):
+        a, b = key("a"), key("b")
+        await w.send(a, np.full(small, 0, np.float32))
+        assert int((await p.recv(a, timeout=10))[0]) == 0
+
+        def a_slot() -> Any:   # the producer's channel, once it holds a's slot granted again
+            return next((ch for ch in channels(w) if ch.remote_slots.get(k_text(a))), None)
+
+        await eventually(lambda: a_slot() is not None, "a's slot granted again")
+        (inn,) = [ch for ch in channels(p) if ch.slot_imms]
+        cq = inn.ep.cq
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(cq.fd)   # writes land, their completions wait in the pipe
+        try:
+            await w.send(a, np.full(small, 1, np.float32))   # fills a's only slot
+            await w.send(a, np.full(small, 2, np.float32))   # no slot: a wants one
+            await w.send(b, np.full(large, 3, np.float32))   # no room: b waits for budget
+            await eventually(lambda: k_text(b) in inn.wanted, "b waits for budget")
+            assert inn.slot_imms.get(k_text(a)), "a's filled slot is still unseen"
+        finally:
+            loop.add_reader(cq.fd, inn.engine._on_cq, cq)
+        # b takes the room a's slot gives back; a is served once b's slot is written.
+        assert [int((await p.recv(a, timeout=10))[0]) for _ in range(2)] == [1, 2]
+        assert int((await p.recv(b, timeout=10))[0]) == 3
+        assert not inn.wanted
+
+
 @pytest.mark.loop_timeout(40)
 async def test_a_recv_waiting_for_a_push_on_its_way_does_not_ask_for_the_next(
         cluster: rvz.ClusterSpec, transport: str) -> None:

@@ -308,6 +308,7 @@ class Channel:
         self.refill: dict[str, list[int]] = {}        # key -> [count, size] to grant again
         self._refill_scheduled = False
         self.wanted: dict[str, int] = {}               # key -> slot size, waiting for budget
+        self.owed: dict[str, int] = {}                 # key -> slot size, waiting on its own slots
         self.last_use: dict[str, float] = {}           # key -> when its slots last moved
         self.revoking: set[str] = set()                # keys asked to give their slots back
         self.partial: dict[str, list[Any]] = {}        # key -> a value arriving in pieces
@@ -392,6 +393,7 @@ class Channel:
             pool.free(part[0])
         self.partial.clear()
         self.wanted.clear()
+        self.owed.clear()
         self.last_use.clear()
         self.revoking.clear()
         self.progress.clear()
@@ -703,6 +705,7 @@ class Channel:
         blocks = []
         slots = []
         imms = self.slot_imms.setdefault(key, set())
+        self.owed.pop(key, None)   # any grant answers the producer's want (it asks again if short)
         self.last_use[key] = self.engine.loop.time()
         self._arena_used = True
         for _ in range(count):
@@ -729,6 +732,11 @@ class Channel:
                 count = min(count, self.max_slots - self._have(key, size), self._room(size))
                 if count > 0:
                     self._grant(key, size, count)
+            waiting = len(self.wanted)
+            for key in refill:   # a refill the budget did not allow: its want waits its turn
+                self._settle(key)
+            if len(self.wanted) > waiting:
+                self._serve()
         except TransportError as exc:
             self.fail(exc)
 
@@ -769,6 +777,26 @@ class Channel:
             del wanted[key]
             if count > 0:
                 self._grant(key, size, count)
+            else:
+                self._owe(key, size)
+
+    def _owe(self, key: str, size: int) -> None:
+        """Let the producer's want of ``key`` wait on slots we count as its own.
+
+        The producer asks only when it holds no slot that fits, so those slots are on their way
+        to it, or already filled and their writes not seen yet (a want travels on the TCP
+        connection, a write's completion apart from it), to be granted again as a refill.  The
+        budget may not allow that refill: then the want must not be forgotten (``_settle``)."""
+        self.owed[key] = max(size, self.owed.get(key, 0))
+
+    def _settle(self, key: str) -> None:
+        """A want of ``key`` that waited on its own slots, none of which is left and no refill
+        coming: it waits for budget in ``wanted``, behind the keys already there."""
+        size = self.owed.get(key)
+        if size is None or key in self.refill or self._have(key, size):
+            return
+        del self.owed[key]
+        self.wanted[key] = max(size, self.wanted.get(key, 0))
 
     def _reclaim(self, size: int, keep: str) -> None:
         """Ask for the slots of the least recently used keys back until ``size`` would fit."""
@@ -858,6 +886,7 @@ class Channel:
             for imm in f["s"]:
                 self._free_slot(int(imm), key)
             self.revoking.discard(key)
+            self._settle(key)
             self._serve()
         elif op == "unmap":   # regions of the consumer that hold nothing of ours any more
             for rkey in f["rk"]:
@@ -874,6 +903,7 @@ class Channel:
                 self._drain_pending(str(f["k"]))
         elif op == "want":
             key = str(f["k"])
+            self.owed.pop(key, None)   # a want comes only after the last was answered
             for imm in f.get("rel", ()):
                 self._free_slot(int(imm), key)
             size = int(f["n"])
@@ -894,6 +924,8 @@ class Channel:
                     raise TransportError(f"more than {_WANTED_MAX} keys wait for slots")
                 self.wanted[key] = max(size, self.wanted.get(key, 0))
                 self._serve()
+            else:
+                self._owe(key, size)
         elif op == "meta":
             request_id = int(f["r"])
             if request_id not in self.asks:
