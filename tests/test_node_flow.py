@@ -6,7 +6,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,17 @@ def queued(node: rvz.Node, k: rvz.Key) -> int:
     heartbeat (it is made again on use), which counts as none."""
     table = node._tables.get(0)
     return 0 if table is None else table.queued(str(k))
+
+
+async def until_one_waits(send: Callable[[int], Awaitable[None]]) -> asyncio.Future[None]:
+    """Call ``send(0)``, ``send(1)``, ... until one waits (for credit): that one, pending."""
+    for i in range(8):
+        waiting = asyncio.ensure_future(send(i))
+        await settle()
+        if not waiting.done():
+            return waiting
+        waiting.result()
+    raise AssertionError("the push window never filled")
 
 
 @pytest.mark.loop_timeout(30)
@@ -253,6 +264,29 @@ async def test_close_says_bye_on_a_connection_still_in_its_handshake(cluster, mo
         assert [int((await p.recv(k, timeout=5))[0]) for _ in range(5)] == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.loop_timeout(20)
+async def test_a_push_given_credit_after_close_said_bye_is_not_reported_sent(cluster) -> None:  # type: ignore[no-untyped-def]
+    """close() gave up on a Send-Driven push still waiting for credit (after ``linger``)
+    and said BYE.  Credit that comes after that must not let the push go: nothing may
+    follow BYE, so its write would be dropped while its ``send`` returned as delivered."""
+    async with pair(cluster, "send", push_window=MIB, worker={"linger": 0.2}) as (w, p):
+        await w.send(key("warmup"), np.arange(1))  # the two are connected
+        assert (await p.recv(key("warmup"), timeout=5)).tolist() == [0]
+        k = key("late")
+        stalled = await until_one_waits(lambda i: w.send(k, array(i)))
+        link = w._core.peer(p.id).link
+        consumer_side = p._core.peer(w.id).link
+        consumer_side.transport.pause_reading()  # close() waits for the consumer
+        closing = asyncio.ensure_future(w.close())
+        await eventually(lambda: w._said_bye, "close() said BYE")
+        assert not stalled.done()
+        w._core.on_credit(link, MIB)  # the consumer's credit, arriving now
+        with pytest.raises(rvz.Aborted):
+            await asyncio.wait_for(stalled, 5)
+        consumer_side.transport.resume_reading()
+        await closing
+
+
 @pytest.mark.loop_timeout(5)
 async def test_recv_driven_close_gives_up_after_linger(cluster, caplog) -> None:  # type: ignore[no-untyped-def]
     w = await rvz.Node(cluster, "worker", 0, "recv",
@@ -459,14 +493,7 @@ async def test_cleanup_fails_a_send_driven_send_still_waiting_for_credit(cluster
         await w.send(key("warmup"), np.arange(1))  # the two are connected
         assert (await p.recv(key("warmup"), timeout=5)).tolist() == [0]
         k = key("stalled")
-        for i in range(8):
-            stalled = asyncio.ensure_future(w.step(6).send(k, array(i)))
-            await settle()
-            if not stalled.done():
-                break
-            stalled.result()
-        else:
-            raise AssertionError("the push window never filled")
+        stalled = await until_one_waits(lambda i: w.step(6).send(k, array(i)))
         behind = asyncio.ensure_future(w.send(key("behind"), np.arange(3)))
         await settle()
         assert not behind.done()  # it keeps its place behind the stalled send

@@ -1071,7 +1071,7 @@ class Core:
         paused, no earlier push queued before it), else None."""
         conn = peer.link
         if (conn is not None and not peer.queue and conn.ready and not conn.closed
-                and not conn.paused):
+                and not conn.paused and not conn.closed_here):
             return conn
         return None
 
@@ -1092,6 +1092,8 @@ class Core:
                 queue.popleft()
                 continue
             conn = peer.link
+            if conn is not None and conn.closed_here:
+                return  # we said BYE on it, so nothing may follow: close() fails what is left
             if conn is None or conn.closed or not conn.ready:
                 self.shell._start_link(peer)  # the node pumps again once linked
                 return
