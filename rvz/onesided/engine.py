@@ -919,9 +919,10 @@ class Channel:
             count = min(self.max_slots - have, self._room(size))
             if count > 0 and not self.wanted:
                 self._grant(key, size, count)
+            elif key not in self.wanted and len(self.wanted) + len(self.owed) >= _WANTED_MAX:
+                # Owed keys wait too (``_settle`` moves them to ``wanted``): one bound for both.
+                raise TransportError(f"more than {_WANTED_MAX} keys wait for slots")
             elif have == 0:   # no room now: wait, in order, for slots to come back
-                if key not in self.wanted and len(self.wanted) >= _WANTED_MAX:
-                    raise TransportError(f"more than {_WANTED_MAX} keys wait for slots")
                 self.wanted[key] = max(size, self.wanted.get(key, 0))
                 self._serve()
             else:
