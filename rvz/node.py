@@ -437,6 +437,12 @@ class Node(_NodeCalls):
         self._conns.add(conn)
         assert self._loop is not None
         conn.opened = self._loop.time()
+        if self._state == "closed" and not self._said_bye:
+            # abort() ran while this dial or accept was under way (its task cancelled too
+            # late, or its protocol started in the loop pass after): nothing may use it, and
+            # left open it would tell the peer this node is alive until its peer_timeout.
+            conn.fail(self._closed_error(self._close_cause or NodeClosed(self.name)))
+            return
         if self._said_bye:
             # A dial (ours or the peer's) that completed while close() drains: our HELLO is
             # out, so the peer may already count it ready; it must end with BYE as well.
@@ -742,7 +748,7 @@ class Node(_NodeCalls):
         for peer, text in dial.items():  # one link task a producer, not one a key
             self._spawn(self._link(peer, text))  # to notice if it is gone
         for peer, requests in asks.items():
-            conn = peer.link
+            conn = core.request_link(peer)
             if conn is not None and conn.ready and not conn.closed:
                 core.send_requests(conn, requests)
             else:
@@ -898,6 +904,7 @@ class Node(_NodeCalls):
         peer.asked = False
         peer.owe_now = False
         peer.stuck = False
+        peer.pushes_on = None
 
         def lost(key: str) -> RvzError:
             exc = type(err)(f"{err} (key {key})")

@@ -14,6 +14,7 @@ import pytest
 
 import rvz
 from rvz import _impl
+from rvz.cluster import split_address
 
 from .conftest import (
     FAST,
@@ -262,6 +263,25 @@ async def test_close_says_bye_on_a_connection_still_in_its_handshake(cluster, mo
         assert queued(p, k) == 5, f"the first connection ended with {first.close_reason!r}"
         assert first.bye_received, first.close_reason
         assert [int((await p.recv(k, timeout=5))[0]) for _ in range(5)] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.loop_timeout(20)
+async def test_a_connection_made_after_abort_is_closed_at_once(cluster) -> None:  # type: ignore[no-untyped-def]
+    """abort() fails the connections it knows of.  One whose dial or accept completes after
+    it (its task cancelled too late, or an accepted socket whose protocol starts in the next
+    loop pass) must close as well: left open, it told the peer the node was alive until the
+    peer's peer_timeout, and its HELLO handshake ran on a node that is gone."""
+    async with pair(cluster, "recv", peer_timeout=30.0) as (w, p):
+        w.abort(RuntimeError("gone"))
+        peer = w._core.peer(p.id)
+        host, port = split_address(peer.address)
+        _, late = await asyncio.get_running_loop().create_connection(
+            lambda: w._connection(outbound=True, peer=peer), host, port)
+        await eventually(lambda: late.closed, "the connection made after abort() closed")
+        assert isinstance(late.close_reason, rvz.Aborted)
+        assert "gone" in str(late.close_reason) and not late.ready
+        on_p = p._core.peer(w.id)
+        await eventually(lambda: not on_p.live_connections(), "the consumer's side closed too")
 
 
 @pytest.mark.loop_timeout(20)

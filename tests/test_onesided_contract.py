@@ -182,6 +182,9 @@ async def test_a_want_ahead_of_its_last_slots_write_is_granted_when_the_budget_i
         (inn,) = [ch for ch in channels(p) if ch.slot_imms]
         cq = inn.ep.cq
         loop = asyncio.get_running_loop()
+        sent: list[str] = []
+        control = inn._control
+        inn._control = lambda fields: (sent.append(fields["op"]), control(fields))
         loop.remove_reader(cq.fd)   # writes land, their completions wait in the pipe
         try:
             await w.send(a, np.full(small, 1, np.float32))   # fills a's only slot
@@ -189,7 +192,13 @@ async def test_a_want_ahead_of_its_last_slots_write_is_granted_when_the_budget_i
             await w.send(b, np.full(large, 3, np.float32))   # no room: b waits for budget
             await eventually(lambda: k_text(b) in inn.wanted, "b waits for budget")
             assert inn.slot_imms.get(k_text(a)), "a's filled slot is still unseen"
+            # b's wait asks for a's slot back; the producer has filled it, so it gives back
+            # nothing.  That slot is not asked for again (a revoke and its empty answer
+            # went back and forth over TCP until the write was seen).
+            await asyncio.sleep(0.2)
+            assert sent.count("revoke") == 1, sent
         finally:
+            inn._control = control
             loop.add_reader(cq.fd, inn.engine._on_cq, cq)
         # b takes the room a's slot gives back; a is served once b's slot is written.
         assert [int((await p.recv(a, timeout=10))[0]) for _ in range(2)] == [1, 2]
@@ -353,6 +362,58 @@ async def test_an_answer_never_overtakes_the_pushes_of_its_key(cluster: rvz.Clus
         assert int((await asking)[0]) == 0
         assert int((await p.recv(k, timeout=10))[0]) == 1
         assert ways(ch)[0] == (3 if way == "tcp" else 0)   # the answer took the key's way
+
+
+@pytest.mark.loop_timeout(30)
+async def test_a_stuck_keys_answer_stays_behind_its_push_when_each_side_dialled(
+        cluster: rvz.ClusterSpec, transport: str) -> None:
+    # Both nodes dialled (as when they dial at once) and each pushes and asks on the one
+    # it dialled: the producer's pushes travel on its connection, the consumer's requests
+    # on the other.  When the window is full of values nobody took, the consumer's waiting
+    # recvs ask for theirs (``Core.unblock``); the producer answers with the push it queued,
+    # and a one-sided channel answers on the request's connection.  Two channels' writes
+    # reach the consumer in no set order, so that answer could overtake the key's push still
+    # unread on the producer's channel.  Holding the consumer's reader of that channel makes
+    # the overtaking certain, if the answer takes the other one.
+    size = 64 << 10
+    window = 4 * (size + 64)   # four values (and what each costs beyond its bytes)
+    async with pair(cluster, "send", transport=transport, onesided=OPTS,
+                    push_window=window) as (w, p):
+        consumer = p._core.peer(("worker", 0))
+        theirs = await p._link(consumer)               # the consumer dials, both link it
+        await eventually(lambda: ("ps", 0) in w._peers and w._peers[("ps", 0)].link is not None,
+                         "the producer linked the consumer's connection")
+        producer = w._peers[("ps", 0)]
+        dialled = asyncio.get_running_loop().create_future()
+        await w._dial(producer, dialled)               # the producer dials as well ...
+        w._link_ready(producer, dialled.result())      # ... and pushes on its own
+        await eventually(lambda: any(c.ready and c.dataplane is not None
+                                     for c in consumer.inbound), "the second channel is up")
+        (ours,) = consumer.inbound
+        assert consumer.link is theirs and ours is not theirs
+        fill, k = key("fill"), key("stuck")
+        for i in range(3):                             # three quarters of the window, untaken
+            await w.send(fill, np.full(size // 4, i, np.float32))
+        await eventually(lambda: 0 in p._tables and p._tables[0].queued(k_text(fill)) == 3,
+                         "the fill arrived")
+        recvs = [asyncio.ensure_future(p.recv(k, timeout=10)) for _ in range(2)]
+        (pushes,) = [ch for ch in channels(p) if ch.conn is ours]
+        cq = pushes.ep.cq
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(cq.fd)   # the pushes land, their completions wait in the pipe
+        try:
+            await w.send(k, np.full(size // 4, 100, np.float32))   # the last quarter
+            # No credit for the next: the consumer, asked for it, has none to return and
+            # asks for both values of k; the producer answers the first request with this
+            # push, taken out of its queue (the send completes).
+            await asyncio.wait_for(w.send(k, np.full(size // 4, 101, np.float32)), 10)
+            await asyncio.sleep(0.2)   # room for an answer that would overtake to arrive
+            assert not recvs[0].done(), "the answer overtook the push before it"
+        finally:
+            loop.add_reader(cq.fd, pushes.engine._on_cq, cq)
+        assert [int((await r)[0]) for r in recvs] == [100, 101]
+        for i in range(3):
+            assert int((await p.recv(fill, timeout=10))[0]) == i
 
 
 @pytest.mark.parametrize("mode", ["send", "recv"])

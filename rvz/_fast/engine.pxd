@@ -64,6 +64,7 @@ cdef class Peer:
     cdef public bint owed_scheduled
     cdef public bint owe_now
     cdef public bint stuck
+    cdef public object pushes_on
     cdef public object joined_step
     cdef public Py_ssize_t window
     cdef public Py_ssize_t unreturned
@@ -255,6 +256,8 @@ cdef class Core:
     cpdef drop_outstanding(self, object step)
     @cython.locals(request=Request, conn=Wire)
     cpdef request(self, Peer peer, object step, Route route)
+    @cython.locals(conn=Wire)
+    cpdef object request_link(self, Peer peer)
     @cython.locals(table=Table, route=Route)
     cpdef unblock(self, Peer peer)
     cpdef check_stuck(self, Peer peer)

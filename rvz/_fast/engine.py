@@ -43,7 +43,7 @@ from ..errors import (
 from . import arrays as _arrays
 from . import codec as _codec
 from . import keys as _keys
-from .table import EMPTY, Batch, Table, Waiter, check_timeout
+from .table import EMPTY, Batch, Table, Waiter, check_timeout, naming
 
 try:  # Cython's own module; a compiled build sees the constant True
     import cython
@@ -222,7 +222,8 @@ class Peer:
 
     __slots__ = ("id", "name", "address", "out", "dialling", "inbound", "incarnation", "mode",
                  "link", "credit", "asked", "queue", "owed", "owed_scheduled", "owe_now",
-                 "stuck", "joined_step", "window", "unreturned", "answered", "__weakref__")
+                 "stuck", "pushes_on", "joined_step", "window", "unreturned", "answered",
+                 "__weakref__")
 
     def __init__(self, task_id: tuple, address: str, window: int) -> None:
         self.id = task_id
@@ -258,6 +259,8 @@ class Peer:
         # It waits for credit and the window is full of its values nobody took: our recvs
         # of its keys ask for their values, Recv-Driven, until we return credit (``unblock``).
         self.stuck = False
+        # The connection its last CREDIT 0 came on: the one it pushes on (``request_link``).
+        self.pushes_on: Any = None
         self.joined_step: Any = None                # the step it was last added to (a cache)
 
     def live_connections(self) -> list:
@@ -330,7 +333,7 @@ class RemoteWaiter(Waiter):
         self.conn.parked.pop(self.request_id, None)
         code = "aborted" if isinstance(exc, Aborted) else type(exc).__name__
         # The consumer's error names the key it asked for; the table's says it again.
-        text = str(exc).removesuffix(f" (key {self.route.text})")
+        text = str(exc).removesuffix(naming(self.route.text))
         self.conn.write_frame(encode_error(self.request_id, self.step, self.route.text, code,
                                            text))
 
@@ -1284,12 +1287,28 @@ class Core:
     def request(self, peer: Peer, step: Any, route: Route) -> None:
         """Recv-Driven: ask ``peer`` for the next value of ``route``."""
         request = self.new_request(peer, step, route)
-        conn = peer.link
+        conn = self.request_link(peer)
         if conn is not None and conn.ready and not conn.closed:
             self.send_request(conn, request)
             conn.requests_queued()
         else:
             self.shell._request_when_linked([request])
+
+    def request_link(self, peer: Peer) -> Any:
+        """The connection our requests to ``peer`` go on: our link, except while ``peer`` is
+        stuck (``unblock``): then the one it pushes on, where its CREDIT 0 came.
+
+        Our link and its own differ when both nodes dialled at once.  Its answer to a stuck
+        recv is often the key's next push, taken out of its queue, and a one-sided channel
+        writes an answer on the request's connection.  On the connection of the key's pushes
+        the answer queues behind them; on another one it could overtake those still unread,
+        as nothing orders the completions of two channels.  (Over TCP the producer answers
+        on its link anyway: ``answer``.)"""
+        if peer.stuck:
+            conn = peer.pushes_on
+            if conn is not None and conn.ready and not conn.closed:
+                return conn
+        return peer.link
 
     def unblock(self, peer: Peer) -> None:
         """``peer`` waits for credit and we have none to return: the whole window is values
@@ -1752,7 +1771,10 @@ class Core:
     def unqueue_push(self, peer: Peer, step: Any, text: str) -> Any:
         """Take the oldest push of key ``text`` out of ``peer``'s queue (its ``send``
         completes), or return ``EMPTY``.  Pushes of that key ahead of it are already on the
-        wire, so the consumer still sees the key's values in order."""
+        wire, so the consumer still sees the key's values in order: over TCP the answer goes
+        on our link, and on a one-sided channel a stuck consumer's request came on it
+        (``request_link``).  A ``recv(mode="recv")`` of a key we push, from a consumer that
+        dialled us while we dialled it, is not covered: its request comes on its link."""
         queue = peer.queue
         i = 0
         for item in queue:
@@ -1769,6 +1791,7 @@ class Core:
             return
         if nbytes == 0:  # the producer waits for credit we hold back in a batch
             peer.owe_now = True
+            peer.pushes_on = conn  # its link: where it pushes and says it waits
             self.flush_credit_now(peer)
             self.check_stuck(peer)
             return

@@ -45,9 +45,15 @@ def check_timeout(timeout: Any) -> None:
 
 def aborted_error(message: str, cause: Any, key: str) -> Aborted:
     """The ``Aborted`` every operation on ``key`` of an aborted table (or step) fails with."""
-    err = Aborted(f"{message} (key {key})" if key else message)
+    err = Aborted(message + naming(key) if key else message)
     err.__cause__ = cause
     return err
+
+
+def naming(key: str) -> str:
+    """What ``aborted_error`` adds to the message to name the key (a parked remote request
+    strips it: the consumer names the key itself)."""
+    return f" (key {key})"
 
 
 class Waiter:

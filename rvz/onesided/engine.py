@@ -310,7 +310,10 @@ class Channel:
         self.wanted: dict[str, int] = {}               # key -> slot size, waiting for budget
         self.owed: dict[str, int] = {}                 # key -> slot size, waiting on its own slots
         self.last_use: dict[str, float] = {}           # key -> when its slots last moved
-        self.revoking: set[str] = set()                # keys asked to give their slots back
+        self.revoking: dict[str, set[int]] = {}        # key -> its slots asked back
+        # Slots the producer filled when we asked for them back (it gave back the others):
+        # their writes are on their way, so they are not asked for again (``_revoke``).
+        self.filled: set[int] = set()
         self.partial: dict[str, list[Any]] = {}        # key -> a value arriving in pieces
         self.dests: dict[int, int] = {}                # request id -> imm of its destination
         self.asks: dict[int, tuple[int, str]] = {}     # request id -> (step, key)
@@ -396,6 +399,7 @@ class Channel:
         self.owed.clear()
         self.last_use.clear()
         self.revoking.clear()
+        self.filled.clear()
         self.progress.clear()
         for keep in self.inflight.values():
             if keep[1] is not None:
@@ -754,6 +758,7 @@ class Channel:
         if target is None or target.kind != SLOT or target.key != key:
             return
         del self.targets[imm]
+        self.filled.discard(imm)
         imms = self.slot_imms.get(key)
         if imms is not None:
             imms.discard(imm)
@@ -810,11 +815,12 @@ class Channel:
             self._revoke(key)
 
     def _revoke(self, key: str) -> None:
-        imms = self.slot_imms.get(key)
-        if not imms or key in self.revoking:
+        if key in self.revoking:
             return
-        self.revoking.add(key)
-        self._control({"op": "revoke", "k": key, "s": sorted(imms)})
+        imms = self.slot_imms.get(key, set()) - self.filled
+        if imms:
+            self.revoking[key] = imms
+            self._control({"op": "revoke", "k": key, "s": sorted(imms)})
 
     # -- control frames from the peer -----------------------------------------------------------
 
@@ -885,7 +891,11 @@ class Channel:
             key = str(f["k"])
             for imm in f["s"]:
                 self._free_slot(int(imm), key)
-            self.revoking.discard(key)
+            # Those it kept it had filled before it read the revoke (a grant and a revoke
+            # travel in order): asked again, it would give nothing back again.
+            for imm in self.revoking.pop(key, ()):
+                if imm in self.targets:
+                    self.filled.add(imm)
             self._settle(key)
             self._serve()
         elif op == "unmap":   # regions of the consumer that hold nothing of ours any more
@@ -995,6 +1005,7 @@ class Channel:
         block = target.block
         key = target.key
         if target.kind == SLOT:
+            self.filled.discard(imm)
             imms = self.slot_imms.get(key)
             if imms is not None:
                 imms.discard(imm)
