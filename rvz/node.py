@@ -502,7 +502,8 @@ class Node(_NodeCalls):
         Pushes already accepted are flushed, and Recv-Driven values still held for remote
         consumers are pushed to them (their recvs find them in their own tables), in both
         cases for at most ``linger`` seconds.  What cannot be delivered by then is dropped
-        and counted in one log line.
+        and counted in one log line.  A close() that is cancelled (an ``asyncio.wait_for``
+        around it timed out, say) closes the rest at once, as ``abort()`` does.
         """
         if self._state in ("new", "closed"):
             self._state = "closed"
@@ -514,6 +515,15 @@ class Node(_NodeCalls):
                 await asyncio.sleep(0.01)
             return
         self._set_state("closing")
+        try:
+            await self._close_gracefully()
+        except BaseException:
+            # Left half-closed, the node would keep its server, its heartbeats and its
+            # connections, and every later close() (``async with``'s own) would wait forever.
+            self.abort(NodeClosed(f"node {self.name}: close() was cancelled"))
+            raise
+
+    async def _close_gracefully(self) -> None:
         core = self._core
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.linger
@@ -524,6 +534,8 @@ class Node(_NodeCalls):
                 p.queue for p in core.peers.values()) or (
                 self._onesided is not None and self._onesided.busy())):
             await asyncio.sleep(min(0.005, max(0.0, deadline - loop.time())))
+            if self._state == "closed":
+                return  # abort() was called meanwhile: it closed everything
         if self._server is not None:
             self._server.close()
         for conn in list(self._conns):
@@ -552,6 +564,8 @@ class Node(_NodeCalls):
         handshake = loop.time() + self.peer_timeout
         while any(c.closed_here and not c.closed for c in self._conns) and loop.time() < handshake:
             await asyncio.sleep(0.005)
+        if self._state == "closed":
+            return  # aborted while the peers read to the end
         cause = NodeClosed(f"node {self.name} was closed")
         for conn in list(self._conns):
             if not conn.closed:

@@ -59,6 +59,14 @@ async def until_one_waits(send: Callable[[int], Awaitable[None]]) -> asyncio.Fut
     raise AssertionError("the push window never filled")
 
 
+async def stalled_push(w: rvz.Node, p: rvz.Node, k: rvz.Key) -> asyncio.Future[None]:
+    """Link ``w`` to ``p`` (Send-Driven, a push window of MIB), then fill the window with
+    values of ``k`` that ``p`` does not take: the send that waits for credit, pending."""
+    await w.send(key("warmup"), np.arange(1))  # the two are connected
+    assert (await p.recv(key("warmup"), timeout=5)).tolist() == [0]
+    return await until_one_waits(lambda i: w.send(k, array(i)))
+
+
 @pytest.mark.loop_timeout(30)
 async def test_send_driven_backpressure_bounds_memory_and_loses_nothing(cluster) -> None:  # type: ignore[no-untyped-def]
     async with pair(cluster, "send", push_window=MIB) as (w, p):
@@ -290,10 +298,7 @@ async def test_a_push_given_credit_after_close_said_bye_is_not_reported_sent(clu
     and said BYE.  Credit that comes after that must not let the push go: nothing may
     follow BYE, so its write would be dropped while its ``send`` returned as delivered."""
     async with pair(cluster, "send", push_window=MIB, worker={"linger": 0.2}) as (w, p):
-        await w.send(key("warmup"), np.arange(1))  # the two are connected
-        assert (await p.recv(key("warmup"), timeout=5)).tolist() == [0]
-        k = key("late")
-        stalled = await until_one_waits(lambda i: w.send(k, array(i)))
+        stalled = await stalled_push(w, p, key("late"))
         link = w._core.peer(p.id).link
         consumer_side = p._core.peer(w.id).link
         consumer_side.transport.pause_reading()  # close() waits for the consumer
@@ -305,6 +310,43 @@ async def test_a_push_given_credit_after_close_said_bye_is_not_reported_sent(clu
             await asyncio.wait_for(stalled, 5)
         consumer_side.transport.resume_reading()
         await closing
+
+
+@pytest.mark.loop_timeout(20)
+async def test_a_cancelled_close_closes_the_node_at_once(cluster) -> None:  # type: ignore[no-untyped-def]
+    """close() lingers while a push waits for credit.  A caller that gives up on it (its
+    wait_for timed out) must not leave the node half-closed: it kept its server, its
+    heartbeats and its connections, and every later close(), ``async with``'s own too,
+    waited forever."""
+    async with pair(cluster, "send", push_window=MIB, worker={"linger": 10.0}) as (w, p):
+        stalled = await stalled_push(w, p, key("full"))
+        with pytest.raises((asyncio.TimeoutError, TimeoutError)):
+            await asyncio.wait_for(w.close(), 0.2)
+        assert w.state == "closed"
+        with pytest.raises(rvz.Aborted, match=r"close\(\) was cancelled"):
+            await stalled
+        await asyncio.wait_for(w.close(), 5)   # at once: the node is closed
+        on_p = p._core.peer(w.id)
+        await eventually(lambda: not on_p.live_connections(), "the consumer's side closed")
+
+
+@pytest.mark.loop_timeout(20)
+async def test_abort_during_close_ends_it_with_the_aborts_cause(cluster) -> None:  # type: ignore[no-untyped-def]
+    """abort() while close() lingers: close() ends without finishing the node a second
+    time, so what fails carries the abort's cause (close() put its own in its place)."""
+    async with pair(cluster, "send", push_window=MIB, worker={"linger": 10.0}) as (w, p):
+        stalled = await stalled_push(w, p, key("full"))
+        closing = asyncio.ensure_future(w.close())
+        await settle()
+        cause = RuntimeError("given up")
+        w.abort(cause)
+        await asyncio.wait_for(closing, 2)
+        with pytest.raises(rvz.Aborted) as failed:
+            await stalled
+        assert failed.value.__cause__ is cause
+        with pytest.raises(rvz.Aborted) as later:
+            await w.send(key("after"), np.arange(1))
+        assert later.value.__cause__ is cause
 
 
 @pytest.mark.loop_timeout(5)
