@@ -517,10 +517,12 @@ class Node(_NodeCalls):
         self._set_state("closing")
         try:
             await self._close_gracefully()
-        except BaseException:
+        except BaseException as exc:
             # Left half-closed, the node would keep its server, its heartbeats and its
             # connections, and every later close() (``async with``'s own) would wait forever.
-            self.abort(NodeClosed(f"node {self.name}: close() was cancelled"))
+            why = ("close() was cancelled" if isinstance(exc, asyncio.CancelledError)
+                   else f"close() failed: {exc!r}")
+            self.abort(NodeClosed(f"node {self.name}: {why}"))
             raise
 
     async def _close_gracefully(self) -> None:

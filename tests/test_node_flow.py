@@ -313,6 +313,30 @@ async def test_a_push_given_credit_after_close_said_bye_is_not_reported_sent(clu
 
 
 @pytest.mark.loop_timeout(20)
+async def test_a_request_gets_the_unclaimed_push_waiting_for_credit_before_later_values(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Recv-Driven: values nobody asked for within claim_timeout are pushed, and with the
+    window full they wait for credit in the producer's queue.  A request that comes then must
+    be answered with the oldest of them, not with a later value of the key still held: that
+    one reached the consumer first (found by a model-based probe: 0, 1, 2, 5, 6, 3, 4)."""
+    window = 2 * (8 + 64)   # two 8-byte values
+    async with pair(cluster, "recv", push_window=window, claim_timeout=0.1) as (w, p):
+        await w.send(key("warmup"), np.arange(1))
+        assert (await p.recv(key("warmup"), timeout=5)).tolist() == [0]
+        to_consumer = w._core.peer(p.id)
+        await eventually(lambda: to_consumer.credit == window, "the warm-up's credit came back")
+        fill, k = key("fill"), key("ordered")
+        for i in range(2):   # pushed once unclaimed, and never taken: the window stays full
+            await w.send(fill, np.array([i]))
+        await eventually(lambda: queued(p, fill) == 2, "the unclaimed fill was pushed")
+        for i in range(2):
+            await w.send(k, np.array([i]))
+        await eventually(lambda: len(to_consumer.queue) == 2, "k's first values wait for credit")
+        for i in range(2, 4):   # held: their claims are not due yet
+            await w.send(k, np.array([i]))
+        assert [int((await p.recv(k, timeout=5))[0]) for _ in range(4)] == [0, 1, 2, 3]
+
+
+@pytest.mark.loop_timeout(20)
 async def test_a_cancelled_close_closes_the_node_at_once(cluster) -> None:  # type: ignore[no-untyped-def]
     """close() lingers while a push waits for credit.  A caller that gives up on it (its
     wait_for timed out) must not leave the node half-closed: it kept its server, its

@@ -1739,6 +1739,19 @@ class Core:
             return
         table = self.remote_table(step, conn)
         self.joined(step, peer)
+        if peer.queue:
+            # A push of this key still waiting for credit came before any value of it held
+            # here: Recv-Driven values nobody asked for within claim_timeout are pushed
+            # oldest first (``Node._push_unclaimed``; close() too), and a Send-Driven
+            # consumer asks for its pushes when the window is full of other keys' values
+            # (``unblock``).  That push answers; a held value answered first would reach
+            # the consumer before it.
+            pushed = self.unqueue_push(peer, step, route.text)
+            if pushed is not EMPTY:
+                if self.claim_timeout is not None:
+                    self.asked[(step, route.text)] = self.loop.time()  # it pulls: see below
+                self.answer(conn, step, request_id, route, pushed)
+                return
         waiter = RemoteWaiter.__new__(RemoteWaiter)  # compiled: a C call, no argument tuple
         waiter.init(self, conn, step, request_id, route)
         value = table.take_or_wait(route.text, waiter)
@@ -1750,14 +1763,6 @@ class Core:
             # taken earlier are covered by the requests that took them: it records nothing
             # (a tuple, a clock read and a dict insert less per parked request).
             self.asked[(step, route.text)] = self.loop.time()
-        if value is EMPTY and peer.queue:
-            # A push of this key waiting for credit: the consumer asks for it because the
-            # window is full of other keys' values (see ``unblock``): answer it now.
-            pushed = self.unqueue_push(peer, step, route.text)
-            if pushed is not EMPTY:
-                table.remove_waiter(route.text, waiter)
-                self.answer(conn, step, request_id, route, pushed)
-                return
         if value is EMPTY:
             if len(conn.parked) >= self.max_parked:
                 table.remove_waiter(route.text, waiter)
