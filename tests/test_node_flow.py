@@ -59,11 +59,16 @@ async def until_one_waits(send: Callable[[int], Awaitable[None]]) -> asyncio.Fut
     raise AssertionError("the push window never filled")
 
 
+async def _linked(w: rvz.Node, p: rvz.Node) -> None:
+    """One exchange from ``w`` to ``p``, so that a connection between them is up."""
+    await w.send(key("warm"), np.array([0]))
+    assert int((await p.recv(key("warm"), timeout=5))[0]) == 0
+
+
 async def stalled_push(w: rvz.Node, p: rvz.Node, k: rvz.Key) -> asyncio.Future[None]:
     """Link ``w`` to ``p`` (Send-Driven, a push window of MIB), then fill the window with
     values of ``k`` that ``p`` does not take: the send that waits for credit, pending."""
-    await w.send(key("warmup"), np.arange(1))  # the two are connected
-    assert (await p.recv(key("warmup"), timeout=5)).tolist() == [0]
+    await _linked(w, p)
     return await until_one_waits(lambda i: w.send(k, array(i)))
 
 
@@ -320,8 +325,7 @@ async def test_a_request_gets_the_unclaimed_push_waiting_for_credit_before_later
     one reached the consumer first (found by a model-based probe: 0, 1, 2, 5, 6, 3, 4)."""
     window = 2 * (8 + 64)   # two 8-byte values
     async with pair(cluster, "recv", push_window=window, claim_timeout=0.1) as (w, p):
-        await w.send(key("warmup"), np.arange(1))
-        assert (await p.recv(key("warmup"), timeout=5)).tolist() == [0]
+        await _linked(w, p)
         to_consumer = w._core.peer(p.id)
         await eventually(lambda: to_consumer.credit == window, "the warm-up's credit came back")
         fill, k = key("fill"), key("ordered")
@@ -401,12 +405,6 @@ async def test_unclaimed_held_values_are_pushed_during_close(cluster) -> None:  
         # the consumer waited locally and never asked; the values were pushed to it
         got = [int((await p.recv(key("claimed"), timeout=5))[0]) for _ in range(3)]
         assert sorted(got) == [0, 1, 2]
-
-
-async def _linked(w: rvz.Node, p: rvz.Node) -> None:
-    """One exchange from ``w`` to ``p``, so that a connection between them is up."""
-    await w.send(key("warm"), np.array([0]))
-    assert int((await p.recv(key("warm"), timeout=5))[0]) == 0
 
 
 @pytest.mark.loop_timeout(20)

@@ -297,7 +297,7 @@ cdef class Core:
                    cost=Py_ssize_t, routes=list)
     cpdef on_data_many(self, Wire conn, object step, list keys, list values)
     cpdef Route arriving_route(self, Peer peer, str key)
-    @cython.locals(route=Route, table=Table, peer=Peer, waiter=RemoteWaiter)
+    @cython.locals(route=Route, table=Table, peer=Peer, waiter=RemoteWaiter, held=bint)
     cpdef on_request(self, Wire conn, object step, object request_id, str key)
     @cython.locals(i=Py_ssize_t, item=tuple)
     cpdef object unqueue_push(self, Peer peer, object step, str text)

@@ -1739,22 +1739,17 @@ class Core:
             return
         table = self.remote_table(step, conn)
         self.joined(step, peer)
-        if peer.queue:
-            # A push of this key still waiting for credit came before any value of it held
-            # here: Recv-Driven values nobody asked for within claim_timeout are pushed
-            # oldest first (``Node._push_unclaimed``; close() too), and a Send-Driven
-            # consumer asks for its pushes when the window is full of other keys' values
-            # (``unblock``).  That push answers; a held value answered first would reach
-            # the consumer before it.
-            pushed = self.unqueue_push(peer, step, route.text)
-            if pushed is not EMPTY:
-                if self.claim_timeout is not None:
-                    self.asked[(step, route.text)] = self.loop.time()  # it pulls: see below
-                self.answer(conn, step, request_id, route, pushed)
-                return
-        waiter = RemoteWaiter.__new__(RemoteWaiter)  # compiled: a C call, no argument tuple
-        waiter.init(self, conn, step, request_id, route)
-        value = table.take_or_wait(route.text, waiter)
+        # A push of this key still waiting for credit came before any value of it held
+        # here: Recv-Driven values nobody asked for within claim_timeout are pushed oldest
+        # first (``Node._push_unclaimed``; close() too), and a Send-Driven consumer asks for
+        # its pushes when the window is full of other keys' values (``unblock``).  That push
+        # answers; a held value answered first would reach the consumer before it.
+        value = self.unqueue_push(peer, step, route.text) if peer.queue else EMPTY
+        held = value is EMPTY
+        if held:
+            waiter = RemoteWaiter.__new__(RemoteWaiter)  # compiled: a C call, no argument tuple
+            waiter.init(self, conn, step, request_id, route)
+            value = table.take_or_wait(route.text, waiter)
         if value is not EMPTY and self.claim_timeout is not None:
             # The consumer pulls this key: its values held before now are not pushed at
             # claim_timeout (``Node._push_unclaimed``), which could reorder them.  A request
@@ -1770,7 +1765,8 @@ class Core:
                                     "parked (max_parked)")
             conn.parked[request_id] = waiter
         else:
-            self.released_held(nbytes_of(value))
+            if held:
+                self.released_held(nbytes_of(value))
             self.answer(conn, step, request_id, route, value)
 
     def unqueue_push(self, peer: Peer, step: Any, text: str) -> Any:

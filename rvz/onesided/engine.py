@@ -758,15 +758,23 @@ class Channel:
         if target is None or target.kind != SLOT or target.key != key:
             return
         del self.targets[imm]
-        self.filled.discard(imm)
-        imms = self.slot_imms.get(key)
-        if imms is not None:
-            imms.discard(imm)
-            if not imms:
-                del self.slot_imms[key]
-                self.last_use.pop(key, None)
-        self.granted -= target.block.size
+        if self._release_slot(imm, key, target.block.size):
+            self.last_use.pop(key, None)
         self.arena.free(target.block)
+
+    def _release_slot(self, imm: int, key: str, size: int) -> bool:
+        """Slot ``imm`` of ``key``, already out of ``targets``, is granted no more (given
+        back, or its write seen); True if it was the key's last."""
+        self.filled.discard(imm)
+        self.granted -= size
+        imms = self.slot_imms.get(key)
+        if imms is None:
+            return False
+        imms.discard(imm)
+        if imms:
+            return False
+        del self.slot_imms[key]
+        return True
 
     def _serve(self) -> None:
         """Grant the keys that wait for budget, in the order they asked."""
@@ -1005,14 +1013,8 @@ class Channel:
         block = target.block
         key = target.key
         if target.kind == SLOT:
-            self.filled.discard(imm)
-            imms = self.slot_imms.get(key)
-            if imms is not None:
-                imms.discard(imm)
-                if not imms:
-                    del self.slot_imms[key]
+            self._release_slot(imm, key, block.size)
             self.last_use[key] = self.engine.loop.time()
-            self.granted -= block.size
             self._schedule_refill(key, block.size)
             try:
                 event = self._on_slot(block, key, nbytes)
