@@ -764,10 +764,7 @@ class Node(_NodeCalls):
         for peer, text in dial.items():  # one link task a producer, not one a key
             self._spawn(self._link(peer, text))  # to notice if it is gone
         for peer, requests in asks.items():
-            conn = core.request_link(peer)
-            if conn is not None and conn.ready and not conn.closed:
-                core.send_requests(conn, requests)
-            else:
+            if not core.send_asks(peer, requests):
                 self._request_when_linked(requests)
         poll = self._poll
         if poll is not None and any(routes[i].peer is not None for i in waiting):
@@ -804,9 +801,10 @@ class Node(_NodeCalls):
     async def _send_when_linked(self, requests: list[Any]) -> None:
         first = requests[0]
         conn = await self._link(first.peer, first.key)
-        live = [r for r in requests if r.id in self._core.requests]  # not cancelled meanwhile
-        if live:
-            self._core.send_requests(conn, live)
+        core = self._core
+        live = [r for r in requests if r.id in core.requests]  # not cancelled meanwhile
+        if live and not core.send_asks(first.peer, live):
+            core.send_requests(conn, live)
 
     # -- connections ---------------------------------------------------------------------------
 

@@ -12,12 +12,14 @@ tests.test_onesided_contract peer ...``); the peer is always killed and reaped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -364,6 +366,38 @@ async def test_an_answer_never_overtakes_the_pushes_of_its_key(cluster: rvz.Clus
         assert ways(ch)[0] == (3 if way == "tcp" else 0)   # the answer took the key's way
 
 
+async def _each_side_linked_its_own(w: rvz.Node, p: rvz.Node) -> tuple[Any, Any, Any]:
+    """Both nodes dialled, each linked the connection it dialled (as after a simultaneous
+    dial): returns the producer ``w`` as the consumer ``p`` sees it, ``p``'s link and the
+    connection ``w`` pushes on."""
+    producer = p._core.peer(("worker", 0))
+    theirs = await p._link(producer)               # the consumer dials, both link it
+    await eventually(lambda: ("ps", 0) in w._peers and w._peers[("ps", 0)].link is not None,
+                     "the producer linked the consumer's connection")
+    consumer = w._peers[("ps", 0)]
+    dialled = asyncio.get_running_loop().create_future()
+    await w._dial(consumer, dialled)               # the producer dials as well ...
+    w._link_ready(consumer, dialled.result())      # ... and pushes on its own
+    await eventually(lambda: any(c.ready and c.dataplane is not None
+                                 for c in producer.inbound), "the second channel is up")
+    (ours,) = producer.inbound
+    assert producer.link is theirs and ours is not theirs
+    return producer, theirs, ours
+
+
+@contextlib.contextmanager
+def _unread(p: rvz.Node, conn: Any) -> Iterator[None]:
+    """Hold ``p``'s reader of the channel on ``conn``: writes land, their completions wait."""
+    (ch,) = [c for c in channels(p) if c.conn is conn]
+    cq = ch.ep.cq
+    loop = asyncio.get_running_loop()
+    loop.remove_reader(cq.fd)
+    try:
+        yield
+    finally:
+        loop.add_reader(cq.fd, ch.engine._on_cq, cq)
+
+
 @pytest.mark.loop_timeout(30)
 async def test_a_stuck_keys_answer_stays_behind_its_push_when_each_side_dialled(
         cluster: rvz.ClusterSpec, transport: str) -> None:
@@ -379,29 +413,14 @@ async def test_a_stuck_keys_answer_stays_behind_its_push_when_each_side_dialled(
     window = 4 * (size + 64)   # four values (and what each costs beyond its bytes)
     async with pair(cluster, "send", transport=transport, onesided=OPTS,
                     push_window=window) as (w, p):
-        consumer = p._core.peer(("worker", 0))
-        theirs = await p._link(consumer)               # the consumer dials, both link it
-        await eventually(lambda: ("ps", 0) in w._peers and w._peers[("ps", 0)].link is not None,
-                         "the producer linked the consumer's connection")
-        producer = w._peers[("ps", 0)]
-        dialled = asyncio.get_running_loop().create_future()
-        await w._dial(producer, dialled)               # the producer dials as well ...
-        w._link_ready(producer, dialled.result())      # ... and pushes on its own
-        await eventually(lambda: any(c.ready and c.dataplane is not None
-                                     for c in consumer.inbound), "the second channel is up")
-        (ours,) = consumer.inbound
-        assert consumer.link is theirs and ours is not theirs
+        _, _, ours = await _each_side_linked_its_own(w, p)
         fill, k = key("fill"), key("stuck")
         for i in range(3):                             # three quarters of the window, untaken
             await w.send(fill, np.full(size // 4, i, np.float32))
         await eventually(lambda: 0 in p._tables and p._tables[0].queued(k_text(fill)) == 3,
                          "the fill arrived")
         recvs = [asyncio.ensure_future(p.recv(k, timeout=10)) for _ in range(2)]
-        (pushes,) = [ch for ch in channels(p) if ch.conn is ours]
-        cq = pushes.ep.cq
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(cq.fd)   # the pushes land, their completions wait in the pipe
-        try:
+        with _unread(p, ours):
             await w.send(k, np.full(size // 4, 100, np.float32))   # the last quarter
             # No credit for the next: the consumer, asked for it, has none to return and
             # asks for both values of k; the producer answers the first request with this
@@ -409,11 +428,73 @@ async def test_a_stuck_keys_answer_stays_behind_its_push_when_each_side_dialled(
             await asyncio.wait_for(w.send(k, np.full(size // 4, 101, np.float32)), 10)
             await asyncio.sleep(0.2)   # room for an answer that would overtake to arrive
             assert not recvs[0].done(), "the answer overtook the push before it"
-        finally:
-            loop.add_reader(cq.fd, pushes.engine._on_cq, cq)
         assert [int((await r)[0]) for r in recvs] == [100, 101]
         for i in range(3):
             assert int((await p.recv(fill, timeout=10))[0]) == i
+
+
+@pytest.mark.loop_timeout(30)
+async def test_a_recv_driven_recv_of_a_pushed_key_stays_behind_its_pushes_when_each_side_dialled(
+        cluster: rvz.ClusterSpec, transport: str) -> None:
+    # Mixed modes on one key after a simultaneous dial: the producer pushes on its
+    # connection, and a ``recv(mode="recv")`` asks for the next value.  The answer goes on
+    # the request's connection; on the consumer's own link it could overtake the push still
+    # unread on the producer's channel.  The request goes where the pushes come from
+    # (``Core.request_link``), so the answer queues behind them.
+    size = 64 << 10
+    async with pair(cluster, "send", transport=transport, onesided=OPTS) as (w, p):
+        producer, theirs, ours = await _each_side_linked_its_own(w, p)
+        k = key("mixed")
+        await w.send(k, np.full(size // 4, 0, np.float32))
+        assert int((await p.recv(k, timeout=10))[0]) == 0   # a push read: its connection known
+        assert producer.pushes_on is ours
+        with _unread(p, ours):
+            await w.send(k, np.full(size // 4, 1, np.float32))   # pushed, not read yet
+            asked = asyncio.ensure_future(p.recv(k, mode="recv", timeout=10))
+            await eventually(lambda: any(c.parked for c in w._peers[("ps", 0)].live_connections()),
+                             "the request is parked at the producer")
+            (request,) = p._core.requests.values()
+            assert request.conn is ours
+            await w.send(k, np.full(size // 4, 2, np.float32))    # answers the parked request
+            await asyncio.sleep(0.2)   # room for an answer that would overtake to arrive
+            assert not asked.done(), "the answer overtook the push before it"
+        assert int((await asked)[0]) == 1
+        assert int((await p.recv(k, timeout=10))[0]) == 2
+
+
+@pytest.mark.loop_timeout(30)
+async def test_a_keys_requests_stay_on_one_connection_while_one_is_unanswered(
+        cluster: rvz.ClusterSpec, transport: str) -> None:
+    # Two requests of one key on two connections could be answered in either order: a key
+    # that waits for an answer on the consumer's link keeps asking there after the
+    # producer's first push arrives on its own connection (``Core.key_link``); a key with
+    # nothing outstanding asks on the new one.  Holding the consumer's reader of its link's
+    # channel would let an answer on the other one overtake.
+    async with pair(cluster, "recv", transport=transport, onesided=OPTS) as (w, p):
+        producer, theirs, ours = await _each_side_linked_its_own(w, p)
+        consumer = w._peers[("ps", 0)]
+
+        def parked() -> int:
+            return sum(len(c.parked) for c in consumer.live_connections())
+
+        waiting, fresh, pushed = key("waiting"), key("fresh"), key("pushed")
+        first = asyncio.ensure_future(p.recv(waiting, timeout=10))
+        await eventually(lambda: parked() == 1, "the first request is parked")
+        await w.send(pushed, np.ones(4), mode="send")   # its first push: on w's connection
+        assert int((await p.recv(pushed, mode="send", timeout=10))[0]) == 1
+        assert producer.pushes_on is ours
+        later = asyncio.ensure_future(p.recv_many([waiting, fresh], timeout=10))
+        await eventually(lambda: parked() == 3, "the batch's requests are parked")
+        conns = {r.key: r.conn for r in p._core.requests.values() if r.key != k_text(waiting)}
+        assert conns == {k_text(fresh): ours}
+        with _unread(p, theirs):
+            for i in range(2):
+                await w.send(waiting, np.full(4, i))
+            await w.send(fresh, np.full(4, 7))
+            await asyncio.sleep(0.2)   # room for an answer that would overtake to arrive
+            assert not first.done(), "the second request's answer overtook the first's"
+        assert int((await first)[0]) == 0
+        assert [int(v[0]) for v in await later] == [1, 7]
 
 
 @pytest.mark.parametrize("mode", ["send", "recv"])

@@ -256,8 +256,12 @@ cdef class Core:
     cpdef drop_outstanding(self, object step)
     @cython.locals(request=Request, conn=Wire)
     cpdef request(self, Peer peer, object step, Route route)
+    @cython.locals(request=Request, other=Wire, conn=Wire, rest=list)
+    cpdef bint send_asks(self, Peer peer, list requests) except -1
     @cython.locals(conn=Wire)
-    cpdef object request_link(self, Peer peer)
+    cpdef object request_link(self, Peer peer, object request=*)
+    @cython.locals(keys=dict, first=Request, earlier=Wire)
+    cpdef object key_link(self, Request request, object conn)
     @cython.locals(table=Table, route=Route)
     cpdef unblock(self, Peer peer)
     cpdef check_stuck(self, Peer peer)

@@ -259,7 +259,8 @@ class Peer:
         # It waits for credit and the window is full of its values nobody took: our recvs
         # of its keys ask for their values, Recv-Driven, until we return credit (``unblock``).
         self.stuck = False
-        # The connection its last CREDIT 0 came on: the one it pushes on (``request_link``).
+        # The connection its last push or CREDIT 0 came on: its link, where it pushes and
+        # where our requests go (``request_link``).
         self.pushes_on: Any = None
         self.joined_step: Any = None                # the step it was last added to (a cache)
 
@@ -1287,28 +1288,66 @@ class Core:
     def request(self, peer: Peer, step: Any, route: Route) -> None:
         """Recv-Driven: ask ``peer`` for the next value of ``route``."""
         request = self.new_request(peer, step, route)
-        conn = self.request_link(peer)
+        conn = self.request_link(peer, request)
         if conn is not None and conn.ready and not conn.closed:
             self.send_request(conn, request)
             conn.requests_queued()
         else:
             self.shell._request_when_linked([request])
 
-    def request_link(self, peer: Peer) -> Any:
-        """The connection our requests to ``peer`` go on: our link, except while ``peer`` is
-        stuck (``unblock``): then the one it pushes on, where its CREDIT 0 came.
+    def send_asks(self, peer: Peer, requests: list) -> bool:
+        """Send new requests of one step to ``peer`` (a ``recv_many``'s), on ``request_link``:
+        one frame for those that go on it.  False, sending nothing, when no connection to
+        ``peer`` is ready yet (the node sends them once it is linked)."""
+        conn = self.request_link(peer)
+        if conn is None or not conn.ready or conn.closed:
+            return False
+        rest = []
+        for request in requests:
+            other = self.key_link(request, conn)
+            if other is conn:
+                rest.append(request)
+            else:
+                self.send_request(other, request)
+                other.requests_queued()
+        if rest:
+            self.send_requests(conn, rest)
+        return True
 
-        Our link and its own differ when both nodes dialled at once.  Its answer to a stuck
-        recv is often the key's next push, taken out of its queue, and a one-sided channel
-        writes an answer on the request's connection.  On the connection of the key's pushes
-        the answer queues behind them; on another one it could overtake those still unread,
-        as nothing orders the completions of two channels.  (Over TCP the producer answers
-        on its link anyway: ``answer``.)"""
-        if peer.stuck:
-            conn = peer.pushes_on
-            if conn is not None and conn.ready and not conn.closed:
-                return conn
-        return peer.link
+    def request_link(self, peer: Peer, request: Any = None) -> Any:
+        """The connection our requests to ``peer`` go on: the one it pushes on (where its
+        last push or CREDIT 0 came), else our link; ``request``'s key keeps to ``key_link``.
+
+        The two differ when both nodes dialled at once, and each took its own connection as
+        its link.  A one-sided channel writes an answer on the request's connection (the
+        destination the consumer offered is there), and nothing orders the completions of
+        two channels.  So an answer on our link could overtake the key's pushes still unread
+        on the producer's: a stuck producer's answer is often the key's next push, taken out
+        of its queue (``unblock``), and a ``recv(mode="recv")`` of a key it pushes gets a
+        later value of that key.  On the connection of its pushes the answer queues behind
+        them.  (Over TCP the producer answers on its link anyway: ``answer``.)  Before one
+        of its pushes is read we do not know that connection: a request sent then may still
+        overtake the first pushes of a simultaneous dial."""
+        conn = peer.pushes_on
+        if conn is None or not conn.ready or conn.closed:
+            conn = peer.link
+        if request is not None:
+            conn = self.key_link(request, conn)
+        return conn
+
+    def key_link(self, request: Request, conn: Any) -> Any:
+        """``conn``, or the connection an earlier request of ``request``'s key, still not
+        answered, went on: a key's answers arrive in the order it asked only on one
+        connection, and ``request_link`` changes when the first push arrives on another."""
+        keys = self.outstanding.get(request.step)
+        pending = None if keys is None else keys.get(request.key)
+        if type(pending) is deque:
+            first = self.requests.get(pending[0])
+            if first is not None and first is not request:
+                earlier = first.conn
+                if earlier is not None and not earlier.closed:
+                    return earlier
+        return conn
 
     def unblock(self, peer: Peer) -> None:
         """``peer`` waits for credit and we have none to return: the whole window is values
@@ -1668,6 +1707,7 @@ class Core:
             peer.answered += cost
         else:
             self.check_window(peer, cost)
+            peer.pushes_on = conn  # (``request_link``)
         peer.unreturned += cost
         table = self.remote_table(step, conn)
         if table is None:
@@ -1695,6 +1735,7 @@ class Core:
             cost += nbytes_of(values[i]) + MESSAGE_COST
         self.check_window(peer, cost)
         peer.unreturned += cost
+        peer.pushes_on = conn  # (``request_link``)
         table = self.remote_table(step, conn)
         if table is None:  # dropped: the step is gone
             for i in range(n):
@@ -1773,9 +1814,8 @@ class Core:
         """Take the oldest push of key ``text`` out of ``peer``'s queue (its ``send``
         completes), or return ``EMPTY``.  Pushes of that key ahead of it are already on the
         wire, so the consumer still sees the key's values in order: over TCP the answer goes
-        on our link, and on a one-sided channel a stuck consumer's request came on it
-        (``request_link``).  A ``recv(mode="recv")`` of a key we push, from a consumer that
-        dialled us while we dialled it, is not covered: its request comes on its link."""
+        on our link, and on a one-sided channel the request came on it, where the consumer
+        read our pushes or our CREDIT 0 (``request_link``)."""
         queue = peer.queue
         i = 0
         for item in queue:
