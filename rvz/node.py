@@ -34,7 +34,6 @@ connection, ``Peer.link``: one ordered stream per direction, coalesced per loop 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import hashlib
 import hmac
 import ipaddress
@@ -1072,55 +1071,34 @@ class Node(_NodeCalls):
                     # must not log each as an exception never retrieved.
                     done.add_done_callback(_observe)
                     dones.append(done)
-        core.claims.clear()
+        core.drop_claims()
         return dones
 
     def _push_unclaimed(self, now: float) -> None:
+        """Push the held values whose claims came due (``Core.due_claims``), oldest first."""
         core = self._core
-        claims = core.claims
         timeout = self.claim_timeout
         if timeout is None:
             return  # (nothing is claimed)
-        # A claim is (deadline, step, key), or (deadline, step, key, True) once it came due
-        # for a key its consumer pulls (``asked`` forgets a request after claim_timeout).
-        later: list[tuple[Any, ...]] = []  # claims that come due again
-        while claims and claims[0][0] <= now:
-            claim = claims.popleft()
-            deadline, step, key = claim[0], claim[1], claim[2]
-            table = core.tables.get(step)
-            if table is None or table.aborted or not table.queued(key):
-                continue
-            asked = core.asked.get((step, key))
-            pulled = len(claim) > 3
-            if asked is not None and asked >= deadline - timeout:
-                pulled = True
-                # Its consumer pulls this key and will likely ask for this one too: pushing it
-                # now could overtake that request's answer (a push waiting for credit while
-                # the answer, which needs none, goes).  But a consumer may have asked once and
-                # then wait locally (recvs with mode="send", or a request made only because
-                # the handshake said we hold): the claim comes due claim_timeout after the
-                # key's last request, and then goes only if it can be written at once.
-                if asked + timeout > now:
-                    later.append((asked + timeout, step, key, True))
-                    continue
+        for step, key, count, pulled in core.due_claims(now):
+            table = core.tables[step]
             route = core.route(key)
             if route.peer is None or not route.peer.live_connections():
-                continue  # not connected (lost?): it stays held for the consumer to ask
-            value = table.take(key)
-            nbytes = nbytes_of(value)
-            if pulled and core.push_link(route.peer, nbytes) is None:
-                table.put_front(key, value)  # not now: it would wait behind others
-                later.append((now + max(timeout, self.heartbeat), step, key, True))
-                continue
-            core.released_held(nbytes)
-            value, code, shape, nbytes = _codec.describe(value)
+                continue  # not connected (lost?): held for the consumer to ask, or later
             peer = core.peer(route.dst)
-            log.info("%s: pushing unclaimed %s to %s after %ss", self.name, key, peer.name,
-                     self.claim_timeout)
-            done = core.queue_push(peer, step, route, value, code, shape, nbytes)
-            done.add_done_callback(_log_unclaimed_failure)
-        for claim in later:
-            bisect.insort(claims, claim)  # (the deque stays in deadline order)
+            for _ in range(count):
+                value = table.take(key)
+                nbytes = nbytes_of(value)
+                if pulled and core.push_link(route.peer, nbytes) is None:
+                    table.put_front(key, value)  # not now: it would wait behind others
+                    core.put_off[step, key] = now + max(timeout, self.heartbeat)
+                    break
+                core.released_held(nbytes)
+                value, code, shape, nbytes = _codec.describe(value)
+                log.info("%s: pushing unclaimed %s to %s after %ss", self.name, key,
+                         peer.name, timeout)
+                done = core.queue_push(peer, step, route, value, code, shape, nbytes)
+                done.add_done_callback(_log_unclaimed_failure)
 
     # -- frames the engine hands up ------------------------------------------------------------
 

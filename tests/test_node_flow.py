@@ -441,6 +441,35 @@ async def test_held_values_of_a_key_the_consumer_pulls_wait_claim_timeout_after_
 
 
 @pytest.mark.loop_timeout(20)
+async def test_the_claims_of_a_pulled_keys_taken_values_are_dropped_when_due(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Every held value leaves a claim, and a request takes the key's oldest value, not the
+    claim.  Due while its consumer pulls the key, the claims of values taken since were put
+    off again with the value still held: a stream of held values, always pulled, grew them
+    by one a message, and the heartbeat re-inserted each (rvz-bench's Recv-Driven 64 B batch
+    row stalled the producer's loop for ten seconds, and the consumer's heartbeat timed out)."""
+    timeout = 10.0   # the heartbeat's own passes find nothing due here
+    async with pair(cluster, "recv", claim_timeout=timeout) as (w, p):
+        await _linked(w, p)
+        k = key("pulled")
+        await w.send(k, np.array([0]))
+        for i in range(1, 102):   # one value always held, each recv takes the one before
+            if i == 101:
+                await asyncio.sleep(0.01)   # (uvloop's clock ticks in milliseconds)
+            await w.send(k, np.array([i]))
+            assert int((await p.recv(k, timeout=5))[0]) == i - 1
+        core = w._core
+        assert len(core.claims[0, str(k)]) == 102   # a claim a value held
+        asked = core.asked[(0, str(k))]
+        # The clock just before claim_timeout after the last request: the claims held
+        # before the last value are due, and the key counts as pulled.
+        w._push_unclaimed(asked + timeout - 1e-6)
+        assert list(core.claims) == [(0, str(k))], "the warm-up key's claim was kept"
+        assert len(core.claims[0, str(k)]) == 1, "the claims of values taken were kept"
+        assert queued(p, k) == 0 and w._held_bytes > 0   # the held one stays held
+        assert int((await p.recv(k, timeout=5))[0]) == 101
+
+
+@pytest.mark.loop_timeout(20)
 async def test_held_values_of_a_pulled_key_are_not_pushed_behind_a_full_window(cluster) -> None:  # type: ignore[no-untyped-def]
     """Past that time, a held value of a pulled key goes only if it can be written at once:
     queued behind a full push window, the answer to the consumer's next request (which needs

@@ -199,7 +199,8 @@ cdef class Core:
     cdef public Py_ssize_t held_bytes
     cdef public Py_ssize_t held_count
     cdef public object hold_waiters
-    cdef public object claims
+    cdef public dict claims
+    cdef public dict put_off
     cdef public Py_ssize_t max_parked
     cdef public Py_ssize_t max_steps
     cdef public Py_ssize_t answer_backlog
@@ -226,7 +227,13 @@ cdef class Core:
     cpdef enter(self, object timeout)
     cpdef object send(self, object key, object value, object mode, object step, object timeout)
     cpdef bint hold_full(self, Table table, Route route, Py_ssize_t nbytes) except -1
+    @cython.locals(claimed=tuple, deadlines=object)
     cpdef hold(self, Table table, object step, Route route, object value, Py_ssize_t nbytes)
+    @cython.locals(timeout=object, claims=dict, put_off=dict, due=list, counted=tuple,
+                   deadlines=object, table=Table, key=str, excess=Py_ssize_t, oldest=double,
+                   until=object, pulled=bint, asked=object, count=Py_ssize_t, deadline=double)
+    cpdef list due_claims(self, double now)
+    cpdef drop_claims(self)
     @cython.locals(conn=Wire)
     cdef Wire open_link(self, Peer peer)
     cpdef Wire push_link(self, Peer peer, Py_ssize_t nbytes)

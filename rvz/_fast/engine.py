@@ -806,7 +806,12 @@ class Core:
         self.held_bytes = 0                # Recv-Driven values waiting for remote consumers
         self.held_count = 0
         self.hold_waiters: deque = deque()
-        self.claims: deque = deque()       # (deadline, step, key) of held values
+        # (step, key) -> the deadlines of its held values, in the order they were held:
+        # the claims ``due_claims`` looks at.  Values are taken oldest first, so the last
+        # ``table.queued(key)`` are the claims of the values still held.
+        self.claims: dict = {}
+        # (step, key) -> loop time before which its due values wait (``due_claims``).
+        self.put_off: dict = {}
         self.max_parked = max_parked       # a peer's parked requests on one connection
         self.max_steps = max_steps         # tables at once
         self.answer_backlog = answer_backlog  # unsent output beyond which answers wait
@@ -1046,7 +1051,73 @@ class Core:
         self.held_bytes += nbytes
         self.held_count += 1
         if self.claim_timeout is not None:
-            self.claims.append((self.loop.time() + self.claim_timeout, step, route.text))
+            claimed = (step, route.text)
+            deadlines = self.claims.get(claimed)
+            if deadlines is None:
+                deadlines = self.claims[claimed] = deque()
+            deadlines.append(self.loop.time() + self.claim_timeout)
+
+    def due_claims(self, now: float) -> list:
+        """The held values nobody asked for within claim_timeout, as ``(step, key, count,
+        pulled)``: push the ``count`` oldest values of ``key`` (``Node._push_unclaimed``);
+        when ``pulled``, only while they can be written at once (``put_off`` if not).
+
+        - The claims of values taken since are dropped first: a key's claims, like its
+          values, go oldest first, so all but its last ``queued`` are of values taken.
+          One look a key a pass, however many values it moved.
+        - A key its consumer asked for after its oldest value was held is pulled
+          (``asked``): that consumer will likely ask for this one too, and pushing it now
+          could overtake that request's answer (a push waiting for credit while the answer,
+          which needs none, goes).  But a consumer may have asked once and then wait
+          locally (recvs with mode="send", or a request made only because the handshake
+          said we hold): its values wait until claim_timeout after the key's last request,
+          and then go only if they can be written at once.
+        """
+        timeout = self.claim_timeout
+        if timeout is None:
+            return []   # (nothing is claimed)
+        claims = self.claims
+        put_off = self.put_off
+        due = []
+        for counted, deadlines in list(claims.items()):
+            step = counted[0]
+            key = counted[1]
+            table = self.tables.get(step)
+            excess = len(deadlines) - (0 if table is None or table.aborted else table.queued(key))
+            while excess > 0:
+                deadlines.popleft()
+                excess -= 1
+            if not deadlines:
+                del claims[counted]
+                put_off.pop(counted, None)
+                continue
+            oldest = deadlines[0]
+            if oldest > now:
+                continue
+            until = put_off.get(counted)
+            if until is not None and until > now:
+                continue
+            pulled = until is not None
+            asked = self.asked.get(counted)
+            if asked is not None and asked >= oldest - timeout:
+                if asked + timeout > now:
+                    put_off[counted] = asked + timeout
+                    continue
+                pulled = True
+            if until is not None:
+                del put_off[counted]
+            count = 0
+            for deadline in deadlines:
+                if deadline > now:
+                    break
+                count += 1
+            due.append((step, key, count, pulled))
+        return due
+
+    def drop_claims(self) -> None:
+        """Forget every claim (close() pushes what is held)."""
+        self.claims.clear()
+        self.put_off.clear()
 
     def push(self, peer: Peer, step: Any, route: Route, value: Any, code: int, shape: tuple,
              nbytes: int) -> Any:
