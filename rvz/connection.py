@@ -76,7 +76,7 @@ _INT_SIZE = ctypes.sizeof(ctypes.c_int)
 class Owner(Protocol):
     """What a connection tells the node that owns it."""
 
-    def hello_fields(self, conn: Connection) -> dict[str, Any]: ...
+    def hello_fields(self, conn: Connection) -> dict[str, Any] | None: ...
 
     def connection_made(self, conn: Connection) -> None: ...
 
@@ -132,7 +132,9 @@ class Connection(Wire, asyncio.BufferedProtocol):
         # Writing pauses (and held-back answers resume) below answer_backlog at the latest.
         high = min(WRITE_HIGH_WATER, self.core.answer_backlog)
         transport.set_write_buffer_limits(high=high, low=min(WRITE_LOW_WATER, high // 4))
-        self.write_frame(_impl.codec.encode_hello(self.owner.hello_fields(self)))
+        fields = self.owner.hello_fields(self)
+        if fields is not None:  # (None: the owner fails it in connection_made)
+            self.write_frame(_impl.codec.encode_hello(fields))
         self.owner.connection_made(self)
 
     def tune_read(self) -> None:

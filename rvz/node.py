@@ -421,8 +421,18 @@ class Node(_NodeCalls):
         decoder = _codec.Decoder(max_payload=self.max_payload, pool=self._recv_pool)
         return Connection(self, self._core, decoder, outbound, peer)
 
-    def hello_fields(self, conn: Connection) -> dict[str, Any]:
-        """What this node says in the HELLO of a new connection (for ``Connection``)."""
+    def _refusing(self) -> bool:
+        """abort() ran: a connection whose dial or accept completes now is failed at once,
+        and says nothing (its task was cancelled too late, or its protocol started in the
+        loop pass after).  Left open, it would tell the peer this node is alive until its
+        peer_timeout."""
+        return self._state == "closed" and not self._said_bye
+
+    def hello_fields(self, conn: Connection) -> dict[str, Any] | None:
+        """What this node says in the HELLO of a new connection (for ``Connection``), or
+        None: no HELLO (``_refusing``)."""
+        if self._refusing():
+            return None
         conn.nonce = os.urandom(16)
         fields = {"v": _codec.VERSION, "job": self.job, "task": self.task,
                   "inc": self.incarnation, "order": sys.byteorder, "mode": self.mode,
@@ -436,10 +446,7 @@ class Node(_NodeCalls):
         self._conns.add(conn)
         assert self._loop is not None
         conn.opened = self._loop.time()
-        if self._state == "closed" and not self._said_bye:
-            # abort() ran while this dial or accept was under way (its task cancelled too
-            # late, or its protocol started in the loop pass after): nothing may use it, and
-            # left open it would tell the peer this node is alive until its peer_timeout.
+        if self._refusing():
             conn.fail(self._closed_error(self._close_cause or NodeClosed(self.name)))
             return
         if self._said_bye:

@@ -293,6 +293,7 @@ async def test_a_connection_made_after_abort_is_closed_at_once(cluster) -> None:
         await eventually(lambda: late.closed, "the connection made after abort() closed")
         assert isinstance(late.close_reason, rvz.Aborted)
         assert "gone" in str(late.close_reason) and not late.ready
+        assert late.bytes_out == 0, "it said HELLO for a node that is gone"
         on_p = p._core.peer(w.id)
         await eventually(lambda: not on_p.live_connections(), "the consumer's side closed too")
 
