@@ -501,21 +501,25 @@ async def test_a_keys_requests_stay_on_one_connection_while_one_is_unanswered(
 @pytest.mark.loop_timeout(30)
 async def test_shm_default_keeps_small_values_on_the_connection(cluster: rvz.ClusterSpec,
                                                                 mode: str) -> None:
-    # Small pushes, and small answers (within one provider message: no destination is
-    # offered for them), stay on the TCP connection; a large value goes through the channel.
+    # Small pushes, and answers up to answer_tcp_max (no destination is offered for them),
+    # stay on the TCP connection; a large value goes through the channel.
     provider_or_skip("shm")
     async with pair(cluster, mode, transport="shm", onesided={"chunk_size": 4 << 20}) as (w, p):
         for i in range(20):
             await w.send(key("tiny"), np.full(8, i, np.float32))
+        for i in range(5):   # 32 KiB: within shm's tcp_max and answer_tcp_max
+            await w.send(key("mid"), np.full(8192, i, np.float32))
         await w.send(key("huge"), np.ones(1 << 19))   # 4 MiB: above shm's tcp_max
         for i in range(20):
             assert int((await p.recv(key("tiny"), timeout=10))[0]) == i
+        for i in range(5):
+            assert int((await p.recv(key("mid"), timeout=10))[0]) == i
         assert np.array_equal(await p.recv(key("huge"), timeout=10), np.ones(1 << 19))
         ch = out_channel(w)
         tcp, inline, writes = ways(ch)
-        assert (tcp, inline) == (20, 0) and writes >= 1, (tcp, inline, writes)
+        assert (tcp, inline) == (25, 0) and writes >= 1, (tcp, inline, writes)
         if mode == "recv":
-            assert 0 < ch.answer_tcp_max <= ch.inline_limit
+            assert ch.inline_limit <= ch.answer_tcp_max <= ch.tcp_max
 
 
 @pytest.mark.loop_timeout(30)

@@ -568,8 +568,8 @@ class Wire:
         consumer, so a key's first value decides for all of its values on this connection,
         pushes and answers alike (an answer taken from the push queue follows pushes of its
         key still on their way): this connection if it was a push of at most the channel's
-        ``tcp_max`` bytes or an answer of at most its ``answer_tcp_max`` (one provider
-        message), else the channel (a larger answer: there the consumer offered its
+        ``tcp_max`` bytes or an answer of at most its ``answer_tcp_max`` (shm: 64 KiB),
+        else the channel (a larger answer: there the consumer offered its
         destination), which keeps each key's values in order.  Keys are remembered up to
         ``key_ways_max``; the values of keys first seen after that go one-sided, which no
         remembered key ever does unless it started so.

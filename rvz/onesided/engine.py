@@ -37,9 +37,9 @@ key holds even when a recv asks for a key whose pushes are still under way.
 Small values (header + key + payload within one provider message) go as an inline
 message, in order with the writes of the same endpoint.  The values of a key whose first
 value was a push of at most ``tcp_max`` bytes (shm: 256 KiB; verbs: none) or an answer
-that fits one provider message (``answer_tcp_max``: no destination is offered for such a
-value) do not come here at all: they stay on the TCP connection, compiled and coalesced
-(``Wire.goes_onesided`` in the engine).
+of at most ``answer_tcp_max`` (shm: 64 KiB; at least one provider message; the consumer
+offers no destination for a key it learned nothing of here) do not come here at all: they
+stay on the TCP connection, compiled and coalesced (``Wire.goes_onesided`` in the engine).
 
 Failures never escape into the event loop: a failed completion, an unreachable peer file,
 a malformed control message or an exhausted pool fails the channel with
@@ -179,6 +179,7 @@ class Engine:
             limit = min(limit, int(options.inline_max))
         self.inline_limit = limit
         self.tcp_max = options.tcp_max if options.tcp_max is not None else provider.tcp_max
+        self.answer_tcp_max = min(self.tcp_max, max(provider.answer_tcp_max, limit))
         self.channels: dict[int, Channel] = {}
         self.meta: dict[str, tuple[int, tuple[int, ...], int]] = {}
         self._ep_ids = itertools.count(1)
@@ -291,10 +292,11 @@ class Channel:
         self.slot_idle = options.slot_idle
         self.inline_limit = engine.inline_limit
         self.tcp_max = engine.tcp_max      # read by the connection (``Wire.goes_onesided``)
-        # A key first answered with a value this small stays on the connection as well: it
-        # would go here as an inline message (no destination is offered for it), handled
-        # in Python on both sides, and gains nothing from the channel.  (-1 with tcp_max -1.)
-        self.answer_tcp_max = min(self.tcp_max, self.inline_limit) if self.tcp_max >= 0 else -1
+        # A key first answered with a value this small stays on the connection as well: at
+        # most one provider message, it would go here inline, handled in Python on both
+        # sides; up to the provider's ``answer_tcp_max``, the destination the consumer offers
+        # before each request costs more than the channel saves.  (-1 with tcp_max -1.)
+        self.answer_tcp_max = engine.answer_tcp_max
         ep.on_error = self.fail
         self.failed: BaseException | None = None
         self.closed = False

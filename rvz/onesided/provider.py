@@ -99,6 +99,7 @@ class Provider(Protocol):
     needs_registered_source: bool
     max_message: int
     tcp_max: int  # default of Options.tcp_max: keys first pushed up to it stay on TCP
+    answer_tcp_max: int  # keys first answered up to it stay on TCP (at most tcp_max)
 
     def open(self) -> None: ...
 

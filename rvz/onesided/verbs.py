@@ -105,6 +105,7 @@ class VerbsProvider:
     needs_registered_source = True
     max_message = MSG_SIZE
     tcp_max = -1  # every value one-sided: not measured on a NIC yet (Options.tcp_max sets it)
+    answer_tcp_max = MSG_SIZE  # (with tcp_max set: answers up to one message stay on TCP)
 
     def __init__(self, loop: asyncio.AbstractEventLoop, device: str | None = None, port: int = 1,
                  gid_index: int | None = None, recv_depth: int = 256, send_depth: int = 256,
