@@ -679,13 +679,21 @@ class Node(_NodeCalls):
             core = self._core
             assert self._loop is not None
             end = None if timeout is None else self._loop.time() + timeout
-            while core.hold_full(table, route, nbytes):
-                left = None if end is None else max(0.0, end - self._loop.time())
-                try:
-                    await self._wait(core.hold_waiters, left, "hold limit")
-                except TimeoutError:
-                    raise TimeoutError(f"send of {route.text} to {peer.name} timed out after "
-                                       f"{said}s (hold limit: values not yet fetched)") from None
+            mine = core.reserve_hold(nbytes)
+            try:
+                while core.hold_full(table, route, nbytes, mine):
+                    left = None if end is None else max(0.0, end - self._loop.time())
+                    try:
+                        await self._wait(core.hold_waiters, left, "hold limit")
+                    except TimeoutError:
+                        raise TimeoutError(f"send of {route.text} to {peer.name} timed out "
+                                           f"after {said}s (hold limit: values not yet "
+                                           "fetched)") from None
+            except BaseException:
+                core.hold_reserved -= mine
+                core.wake_holders()  # the sends behind it look again
+                raise
+            core.hold_reserved -= mine
             core.hold(table, step, route, value, nbytes)
             return
         # A Send-Driven push waiting in its peer's queue (for the link, credit or socket).
@@ -1087,7 +1095,7 @@ class Node(_NodeCalls):
         timeout = self.claim_timeout
         if timeout is None:
             return  # (nothing is claimed)
-        for step, key, count, pulled in core.due_claims(now):
+        for step, key, count in core.due_claims(now):
             table = core.tables[step]
             route = core.route(key)
             if route.peer is None or not route.peer.live_connections():
@@ -1095,12 +1103,7 @@ class Node(_NodeCalls):
             peer = core.peer(route.dst)
             for _ in range(count):
                 value = table.take(key)
-                nbytes = nbytes_of(value)
-                if pulled and core.push_link(route.peer, nbytes) is None:
-                    table.put_front(key, value)  # not now: it would wait behind others
-                    core.put_off[step, key] = now + max(timeout, self.heartbeat)
-                    break
-                core.released_held(nbytes)
+                core.released_held(nbytes_of(value))
                 value, code, shape, nbytes = _codec.describe(value)
                 log.info("%s: pushing unclaimed %s to %s after %ss", self.name, key,
                          peer.name, timeout)

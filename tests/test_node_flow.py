@@ -471,10 +471,10 @@ async def test_the_claims_of_a_pulled_keys_taken_values_are_dropped_when_due(clu
 
 
 @pytest.mark.loop_timeout(20)
-async def test_held_values_of_a_pulled_key_are_not_pushed_behind_a_full_window(cluster) -> None:  # type: ignore[no-untyped-def]
-    """Past that time, a held value of a pulled key goes only if it can be written at once:
-    queued behind a full push window, the answer to the consumer's next request (which needs
-    no credit) would overtake it.  It stays held, and that request takes it, in order."""
+async def test_held_values_of_a_pulled_key_wait_for_credit_and_a_request_takes_them_first(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Past that time, a held value of a pulled key is pushed like any other, and behind a
+    full push window it waits for credit.  The consumer's next request (which needs no
+    credit) is answered with it, not with a later value: the key's values stay in order."""
     window = 4096
     async with pair(cluster, "recv", claim_timeout=0.2, push_window=window) as (w, p):
         await _linked(w, p)
@@ -485,11 +485,63 @@ async def test_held_values_of_a_pulled_key_are_not_pushed_behind_a_full_window(c
         peer = w._peers[("ps", 0)]
         blocked = asyncio.ensure_future(w.send(filler, np.zeros(window, np.uint8), mode="send"))
         await eventually(lambda: peer.credit < 64, "the window is spent")
-        await asyncio.sleep(1.0)  # five claim timeouts
-        assert queued(p, k) == 0 and w._held_count == 2  # none pushed behind the window
-        assert [int((await p.recv(k, timeout=5))[0]) for _ in range(2)] == [1, 2]
+        await eventually(lambda: w._held_count == 0, "the pulled values were pushed",
+                         within=5.0)
+        assert queued(p, k) == 0 and len(peer.queue) == 2   # waiting for credit, in order
+        assert [int((await p.recv(k, mode="recv", timeout=5))[0]) for _ in range(2)] == [1, 2]
         assert (await p.recv(filler, timeout=5)).nbytes == window
         await asyncio.wait_for(blocked, 5)
+
+
+@pytest.mark.parametrize("batch", [False, True])
+@pytest.mark.loop_timeout(20)
+async def test_a_consumer_waiting_locally_gets_a_pulled_keys_value_behind_a_full_window(cluster, batch) -> None:  # type: ignore[no-untyped-def]
+    """A model-based probe's hang: the consumer once asked for both keys, then waits
+    locally (``mode="send"``).  Their values come as unclaimed pushes; one of ``a`` stays
+    untaken in the consumer's table, and ``b``'s next value is larger than the credit left.
+    Kept held until it could be written at once, it never went: nothing returned credit,
+    and nothing asked.  Now it waits for credit, the producer says so (CREDIT 0), and the
+    consumer, whose window is full of values nobody takes, asks for it."""
+    window = 16384
+    async with pair(cluster, "recv", claim_timeout=0.2, push_window=window) as (w, p):
+        a, b = key("a"), key("b")
+        for i in range(3):
+            await w.send(a, np.full(4, i, np.float32))
+        for i in range(2):
+            await w.send(b, np.full(window, i, np.float32))   # four windows each
+        assert int((await p.recv(a, timeout=5))[0]) == 0
+        assert int((await p.recv(b, timeout=5))[0]) == 0
+        if batch:
+            got = await p.recv_many([a, b], mode="send", timeout=5)
+        else:
+            got = [await p.recv(a, mode="send", timeout=5), await p.recv(b, mode="send", timeout=5)]
+        assert [int(v[0]) for v in got] == [1, 1]
+        assert int((await p.recv(a, timeout=5))[0]) == 2
+
+
+@pytest.mark.loop_timeout(20)
+async def test_a_send_waiting_for_hold_room_keeps_its_turn(cluster) -> None:  # type: ignore[no-untyped-def]
+    """A Recv-Driven value near ``hold_limit`` waits until the values held leave room.
+    Smaller sends that come after it wait behind it: letting them in while they fit kept
+    a value or two held at all times, and the large one waited for ever (a model-based
+    probe: a stream of small values on one key starved a large one on another)."""
+    limit = 8192
+    async with pair(cluster, "recv", hold_limit=limit) as (w, p):
+        await _linked(w, p)
+        a, b = key("a"), key("b")
+        await w.send(a, np.array([0]))                             # held
+        large = asyncio.ensure_future(w.send(b, np.zeros(limit - 64, np.uint8)))  # fits alone
+        await settle()
+        assert not large.done()                                   # no room beside a#0
+        later = asyncio.ensure_future(w.send(a, np.array([1])))  # would fit beside a#0
+        await settle()
+        assert not later.done(), "a later send went ahead of the one waiting for room"
+        assert int((await p.recv(a, timeout=5))[0]) == 0         # room: the large one goes
+        await asyncio.wait_for(large, 5)
+        assert not later.done()                                   # no room beside it
+        assert (await p.recv(b, timeout=5)).nbytes == limit - 64
+        await asyncio.wait_for(later, 5)
+        assert int((await p.recv(a, timeout=5))[0]) == 1
 
 
 @pytest.mark.parametrize("mode", ["recv", "send"])

@@ -199,6 +199,7 @@ cdef class Core:
     cdef public Py_ssize_t held_bytes
     cdef public Py_ssize_t held_count
     cdef public object hold_waiters
+    cdef public Py_ssize_t hold_reserved
     cdef public dict claims
     cdef public dict put_off
     cdef public Py_ssize_t max_parked
@@ -226,12 +227,14 @@ cdef class Core:
     @cython.locals(route=Route, table=Table, peer=Peer)
     cpdef enter(self, object timeout)
     cpdef object send(self, object key, object value, object mode, object step, object timeout)
-    cpdef bint hold_full(self, Table table, Route route, Py_ssize_t nbytes) except -1
+    @cython.locals(others=Py_ssize_t)
+    cpdef bint hold_full(self, Table table, Route route, Py_ssize_t nbytes,
+                         Py_ssize_t mine=*) except -1
     @cython.locals(claimed=tuple, deadlines=object)
     cpdef hold(self, Table table, object step, Route route, object value, Py_ssize_t nbytes)
     @cython.locals(timeout=object, claims=dict, put_off=dict, due=list, counted=tuple,
                    deadlines=object, table=Table, key=str, excess=Py_ssize_t, oldest=double,
-                   until=object, pulled=bint, asked=object, count=Py_ssize_t, deadline=double)
+                   until=object, asked=object, count=Py_ssize_t, deadline=double)
     cpdef list due_claims(self, double now)
     cpdef drop_claims(self)
     @cython.locals(conn=Wire)
@@ -250,6 +253,8 @@ cdef class Core:
     cpdef undefer(self, Wire conn)
     cpdef Py_ssize_t held_cost(self)
     cpdef released_held(self, Py_ssize_t nbytes)
+    cpdef Py_ssize_t reserve_hold(self, Py_ssize_t nbytes) except -1
+    cpdef wake_holders(self)
     @cython.locals(route=Route, table=Table, peer=Peer)
     cpdef object recv(self, object key, object step, object mode, object timeout)
     cpdef tuple new_waiter(self, Table table, Route route, object peer, bint dial)

@@ -806,6 +806,7 @@ class Core:
         self.held_bytes = 0                # Recv-Driven values waiting for remote consumers
         self.held_count = 0
         self.hold_waiters: deque = deque()
+        self.hold_reserved = 0             # room (bytes + MESSAGE_COST) waiting sends reserved
         # (step, key) -> the deadlines of its held values, in the order they were held:
         # the claims ``due_claims`` looks at.  Values are taken oldest first, so the last
         # ``table.queued(key)`` are the claims of the values still held.
@@ -1039,9 +1040,20 @@ class Core:
         self.hold(table, step, route, value, nbytes)
         return None
 
-    def hold_full(self, table: Table, route: Route, nbytes: int) -> bool:
-        """Whether a Recv-Driven value of ``nbytes`` must still wait for room."""
-        return bool(self.held_count and self.held_cost() + nbytes + MESSAGE_COST > self.hold_limit
+    def hold_full(self, table: Table, route: Route, nbytes: int, mine: int = 0) -> bool:
+        """Whether a Recv-Driven value of ``nbytes`` must (still) wait for room; ``mine``:
+        what a waiting send reserved (``hold_reserved``).
+
+        Sends that wait keep their turn: the room they reserved counts as taken for the
+        sends behind them, else a value near ``hold_limit`` waits for ever while smaller
+        ones keep a value or two held.  A waiting send goes when there is room besides
+        the others' reservations, or nothing is held (a value larger than the limit goes
+        alone), so two waiting sends never wait for each other; a value its consumer
+        already asked for goes at once (a parked request takes it, nothing is held).
+        """
+        others = self.hold_reserved - mine
+        return bool((self.held_count or (others and not mine))
+                    and self.held_cost() + others + nbytes + MESSAGE_COST > self.hold_limit
                     and not table.waiting(route.text))
 
     def hold(self, table: Table, step: Any, route: Route, value: Any, nbytes: int) -> None:
@@ -1058,20 +1070,22 @@ class Core:
             deadlines.append(self.loop.time() + self.claim_timeout)
 
     def due_claims(self, now: float) -> list:
-        """The held values nobody asked for within claim_timeout, as ``(step, key, count,
-        pulled)``: push the ``count`` oldest values of ``key`` (``Node._push_unclaimed``);
-        when ``pulled``, only while they can be written at once (``put_off`` if not).
+        """The held values nobody asked for within claim_timeout, as ``(step, key, count)``:
+        push the ``count`` oldest values of ``key`` (``Node._push_unclaimed``).
 
         - The claims of values taken since are dropped first: a key's claims, like its
           values, go oldest first, so all but its last ``queued`` are of values taken.
           One look a key a pass, however many values it moved.
         - A key its consumer asked for after its oldest value was held is pulled
-          (``asked``): that consumer will likely ask for this one too, and pushing it now
-          could overtake that request's answer (a push waiting for credit while the answer,
-          which needs none, goes).  But a consumer may have asked once and then wait
-          locally (recvs with mode="send", or a request made only because the handshake
-          said we hold): its values wait until claim_timeout after the key's last request,
-          and then go only if they can be written at once.
+          (``asked``): that consumer will likely ask for this one too, and its request
+          moves it without taking the push window.  But a consumer may have asked once and
+          then wait locally (recvs with mode="send", or a request made only because the
+          handshake said we hold): its values wait until claim_timeout after the key's last
+          request, and then go, for credit like any push.  (A request that comes while
+          such a push waits for credit takes it first, so that no answer overtakes it:
+          ``on_request``.  Holding them until they could be written at once instead left
+          a consumer that waits locally waiting for ever behind a window full of values
+          it did not take.)
         """
         timeout = self.claim_timeout
         if timeout is None:
@@ -1095,23 +1109,20 @@ class Core:
             if oldest > now:
                 continue
             until = put_off.get(counted)
-            if until is not None and until > now:
-                continue
-            pulled = until is not None
-            asked = self.asked.get(counted)
-            if asked is not None and asked >= oldest - timeout:
-                if asked + timeout > now:
-                    put_off[counted] = asked + timeout
-                    continue
-                pulled = True
             if until is not None:
+                if until > now:
+                    continue
                 del put_off[counted]
+            asked = self.asked.get(counted)
+            if asked is not None and asked >= oldest - timeout and asked + timeout > now:
+                put_off[counted] = asked + timeout
+                continue
             count = 0
             for deadline in deadlines:
                 if deadline > now:
                     break
                 count += 1
-            due.append((step, key, count, pulled))
+            due.append((step, key, count))
         return due
 
     def drop_claims(self) -> None:
@@ -1256,9 +1267,20 @@ class Core:
         # waiting producers look again; those that still find no room wait again.
         if self.hold_waiters and (self.held_count == 0 or self.held_cost()
                                   <= self.hold_limit - self.hold_limit // HOLD_LOW_WATER):
-            for waiter in self.hold_waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
+            self.wake_holders()
+
+    def reserve_hold(self, nbytes: int) -> int:
+        """A send of ``nbytes`` starts waiting for room under hold_limit: it keeps its turn
+        (``hold_full``).  Returns the room it reserved."""
+        cost = nbytes + MESSAGE_COST
+        self.hold_reserved += cost
+        return cost
+
+    def wake_holders(self) -> None:
+        """Let every send waiting for room under hold_limit look again (``hold_full``)."""
+        for waiter in self.hold_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     # -- recv -----------------------------------------------------------------------------
 
@@ -1876,6 +1898,8 @@ class Core:
                 raise ProtocolError(f"{peer.name} has more than {self.max_parked} requests "
                                     "parked (max_parked)")
             conn.parked[request_id] = waiter
+            if self.hold_waiters:  # a send of this key waiting for room can go now
+                self.wake_holders()
         else:
             if held:
                 self.released_held(nbytes_of(value))
