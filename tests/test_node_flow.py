@@ -495,7 +495,7 @@ async def test_held_values_of_a_pulled_key_wait_for_credit_and_a_request_takes_t
 
 @pytest.mark.parametrize("batch", [False, True])
 @pytest.mark.loop_timeout(20)
-async def test_a_consumer_waiting_locally_gets_a_pulled_keys_value_behind_a_full_window(cluster, batch) -> None:  # type: ignore[no-untyped-def]
+async def test_a_consumer_waiting_locally_gets_a_pulled_value_behind_a_full_window(cluster, batch) -> None:  # type: ignore[no-untyped-def]
     """A model-based probe's hang: the consumer once asked for both keys, then waits
     locally (``mode="send"``).  Their values come as unclaimed pushes; one of ``a`` stays
     untaken in the consumer's table, and ``b``'s next value is larger than the credit left.
