@@ -690,10 +690,10 @@ class Node(_NodeCalls):
                                            f"after {said}s (hold limit: values not yet "
                                            "fetched)") from None
             except BaseException:
-                core.hold_reserved -= mine
-                core.wake_holders()  # the sends behind it look again
+                core.wake_holders()  # the sends behind it look again (once ``finally`` ran)
                 raise
-            core.hold_reserved -= mine
+            finally:
+                core.hold_reserved -= mine
             core.hold(table, step, route, value, nbytes)
             return
         # A Send-Driven push waiting in its peer's queue (for the link, credit or socket).
@@ -1077,38 +1077,37 @@ class Node(_NodeCalls):
                 route = core.route(key)
                 if not route.from_me or route.peer is None:
                     continue
-                while table.queued(key):
-                    value = table.take(key)
-                    core.released_held(nbytes_of(value))
-                    value, code, shape, nbytes = _codec.describe(value)
-                    done = core.queue_push(route.peer, step, route, value, code, shape, nbytes)
-                    # No caller awaits these: close() counts the failed ones, and asyncio
-                    # must not log each as an exception never retrieved.
-                    done.add_done_callback(_observe)
-                    dones.append(done)
+                # No caller awaits these: close() counts the failed ones, and asyncio
+                # must not log each as an exception never retrieved.
+                dones += self._push_oldest(table, step, route, table.queued(key), _observe)
         core.drop_claims()
+        return dones
+
+    def _push_oldest(self, table: Any, step: int, route: Any, count: int,
+                     on_done: Callable[[asyncio.Future[None]], None]) -> list[asyncio.Future[None]]:
+        """Push the ``count`` oldest values of ``route``'s key held in ``table`` to its
+        consumer; they wait for credit like any push, and ``on_done`` sees how each ends."""
+        core = self._core
+        dones = []
+        for _ in range(count):
+            value = table.take(route.text)
+            core.released_held(nbytes_of(value))
+            value, code, shape, nbytes = _codec.describe(value)
+            done = core.queue_push(route.peer, step, route, value, code, shape, nbytes)
+            done.add_done_callback(on_done)
+            dones.append(done)
         return dones
 
     def _push_unclaimed(self, now: float) -> None:
         """Push the held values whose claims came due (``Core.due_claims``), oldest first."""
         core = self._core
-        timeout = self.claim_timeout
-        if timeout is None:
-            return  # (nothing is claimed)
         for step, key, count in core.due_claims(now):
-            table = core.tables[step]
             route = core.route(key)
             if route.peer is None or not route.peer.live_connections():
                 continue  # not connected (lost?): held for the consumer to ask, or later
-            peer = core.peer(route.dst)
-            for _ in range(count):
-                value = table.take(key)
-                core.released_held(nbytes_of(value))
-                value, code, shape, nbytes = _codec.describe(value)
-                log.info("%s: pushing unclaimed %s to %s after %ss", self.name, key,
-                         peer.name, timeout)
-                done = core.queue_push(peer, step, route, value, code, shape, nbytes)
-                done.add_done_callback(_log_unclaimed_failure)
+            log.info("%s: pushing %d unclaimed value(s) of %s to %s after %ss", self.name,
+                     count, key, route.peer.name, self.claim_timeout)
+            self._push_oldest(core.tables[step], step, route, count, _log_unclaimed_failure)
 
     # -- frames the engine hands up ------------------------------------------------------------
 
