@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -45,18 +46,52 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct TCP ports that were free on ``host`` a moment ago.
 
     For tests, examples and benchmarks on one machine: another process may still take a
-    port between this call and the node's bind.
+    port between this call and the node's bind.  So the ports are drawn at random from
+    outside the kernel's ephemeral range where it can be read: the local end of every
+    outgoing connection (each dial, each test's client) comes from that range, and so did
+    a port the OS handed out for ``bind((host, 0))``, to the next such connection to take.
     """
-    socks = []
+    rng = random.SystemRandom()
+    spans = _outside_ephemeral()
+    socks: list[socket.socket] = []
     try:
-        for _ in range(n):
+        draws = 64 * n if spans else 0
+        while len(socks) < n:
             s = socket.socket()
-            s.bind((host, 0))
             socks.append(s)
+            if draws:
+                draws -= 1
+                try:
+                    s.bind((host, _draw(spans, rng)))
+                except OSError:  # in use, or held by TIME_WAIT: draw again
+                    socks.pop().close()
+                continue
+            s.bind((host, 0))
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+def _outside_ephemeral() -> list[tuple[int, int]]:
+    """The port spans from 10000 up that lie outside the ephemeral range (Linux); [] where
+    that range cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first, last = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return []
+    return [(lo, hi) for lo, hi in ((10000, first - 1), (last + 1, 65535)) if hi - lo >= 1000]
+
+
+def _draw(spans: list[tuple[int, int]], rng: random.Random) -> int:
+    """A port drawn uniformly from ``spans`` (inclusive ranges)."""
+    r = rng.randrange(sum(hi - lo + 1 for lo, hi in spans))
+    for lo, hi in spans:
+        if r <= hi - lo:
+            return lo + r
+        r -= hi - lo + 1
+    raise AssertionError("unreachable")
 
 
 def _task_index(value: object, where: str) -> int:

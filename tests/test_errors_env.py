@@ -8,6 +8,8 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import random
+import socket
 from typing import Any
 
 import pytest
@@ -87,6 +89,31 @@ def test_cluster_forms() -> None:
     assert rvz.cluster.split_address("[::1]:7000") == ("::1", 7000)
     with pytest.raises(ValueError):  # ConfigError is a ValueError, as before
         rvz.cluster.split_address("nope")
+
+
+def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:
+    # The local end of every outgoing connection comes from the ephemeral range: a port
+    # from there, free a moment ago, could be taken by a dial before the node binds it.
+    spans = rvz.cluster._outside_ephemeral()
+    ports = rvz.cluster.free_ports(40)
+    assert len(set(ports)) == 40
+    if spans:
+        assert all(any(lo <= p <= hi for lo, hi in spans) for p in ports)
+    else:
+        print("no ephemeral port range to read here: free_ports falls back to bind(0)")
+    for p in ports[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
+def test_free_ports_draws_from_every_span_by_its_size() -> None:
+    rng = random.Random(7)
+    spans = [(10000, 10999), (20000, 20099)]
+    drawn = [rvz.cluster._draw(spans, rng) for _ in range(5500)]
+    assert all(10000 <= p <= 10999 or 20000 <= p <= 20099 for p in drawn)
+    small = sum(p >= 20000 for p in drawn)
+    assert 300 < small < 700  # 100 of 1100 ports: about 500 of 5500 draws
+    assert min(drawn) == 10000 and max(drawn) == 20099
 
 
 # -- TF_CONFIG ------------------------------------------------------------------------------
