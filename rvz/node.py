@@ -34,6 +34,7 @@ connection, ``Peer.link``: one ordered stream per direction, coalesced per loop 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -98,6 +99,11 @@ def _is_loopback(host: str) -> bool:
 def _log_unclaimed_failure(done: asyncio.Future[None]) -> None:
     if not done.cancelled() and done.exception() is not None:
         log.warning("an unclaimed value could not be pushed: %s", done.exception())
+
+
+def _release_held(core: Any, nbytes: int, done: asyncio.Future[None]) -> None:
+    """A held value pushed to its consumer left the push queue (``Node._push_oldest``)."""
+    core.released_held(nbytes)
 
 
 def _observe(future: asyncio.Future[Any]) -> None:
@@ -313,7 +319,9 @@ class Node(_NodeCalls):
                 err = RvzError(f"node {self.name} is not started{where}: use `async with "
                                "rvz.Node(...) as node` or `await node.start()` first")
             else:
-                err = RvzError(f"node {self.name} is {self._state}{where}")
+                # close() is under way: code that catches Aborted (or NodeClosed) at shutdown
+                # must catch this call too, and a batch that was waiting when it began.
+                err = NodeClosed(f"node {self.name} is closing{where}")
             raise err from self._close_cause
 
     def _check_empty_batch(self, step: int) -> None:
@@ -684,8 +692,16 @@ class Node(_NodeCalls):
                 while core.hold_full(table, route, nbytes, mine):
                     left = None if end is None else max(0.0, end - self._loop.time())
                     try:
+                        if peer.unconnected():
+                            # Room comes when consumers fetch.  Ours is dialled, as a
+                            # Send-Driven recv's producer is, so that one gone (or never
+                            # up) fails the send with PeerLost within connect_timeout
+                            # instead of leaving it waiting for ever; a lost connection
+                            # wakes us to look again (``_peer_lost``).
+                            await asyncio.wait_for(self._link(peer, route.text), left)
+                            continue
                         await self._wait(core.hold_waiters, left, "hold limit")
-                    except TimeoutError:
+                    except (TimeoutError, asyncio.TimeoutError):
                         raise TimeoutError(f"send of {route.text} to {peer.name} timed out "
                                            f"after {said}s (hold limit: values not yet "
                                            "fetched)") from None
@@ -933,6 +949,8 @@ class Node(_NodeCalls):
         peer.owe_now = False
         peer.stuck = False
         peer.pushes_on = None
+        if core.hold_waiters:  # a send waiting for room may wait on this peer: it dials
+            core.wake_holders()
 
         def lost(key: str) -> RvzError:
             exc = type(err)(f"{err} (key {key})")
@@ -1090,10 +1108,13 @@ class Node(_NodeCalls):
         core = self._core
         dones = []
         for _ in range(count):
-            value = table.take(route.text)
-            core.released_held(nbytes_of(value))
-            value, code, shape, nbytes = _codec.describe(value)
+            value, code, shape, nbytes = _codec.describe(table.take(route.text))
             done = core.queue_push(route.peer, step, route, value, code, shape, nbytes)
+            # It counts against hold_limit until it leaves the queue (written, taken by a
+            # request, or failed).  Released here, a consumer that took none of them let the
+            # sends behind hold hold_limit again every claim_timeout: the queue grew
+            # without bound.
+            done.add_done_callback(functools.partial(_release_held, core, nbytes))
             done.add_done_callback(on_done)
             dones.append(done)
         return dones

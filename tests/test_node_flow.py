@@ -123,6 +123,51 @@ async def test_recv_driven_hold_limit_slows_the_producer(cluster) -> None:  # ty
 
 
 @pytest.mark.loop_timeout(30)
+async def test_held_values_pushed_unclaimed_count_against_hold_limit_until_written(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Values pushed at claim_timeout wait for credit in the push queue, and count against
+    hold_limit there: released when queued, a consumer that took none of them let the
+    sends behind them hold the limit again every claim_timeout, and the producer's queue
+    grew without bound.  Now the sends stop at the limit plus the consumer's window."""
+    limit, window, size = 256 << 10, 256 << 10, 32 << 10
+    async with pair(cluster, "recv", hold_limit=limit, push_window=window, claim_timeout=0.1) as (w, p):
+        await _linked(w, p)
+        sent = 0
+        with pytest.raises(TimeoutError, match="hold limit"):
+            for i in range(200):   # the old code sent them all, 6.4 MiB, in about two seconds
+                await w.send(key("untaken"), np.full(size // 4, i, np.float32), timeout=0.6)
+                sent += 1
+        queue = w._core.peer(p.id).queue
+        assert sent * size <= limit + window + size, sent
+        assert w._held_bytes + 64 * w._held_count <= limit   # MESSAGE_COST a value
+        assert w._held_bytes >= sum(item[6] for item in queue) > 0   # the queued count as held
+        for i in range(sent):      # and nothing was lost or reordered
+            assert int((await p.recv(key("untaken"), timeout=5))[0]) == i
+        await eventually(lambda: w._held_bytes == 0 and w._held_count == 0, "all released")
+
+
+@pytest.mark.loop_timeout(30)
+async def test_a_send_waiting_for_hold_room_fails_when_its_consumer_is_gone(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Room under hold_limit comes only when consumers fetch.  A send waiting for it whose
+    consumer died waited for ever; now it dials the consumer, as a Send-Driven recv does
+    its producer, and fails with PeerLost once that cannot be reached (connect_timeout)."""
+    async with pair(cluster, "recv", hold_limit=MIB, claim_timeout=None, connect_timeout=1.0,
+                    peer_timeout=1.0) as (w, p):
+        await _linked(w, p)
+        k = key("orphaned")
+        waiting = await pending(_fill_hold(w, k), 0.3)
+        p.abort()
+        with pytest.raises(rvz.PeerLost, match=r"ps/replica:0/task:0"):
+            await asyncio.wait_for(waiting, 10)
+        with pytest.raises(rvz.PeerLost):   # the limit is still full of values for the dead
+            await asyncio.wait_for(w.send(k, array(99)), 10)
+
+
+async def _fill_hold(w: rvz.Node, k: rvz.Key) -> None:
+    for i in range(COUNT):
+        await w.send(k, array(i))
+
+
+@pytest.mark.loop_timeout(30)
 async def test_recv_driven_hold_limit_counts_each_value_and_wakes_producers_in_bulk(cluster) -> None:  # type: ignore[no-untyped-def]
     # Held values count MESSAGE_COST bytes each, as in the push window, so tiny values are
     # bounded in number too.  Producers waiting for room look again once an eighth of the
@@ -378,6 +423,33 @@ async def test_abort_during_close_ends_it_with_the_aborts_cause(cluster) -> None
         assert later.value.__cause__ is cause
 
 
+@pytest.mark.loop_timeout(20)
+async def test_calls_while_close_lingers_fail_with_node_closed(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Once close() began, a new call and a Recv-Driven batch that waited for hold room
+    fail with NodeClosed, an Aborted, as they would on the closed node: shutdown code that
+    catches Aborted missed the plain RvzError they raised.  (close() pushes the held values,
+    which wakes the batch; its next item then found the node closing.)"""
+    async with pair(cluster, "recv", hold_limit=64 << 10, push_window=64 << 10,
+                    worker={"linger": 10.0}) as (w, p):
+        await _linked(w, p)
+        k = key("z")
+        batch = asyncio.ensure_future(
+            w.send_many([(k, np.full(16384, i, np.float32)) for i in range(40)]))
+        await eventually(lambda: len(w._core.hold_waiters) > 0, "the batch waits for hold room")
+        closing = asyncio.ensure_future(w.close())
+        await settle()
+        assert w.state == "closing"
+        with pytest.raises(rvz.NodeClosed, match="is closing"):
+            await w.send(key("during"), np.arange(1))
+        with pytest.raises(rvz.NodeClosed, match="is closing"):
+            await w.recv(key("back", src=PS, dst=WORKER), timeout=1)
+        with pytest.raises(rvz.Aborted):
+            await asyncio.wait_for(batch, 5)
+        w.abort()
+        await asyncio.wait_for(closing, 5)
+        assert float((await p.recv(k, timeout=5))[0]) == 0.0  # what was sent still arrived
+
+
 @pytest.mark.loop_timeout(5)
 async def test_recv_driven_close_gives_up_after_linger(cluster, caplog) -> None:  # type: ignore[no-untyped-def]
     w = await rvz.Node(cluster, "worker", 0, "recv",
@@ -485,9 +557,10 @@ async def test_held_values_of_a_pulled_key_wait_for_credit_and_a_request_takes_t
         peer = w._peers[("ps", 0)]
         blocked = asyncio.ensure_future(w.send(filler, np.zeros(window, np.uint8), mode="send"))
         await eventually(lambda: peer.credit < 64, "the window is spent")
-        await eventually(lambda: w._held_count == 0, "the pulled values were pushed",
+        await eventually(lambda: queued(w, k) == 0, "the pulled values were pushed",
                          within=5.0)
         assert queued(p, k) == 0 and len(peer.queue) == 2   # waiting for credit, in order
+        assert w._held_count == 2   # and counted against hold_limit until they are written
         assert [int((await p.recv(k, mode="recv", timeout=5))[0]) for _ in range(2)] == [1, 2]
         assert (await p.recv(filler, timeout=5)).nbytes == window
         await asyncio.wait_for(blocked, 5)
