@@ -494,6 +494,13 @@ def test_recv_driven_rows_have_a_socket_request_reply_baseline(tmp_path: Path) -
         else:  # the send-driven rows and the baselines are not compared with it
             assert "ratio_socket_reply" not in row, row
     target = {t["id"]: t for t in r["targets"]}["holds-previous-recv"]
+    # With three lanes the replica keeps three requests out, as rvz's lanes do (and
+    # still moves exactly the messages it was asked for).
+    r3 = run_json(tmp_path, "stream", "--sizes", "256K", "--iters", "16", "--concurrency", "3",
+                  "--mode", "recv", *TINY, timeout=50)
+    rows3 = {row["variant"]: row for row in r3["stream"] if row["variant"] in ("socket-reply", "rvz")}
+    assert rows3["socket-reply"]["in_flight"] == rows3["rvz"]["in_flight"] == 3
+    assert rows3["socket-reply"]["messages"] == 16
     assert target["figure"] is not None and "socket request/reply, same size" in target["detail"]
 
 

@@ -47,8 +47,9 @@ RDV_GAP_NS = 1_000_000      # how much earlier the first side calls in an ordere
 RDV_SPREAD_NS = 2_000_000   # random order: each side waits uniformly in [0, spread)
 RDV_LEAD_NS = 300_000_000   # time for both workers to set up before round 0
 RDV_WIRE = {"send": "push", "recv": "request+reply"}  # each mode's bytes, in the socket replica
-# Recv-Driven's own baseline from HOLD_MIN_SIZE up (one message in flight there): the blocking
-# socket again, each message asked for with a request first (``socket_stream``'s ``reply``).
+# Recv-Driven's own baseline from HOLD_MIN_SIZE up: the blocking socket again, each message
+# asked for with a request first, as many requests out as rvz has lanes at that size
+# (``socket_stream``'s ``reply``).
 SOCKET_REPLY = "socket-reply"
 BASELINES = ("socket", "streams", "zmq", SOCKET_REPLY)
 BATCH_MAX_SIZE = 4 << 10    # batch rows up to this size (the small-message regime)
@@ -366,7 +367,9 @@ class Bench:
     def stream_case(self, variant: str, mode: str, size: int, impl: str | None = None) -> dict[str, Any]:
         opts = self.opts
         pattern = PATTERNS.get(variant)
-        concurrency = opts.stream_concurrency(size) if variant in ("rvz", "rvz-hold") else 1
+        # The request/reply replica keeps as many requests out as rvz's Recv-Driven lanes.
+        concurrency = (opts.stream_concurrency(size) if variant in ("rvz", "rvz-hold", SOCKET_REPLY)
+                       else 1)
         batch = opts.batch if variant == "rvz-batch" else None
         impl_of = "socket" if variant == SOCKET_REPLY else variant
         case = {"kind": "stream", "impl": "rvz" if pattern else impl_of, "mode": mode, "size": size,

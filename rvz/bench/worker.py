@@ -540,7 +540,10 @@ def _end_sending(sock: socket.socket) -> None:
     closes then): closing at once could reset the connection under its last bytes."""
     sock.settimeout(ROUND_TIMEOUT)
     sock.shutdown(socket.SHUT_WR)
-    sock.recv(1)
+    # Until its end: requests still out (the request/reply baseline's other lanes) come
+    # first, and closing with them unread would reset the connection too.
+    while sock.recv(1 << 12):
+        pass
 
 
 def socket_stream(case: dict[str, Any], addrs: dict[str, str], role: str,
@@ -549,7 +552,9 @@ def socket_stream(case: dict[str, Any], addrs: dict[str, str], role: str,
 
     With ``reply`` (the Recv-Driven rows' second baseline) the consumer asks for each
     message with a REQUEST_BYTES-byte request and the producer sends it when asked: the
-    request/reply pattern itself, one message in flight, with nothing of rvz.
+    request/reply pattern itself, with nothing of rvz.  ``concurrency`` requests are out at
+    a time, as rvz's Recv-Driven lanes each keep one: the consumer asks again for every
+    message it reads.
     """
     size = int(case["size"])
     plan = Plan(case, 1)
@@ -582,15 +587,17 @@ def socket_stream(case: dict[str, Any], addrs: dict[str, str], role: str,
         start = None
         warm = plan.warmup
         ask = bytes(REQUEST_BYTES)
+        if reply:
+            sock.sendall(ask * max(1, int(case.get("concurrency", 1))))  # each lane's first
         while True:
-            if reply:
-                sock.sendall(ask)
             _recv_exactly(sock, view)
             received += 1
             if received == warm:
                 start = time.perf_counter_ns()
             if frame[flag]:
                 break
+            if reply:
+                sock.sendall(ask)  # the lane that read it asks for its next
         end = time.perf_counter_ns()
         result = stream_figures(received - warm, size, start, end)
         result["memory"] = probe.result()
