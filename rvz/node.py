@@ -364,7 +364,8 @@ class Node(_NodeCalls):
         and ``messages_in``/``messages_out`` (values and control frames, however values
         were packed into frames) over its live connections, the push ``credit``
         it granted us, the ``owed`` credit we hold back, ``queued_pushes``, the requests it
-        parked here (``parked_requests``) and ours to it (``outstanding_requests``).
+        parked here (``parked_requests``), ours to it (``outstanding_requests``) and the
+        Recv-Driven values we hold for it (``held_values``).
         ``steps`` maps each step with a table to its ``queued_values``, ``queued_keys``,
         ``waiting_recvs`` and ``waiting_keys``.  ``held`` counts the Recv-Driven values
         kept for remote consumers; ``waits`` how often a send (``producer``) or a recv
@@ -375,6 +376,7 @@ class Node(_NodeCalls):
         outstanding: dict[Any, int] = {}
         for request in core.requests.values():
             outstanding[request.peer] = outstanding.get(request.peer, 0) + 1
+        held = self._held_for()
         peers = {}
         for peer in core.peers.values():
             conns = peer.live_connections()
@@ -402,6 +404,7 @@ class Node(_NodeCalls):
                 "parked_requests": sum(len(c.parked) for c in conns),
                 "deferred_answers": sum(len(c.deferred) for c in conns),
                 "outstanding_requests": outstanding.get(peer, 0),
+                "held_values": held.get(peer, 0),
             }
         steps = {}
         for step, table in core.tables.items():
@@ -704,7 +707,7 @@ class Node(_NodeCalls):
                     except (TimeoutError, asyncio.TimeoutError):
                         raise TimeoutError(f"send of {route.text} to {peer.name} timed out "
                                            f"after {said}s (hold limit: values not yet "
-                                           "fetched)") from None
+                                           f"fetched{self._held_summary()})") from None
             except BaseException:
                 core.wake_holders()  # the sends behind it look again (once ``finally`` ran)
                 raise
@@ -740,6 +743,29 @@ class Node(_NodeCalls):
         """Make sure a connection to ``peer`` is on its way (without waiting for it)."""
         if peer.dialling is None or peer.dialling.done():
             self._spawn(self._link(peer))
+
+    def _held_for(self) -> dict[Any, int]:
+        """How many Recv-Driven values this node holds for each remote consumer."""
+        core = self._core
+        held: dict[Any, int] = {}
+        for table in core.tables.values():
+            for key in table.queued_keys():
+                route = core.route(key)
+                if route.from_me and route.peer is not None:
+                    held[route.peer] = held.get(route.peer, 0) + table.queued(key)
+        return held
+
+    def _held_summary(self) -> str:
+        """``"; held for <peer> (<state>): <n> values, ..."``, the three holding most: who
+        fills hold_limit, when a send times out waiting for room (a consumer that is gone
+        keeps its values held for its next incarnation, and they count)."""
+        held = sorted(self._held_for().items(), key=lambda item: -item[1])
+        if not held:
+            return ""
+        parts = [f"{peer.name} ({'not connected' if peer.unconnected() else 'connected'}): "
+                 f"{count} values" for peer, count in held[:3]]
+        more = f" and {len(held) - 3} more consumers" if len(held) > 3 else ""
+        return "; held for " + ", ".join(parts) + more
 
     async def _wait(self, waiters: deque[asyncio.Future[None]], timeout: float | None,
                     what: str) -> None:

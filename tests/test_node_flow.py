@@ -146,20 +146,35 @@ async def test_held_values_pushed_unclaimed_count_against_hold_limit_until_writt
 
 
 @pytest.mark.loop_timeout(30)
-async def test_a_send_waiting_for_hold_room_fails_when_its_consumer_is_gone(cluster) -> None:  # type: ignore[no-untyped-def]
+async def test_a_send_waiting_for_hold_room_fails_when_its_consumer_is_gone() -> None:
     """Room under hold_limit comes only when consumers fetch.  A send waiting for it whose
     consumer died waited for ever; now it dials the consumer, as a Send-Driven recv does
-    its producer, and fails with PeerLost once that cannot be reached (connect_timeout)."""
-    async with pair(cluster, "recv", hold_limit=MIB, claim_timeout=None, connect_timeout=1.0,
-                    peer_timeout=1.0) as (w, p):
-        await _linked(w, p)
+    its producer, and fails with PeerLost once that cannot be reached (connect_timeout).
+    The dead consumer's values stay held (for its next incarnation): a send to another
+    consumer that times out says who fills the limit."""
+    cluster = rvz.ClusterSpec.loopback({"worker": 1, "ps": 2})
+    opts = {**FAST, "hold_limit": MIB, "claim_timeout": None, "connect_timeout": 1.0,
+            "peer_timeout": 1.0}
+    async with rvz.Node(cluster, "worker", 0, "recv", **opts) as w, \
+            rvz.Node(cluster, "ps", 0, "recv", **opts) as p0, \
+            rvz.Node(cluster, "ps", 1, "recv", **opts) as p1:
+        await _linked(w, p0)
         k = key("orphaned")
         waiting = await pending(_fill_hold(w, k), 0.3)
-        p.abort()
+        held = w.stats()["peers"][p0.name]["held_values"]
+        assert held == MIB // (SIZE + 64)   # 64 B a value counts too
+        p0.abort()
         with pytest.raises(rvz.PeerLost, match=r"ps/replica:0/task:0"):
             await asyncio.wait_for(waiting, 10)
         with pytest.raises(rvz.PeerLost):   # the limit is still full of values for the dead
             await asyncio.wait_for(w.send(k, array(99)), 10)
+        other = key("other", dst=p1.name + "/device:CPU:0")
+        await w.send(key("hello", dst=other.dst), np.arange(1), mode="send")
+        await p1.recv(key("hello", dst=other.dst), timeout=5)      # ps:1 is connected
+        with pytest.raises(TimeoutError, match=rf"held for {p0.name} \(not connected\): "
+                                               rf"{held} values"):
+            await w.send(other, array(0), timeout=0.3)
+        assert w.stats()["peers"][p1.name]["held_values"] == 0
 
 
 async def _fill_hold(w: rvz.Node, k: rvz.Key) -> None:
