@@ -82,6 +82,8 @@ nbytes_of = _engine.nbytes_of
 MODES = ("recv", "send")
 TRANSPORTS = ("tcp", "shm", "verbs", "auto")  # all but tcp: rvz.onesided
 _DEAD_STEPS_MAX = 1 << 16
+# Steps without a table whose peers are still remembered, to relay a late clean-up to them.
+_RETIRED_STEPS_MAX = 1 << 12
 # A peer needs one or two connections (each side may dial); a few more cover reconnects
 # whose old connection is not known dead yet.  More is a peer holding sockets open.
 _MAX_INBOUND_PER_PEER = 8
@@ -1065,6 +1067,8 @@ class Node(_NodeCalls):
         self._drop_empty_tables()
         if self.step_idle is not None:
             self._expire_idle_steps(now)
+        if len(core.step_peers) - len(core.tables) > _RETIRED_STEPS_MAX:
+            self._forget_retired_steps()
         for peer in core.peers.values():
             if peer.owed > 0:  # a batch below a quarter window still goes back when idle
                 core.flush_credit_now(peer)
@@ -1093,6 +1097,25 @@ class Node(_NodeCalls):
             else:
                 now_empty[step] = mark
         self._empty_seen = now_empty
+
+    def _forget_retired_steps(self) -> None:
+        """Forget who took part in the oldest steps that have no table any more.
+
+        A step's table goes once it is empty, but its peers are remembered after it: a
+        clean-up that reaches us later is relayed to them.  Steps named by a counter would
+        keep one entry each for ever; the last ``_RETIRED_STEPS_MAX`` of them are kept.
+        """
+        core = self._core
+        excess = len(core.step_peers) - len(core.tables) - _RETIRED_STEPS_MAX
+        for step in list(core.step_peers):  # oldest first (the order they were joined)
+            if excess <= 0:
+                break
+            if step in core.tables:
+                continue
+            for peer in core.step_peers.pop(step):
+                if peer.joined_step == step:
+                    peer.joined_step = None
+            excess -= 1
 
     def _expire_idle_steps(self, now: float) -> None:
         """Drop the tables of steps nothing touched for ``step_idle`` seconds (a peer that
@@ -1373,6 +1396,7 @@ class Node(_NodeCalls):
     def _drop_table(self, step: int, message: str, cause: BaseException | None) -> None:
         core = self._core
         table = core.drop_table(step)
+        self._idle_since.pop(step, None)   # (cleaned up: nothing walks it again)
         if table is None:
             return
         for key, value in table.abort(message, cause):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import rvz
+import rvz.node as node_module
 from rvz import _impl
 
 from .conftest import FAST, WORKER, eventually, key, pair, pending, settle
@@ -480,3 +481,36 @@ def test_an_array_the_wire_cannot_carry_is_refused_at_the_call(run, cluster, mod
             assert (await p.recv(key("d"), timeout=5)).ndim == 32
     run(main())
 
+
+
+@pytest.mark.loop_timeout(30)
+async def test_steps_used_once_leave_no_state_behind(cluster, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Applications name steps by a counter.  A step's table goes once it is empty, and
+    nothing else the step left may grow with the steps ever used: the idle clock of a step
+    cleaned up (``Node._idle_since``) stayed, and so did who took part in every step
+    (``Core.step_peers``, kept to relay a late clean-up).  The peers of the last retired
+    steps are kept (``_RETIRED_STEPS_MAX``, 8 here), the others forgotten."""
+    monkeypatch.setattr(node_module, "_RETIRED_STEPS_MAX", 8, raising=False)
+    async with pair(cluster, "recv", heartbeat=0.02) as (w, p):
+        for s in range(1, 31):
+            await w.step(s).send(key("x"), np.arange(1))
+            if s % 2:
+                await asyncio.sleep(0.05)   # held across heartbeats: the step's idle clock runs
+            assert (await p.step(s).recv(key("x"), timeout=5))[0] == 0
+            if s % 3 == 0:
+                await w.step(s).cleanup()
+
+        def settled(node: rvz.Node) -> bool:
+            core = node._core
+            return (not set(core.tables) - {0} and not node._idle_since
+                    and len(core.step_peers) - len(core.tables) <= 8)
+
+        await eventually(lambda: settled(w) and settled(p), "the finished steps were forgotten")
+        # The steps remembered are the latest ones, and a late clean-up still reaches the
+        # consumer through them (it cleans up its step 29 when told).
+        latest = [s for s in range(1, 31) if s % 3][-8:]   # a clean-up forgot its step at once
+        assert set(w._core.step_peers) - {0} == set(latest)
+        waiting = await pending(p.step(29).recv(key("x"), timeout=5))
+        await w.step(29).cleanup()
+        with pytest.raises(rvz.Aborted, match="step 29"):
+            await waiting

@@ -626,6 +626,26 @@ async def test_cancelled_request_frees_its_destination(cluster: rvz.ClusterSpec,
 
 
 @pytest.mark.loop_timeout(30)
+async def test_a_cancelled_request_that_offered_no_destination_is_forgotten(
+        cluster: rvz.ClusterSpec, transport: str) -> None:
+    """A request for a key whose shape the consumer does not know offers no destination.
+    Cancelled before an answer came, the consumer's channel kept it in its asks for ever,
+    one entry per such request (keys named by a batch id grew them without bound).  The
+    producer now says "gone" for every parked request it drops on a CANCEL."""
+    async with pair(cluster, "recv", transport=transport, onesided=OPTS) as (w, p):
+        await w.send(key("warm"), np.ones(20000))
+        assert (await p.recv(key("warm"), timeout=10))[0] == 1
+        assert channels(p), "the pair talks over a one-sided channel"
+        for i in range(20):
+            with pytest.raises(TimeoutError):
+                await p.recv(key(f"never{i}"), timeout=0.05)
+        await eventually(lambda: sum(len(ch.asks) for ch in channels(p)) == 0,
+                         "the cancelled requests were forgotten")
+        await w.send(key("never3"), np.ones(20000) * 3)   # a late value still arrives
+        assert (await p.recv(key("never3"), timeout=10))[0] == 3
+
+
+@pytest.mark.loop_timeout(30)
 async def test_abort_fails_pending_operations_and_frees_the_pool(cluster: rvz.ClusterSpec,
                                                                  transport: str) -> None:
     async with pair(cluster, "send", transport=transport, onesided=OPTS) as (w, p):

@@ -850,8 +850,11 @@ class Channel:
             if kind == _codec.CANCEL:
                 request_id = event[1]
                 if request_id in self.conn.parked:
+                    # Parked, it was not answered and never will be: the consumer frees the
+                    # destination it offered, and forgets the request either way (without
+                    # this, every cancelled request it offered none for stayed in its asks).
                     dest = self.remote_dests.pop(request_id, None)
-                    if dest is not None and dest is not _WAITING:
+                    if dest is not _WAITING:
                         self._control({"op": "gone", "r": request_id})
             elif kind == _codec.DATA and event[2]:
                 # An answer that came over TCP (its key's values go that way): the
