@@ -219,6 +219,7 @@ class Node(_NodeCalls):
                                   push_window, hold_limit, claim_timeout, max_parked,
                                   max_steps, answer_backlog)
         self._idle_since: dict[int, tuple[Any, float]] = {}  # step -> (activity mark, since)
+        self._dead_order: deque[int] = deque()  # core.dead_steps' keys, oldest first
         # step -> (table, stamp, puts) of the tables the last tick found empty
         self._empty_seen: dict[int, tuple[Any, Any, Any]] = {}
         self._conns: set[Connection] = set()
@@ -1378,8 +1379,12 @@ class Node(_NodeCalls):
         if step in core.dead_steps:
             return
         if len(core.dead_steps) >= _DEAD_STEPS_MAX:
-            del core.dead_steps[next(iter(core.dead_steps))]
+            # The oldest by a queue of its own: next(iter()) of a dict whose front was
+            # deleted steps over every slot freed since its last resize, up to 100k of
+            # them, at each clean-up.
+            del core.dead_steps[self._dead_order.popleft()]
         core.dead_steps[step] = message
+        self._dead_order.append(step)
         self._drop_table(step, message, cause)
         for peer in core.peers.values():
             if peer.queue:  # Send-Driven sends of the step still waiting for credit or a link

@@ -514,3 +514,19 @@ async def test_steps_used_once_leave_no_state_behind(cluster, monkeypatch) -> No
         await w.step(29).cleanup()
         with pytest.raises(rvz.Aborted, match="step 29"):
             await waiting
+
+
+@pytest.mark.loop_timeout(30)
+async def test_the_oldest_dead_steps_are_forgotten_first(cluster, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A cleaned-up step stays dead (its later calls fail) for the last _DEAD_STEPS_MAX
+    clean-ups (4 here); older ones are forgotten oldest first, through a queue of their
+    own (taking the dict's first key slowed every clean-up once the cap was reached)."""
+    monkeypatch.setattr(node_module, "_DEAD_STEPS_MAX", 4)
+    async with pair(cluster, "send") as (w, p):
+        for s in range(1, 11):
+            await w.step(s).cleanup()
+        assert list(w._core.dead_steps) == [7, 8, 9, 10]
+        with pytest.raises(rvz.Aborted, match="step 9"):
+            await w.step(9).send(key("x"), np.arange(1))
+        await w.step(3).send(key("x"), np.arange(1))   # forgotten: a step like any other
+        assert (await p.step(3).recv(key("x"), timeout=5))[0] == 0
