@@ -749,13 +749,9 @@ class Node(_NodeCalls):
 
     def _held_for(self) -> dict[Any, int]:
         """How many Recv-Driven values this node holds for each remote consumer."""
-        core = self._core
         held: dict[Any, int] = {}
-        for table in core.tables.values():
-            for key in table.queued_keys():
-                route = core.route(key)
-                if route.from_me and route.peer is not None:
-                    held[route.peer] = held.get(route.peer, 0) + table.queued(key)
+        for _, table, route in self._held_keys():
+            held[route.peer] = held.get(route.peer, 0) + table.queued(route.text)
         return held
 
     def _held_summary(self) -> str:
@@ -1131,25 +1127,31 @@ class Node(_NodeCalls):
             if last is None or last[0] != mark:
                 seen[step] = (mark, now)
             elif now - last[1] >= self.step_idle:
-                del seen[step]
                 message = f"step {step} expired after {self.step_idle}s without activity"
                 log.info("%s: %s", self.name, message)
                 self._drop_table(step, message, None)
 
     def _push_held(self) -> list[Any]:
         """At close: push every Recv-Driven value still held to its consumer."""
-        core = self._core
         dones = []
-        for step, table in list(core.tables.items()):
+        for step, table, route in self._held_keys():
+            # No caller awaits these: close() counts the failed ones, and asyncio must not
+            # log each as an exception never retrieved.
+            dones += self._push_oldest(table, step, route, table.queued(route.text), _observe)
+        self._core.drop_claims()
+        return dones
+
+    def _held_keys(self) -> list[tuple[int, Any, Any]]:
+        """``(step, table, route)`` of every key with Recv-Driven values held here for a
+        remote consumer."""
+        core = self._core
+        held = []
+        for step, table in core.tables.items():
             for key in table.queued_keys():
                 route = core.route(key)
-                if not route.from_me or route.peer is None:
-                    continue
-                # No caller awaits these: close() counts the failed ones, and asyncio
-                # must not log each as an exception never retrieved.
-                dones += self._push_oldest(table, step, route, table.queued(key), _observe)
-        core.drop_claims()
-        return dones
+                if route.from_me and route.peer is not None:
+                    held.append((step, table, route))
+        return held
 
     def _push_oldest(self, table: Any, step: int, route: Any, count: int,
                      on_done: Callable[[asyncio.Future[None]], None]) -> list[asyncio.Future[None]]:

@@ -59,6 +59,12 @@ async def until_one_waits(send: Callable[[int], Awaitable[None]]) -> asyncio.Fut
     raise AssertionError("the push window never filled")
 
 
+async def send_count(w: rvz.Node, k: rvz.Key) -> None:
+    """``array(0)`` to ``array(COUNT - 1)`` on ``k``, each send awaited."""
+    for i in range(COUNT):
+        await w.send(k, array(i))
+
+
 async def _linked(w: rvz.Node, p: rvz.Node) -> None:
     """One exchange from ``w`` to ``p``, so that a connection between them is up."""
     await w.send(key("warm"), np.array([0]))
@@ -76,12 +82,7 @@ async def stalled_push(w: rvz.Node, p: rvz.Node, k: rvz.Key) -> asyncio.Future[N
 async def test_send_driven_backpressure_bounds_memory_and_loses_nothing(cluster) -> None:  # type: ignore[no-untyped-def]
     async with pair(cluster, "send", push_window=MIB) as (w, p):
         k = key("flood")
-
-        async def produce() -> None:
-            for i in range(COUNT):
-                await w.send(k, array(i))
-
-        producer = asyncio.ensure_future(produce())
+        producer = asyncio.ensure_future(send_count(w, k))
         await eventually(lambda: queued(p, k) >= 1,
                          "the first pushes arrived")
         await asyncio.sleep(0.5)
@@ -108,11 +109,7 @@ async def test_recv_driven_hold_limit_slows_the_producer(cluster) -> None:  # ty
         await w.send(key("linked"), array(0))  # linked first: this test is about the hold limit
         assert (await p.recv(key("linked"), timeout=10))[0] == 0
 
-        async def produce() -> None:
-            for i in range(COUNT):
-                await w.send(k, array(i))
-
-        producer = await pending(produce(), 0.3)
+        producer = await pending(send_count(w, k), 0.3)
         assert w._held_bytes <= MIB + SIZE, w._held_bytes
         assert queued(w, k) <= MIB // SIZE + 1
         for i in range(COUNT):
@@ -160,7 +157,7 @@ async def test_a_send_waiting_for_hold_room_fails_when_its_consumer_is_gone() ->
             rvz.Node(cluster, "ps", 1, "recv", **opts) as p1:
         await _linked(w, p0)
         k = key("orphaned")
-        waiting = await pending(_fill_hold(w, k), 0.3)
+        waiting = await pending(send_count(w, k), 0.3)
         held = w.stats()["peers"][p0.name]["held_values"]
         assert held == MIB // (SIZE + 64)   # 64 B a value counts too
         p0.abort()
@@ -175,11 +172,6 @@ async def test_a_send_waiting_for_hold_room_fails_when_its_consumer_is_gone() ->
                                                rf"{held} values"):
             await w.send(other, array(0), timeout=0.3)
         assert w.stats()["peers"][p1.name]["held_values"] == 0
-
-
-async def _fill_hold(w: rvz.Node, k: rvz.Key) -> None:
-    for i in range(COUNT):
-        await w.send(k, array(i))
 
 
 @pytest.mark.loop_timeout(30)
