@@ -1362,7 +1362,11 @@ class Node(_NodeCalls):
         self._entry(None)
         self._check_running()  # (a closed node's steps are all gone: nothing to clean up)
         core = self._core
-        text = message or f"step {step_id} was cleaned up by {self.name}"
+        # The step and who cleaned it up lead every message, a custom one too: code that
+        # catches Aborted across many steps must be able to tell which one failed.
+        text = f"step {step_id} was cleaned up by {self.name}"
+        if message:
+            text = f"{text}: {message}"
         if step_id not in core.dead_steps:
             # A Send-Driven consumer waits for this step's keys without telling us, so every
             # peer we are connected to may be waiting on it: tell them all, not only the

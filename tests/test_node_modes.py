@@ -400,11 +400,13 @@ async def test_step_cleanup_aborts_the_step_on_both_nodes(cluster, mode, by) -> 
         on_w = await pending(ws.recv(back("z"), timeout=10))
         # another step is not affected
         other = await pending(p.step(8).recv(key("y"), timeout=10))
-        await (ps if by == "consumer" else ws).cleanup("step 7 failed on purpose")
+        cleaner = p if by == "consumer" else w
+        await cleaner.step(7).cleanup("failed on purpose")
         for task in (on_ps, on_w):
             with pytest.raises(rvz.Aborted) as info:
                 await task
-            assert "step 7 failed on purpose" in str(info.value)
+            # the step and who cleaned it up, then the caller's text: on both nodes
+            assert f"step 7 was cleaned up by {cleaner.name}: failed on purpose" in str(info.value)
         with pytest.raises(rvz.Aborted):
             await ws.send(key("x"), np.array([2]))
         with pytest.raises(rvz.Aborted):
