@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import select
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -41,3 +44,20 @@ def ready_process(argv: list[str], cwd: str | None = None,
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
+
+
+def run_module(module: str, *args: str, cwd: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m module args`` in ``cwd`` (on ``PYTHONPATH``), in its own process group,
+    which is killed whatever happens: with every process it started, should it be killed
+    itself."""
+    env = dict(os.environ, PYTHONPATH=cwd)
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -14,10 +14,10 @@ import asyncio
 import contextlib
 import gzip
 import json
-import os
+import re
 import signal
 import subprocess
-import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,8 @@ from examples.param_server import Adagrad, Adam, EmbeddingTable
 from examples.param_server.client import PSClient
 from examples.param_server.launch import PSConfig, run_shard
 from examples.param_server.protocol import WORKER_JOB
+
+from .procs import run_module
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -440,8 +442,10 @@ def test_a_failure_in_mg_aborts_its_step_on_every_worker(run, planted) -> None: 
     results = run(in_process(cols, train_config(1, 2, 12), patch=break_worker_1), timeout=40)
     assert all(isinstance(r, StepFailed) and r.step == 3 for r in results), results
     assert "step 3 aborted: MG of worker 1 failed: FloatingPointError: dense step diverged" in str(results[1])
-    assert str(results[0]).startswith(
-        "worker 0: step 3 was aborted elsewhere: step 3 aborted: MG of worker 1")
+    # worker 0 names its own step, then rvz's error: which rvz step (the pipeline's id for
+    # step 3) and who cleaned it up, then worker 1's text
+    assert str(results[0]).startswith("worker 0: step 3 was aborted elsewhere: step ")
+    assert "was cleaned up by /job:worker/replica:0/task:1: step 3 aborted: MG of worker 1" in str(results[0])
 
 
 def test_a_failure_in_eg_aborts_the_step_and_mg_hears_which(run, planted) -> None:  # type: ignore[no-untyped-def]
@@ -562,18 +566,8 @@ def test_a_killed_worker_gets_a_clear_report_not_a_hang(planted, loop_name) -> N
 
 
 def run_cli(*args: str, timeout: float = 50) -> subprocess.CompletedProcess[str]:
-    """The CLI in its own process group, which is killed whatever happens (with the PS and
-    worker processes it started, should it be killed itself)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "examples.embedding_pipeline", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    """The CLI, killed whatever happens with the PS and worker processes it started."""
+    return run_module("examples.embedding_pipeline", *args, cwd=str(REPO), timeout=timeout)
 
 
 def test_cli_compares_staleness_and_workers_and_writes_json(tmp_path: Path, loop_name: str) -> None:
@@ -617,3 +611,73 @@ def test_cli_generate_and_the_plot_option(tmp_path: Path) -> None:
         assert parse_args(["train", "--plot", str(tmp_path / "p.png")]).plot
     with pytest.raises(SystemExit):
         parse_args(["train", "--data", "x.tsv"])   # needs --eval-data
+
+
+def test_a_lost_shard_is_reported_with_the_step_it_failed_within_the_timeout(planted, loop_name) -> None:  # type: ignore[no-untyped-def]
+    # The run's shards are never restarted: the step fails at once (not after the PS
+    # client's restart allowance), and closing the client afterwards, which cannot reach the
+    # dead shard either, adds a note to that report instead of replacing it.
+    cols, _ = planted
+    root = Path(cols.labels.filename).parent  # type: ignore[attr-defined]
+    cfg = TrainConfig(staleness=1, num_workers=2, global_batch=BATCH, hidden=HIDDEN, timeout=3.0,
+                      max_steps=30)
+    ps = PSConfig(dim=DIM, lr=SPARSE_LR["adagrad"], mode="send", loop=loop_name)
+    spec = JobSpec(str(root), None, cfg, ps, shards=2, timeout=40, kill_shard=(0, 5),
+                   node_options=dict(FAST_NODE))
+    started = time.monotonic()
+    with pytest.raises(JobFailed) as info:
+        run_job(spec)
+    text = str(info.value)
+    assert "ps 0: killed by SIGKILL" in text, text
+    # Each worker's report is its step failure (its own, or the clean-up of the other's),
+    # naming the step and the lost shard.
+    for w in (0, 1):
+        assert re.search(rf"worker {w}: StepFailed: [^\n]*step \d+ [^\n]*PS shard 0 was lost", text), text
+    assert "worker 0: StepFailed: step" in text or "worker 1: StepFailed: step" in text, text
+    # Start-up (two shards and two workers spawned) plus a few seconds, not 60 s or more.
+    assert time.monotonic() - started < 25, text
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["train", "--shards", "0"], "--shards must be at least 1"),
+    (["train", "--workers", "0"], "--workers must be at least 1"),
+    (["train", "--dim", "0"], "--dim must be at least 1"),
+    (["train", "--samples", "0"], "--samples must be at least 1"),
+    (["train", "--max-steps", "0"], "--max-steps must be at least 1"),
+    (["train", "--hidden", "8,0"], "--hidden must be at least 1"),
+    (["train", "--timeout", "0"], "--timeout must be positive"),
+    (["train", "--data", "/nonexistent/x.tsv", "--eval-data", "/nonexistent/y.tsv"], "no such file"),
+    (["train", "--kill-worker", "5:3"], "worker 5 does not exist"),
+    (["train", "--kill-worker", "1:3", "--compare-workers", "1,2"], "in the runs with 1 worker(s)"),
+    (["train", "--kill-worker", "0:9", "--max-steps", "5"], "step 9 is not within the run"),
+    (["train", "--workers", "3", "--batch-size", "1000"], "does not split into 3 equal shares"),
+    (["generate", "--samples", "0", "--out", "x"], "--samples must be at least 1"),
+])
+def test_the_cli_refuses_bad_options(argv: list[str], message: str,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_cli_refuses_a_batch_larger_than_the_data(tmp_path: Path) -> None:
+    proc = run_cli("train", "--samples", "300", "--eval-samples", "50", "--batch-size", "1000",
+                   "--cache-dir", str(tmp_path / "cache"), timeout=40)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--batch-size 1000 is more than the 300 training samples" in proc.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_stops_every_child_and_removes_its_cache(tmp_path: Path,
+                                                                          signum: int) -> None:
+    from .test_param_server_service import stop_launcher_and_check
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    err = stop_launcher_and_check(
+        ["examples.embedding_pipeline", "train", "--samples", "200000", "--eval-samples", "500",
+         "--batch-size", "32", "--dim", "4", "--hidden", "8", "--workers", "2", "--timeout", "20"], signum,
+        lambda log: "embedding_pipeline:" in log.read_text(), tmp_path, env={"TMPDIR": str(tmp)})
+    assert f"stopped by {signal.Signals(signum).name}" in err
+    assert list(tmp.glob("rvz-pipeline-*")) == []  # the temporary column cache is gone too

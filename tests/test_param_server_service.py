@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from examples.param_server.server import ShardServer
 from examples.param_server.sparse import sum_by_id
 
 from .conftest import free_ports
+from .procs import run_module
 
 MODES = ["recv", "send"]
 REPO = Path(__file__).resolve().parent.parent
@@ -345,3 +346,178 @@ def test_the_bench_reports_every_figure_with_its_same_run_baseline(tmp_path: Pat
         value, bound = target["value"], target["bound"]
         assert target["met"] == (value >= bound if target["op"] == ">=" else value <= bound), name
         assert f"target {name}:" in log
+
+
+# -- the launcher: bad options, a restart before any checkpoint, signals -----------------------------
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("argv", "message"), [
+    (["demo", "--shards", "0"], "--shards must be at least 1"),
+    (["demo", "--workers", "0"], "--workers must be at least 1"),
+    (["demo", "--dim", "0"], "--dim must be at least 1"),
+    (["demo", "--vocab", "0"], "--vocab must be at least 1"),
+    (["demo", "--steps", "-5"], "--steps must be at least 1"),
+    (["demo", "--batch", "0"], "--batch must be at least 1"),
+    (["demo", "--staleness", "-1", "--consistency", "ssp"], "--staleness must be at least 0"),
+    (["demo", "--tables", "a:4:nope"], "unknown optimizer 'nope'"),
+    (["demo", "--tables", "a:x"], "the dim must be an integer"),
+    (["demo", "--tables", "a:4,a:8"], "table 'a' is named twice"),
+    (["demo", "--restart"], "--restart needs --checkpoint-dir"),
+    (["demo", "--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+    (["demo", "--kill-shard", "5", "--restart", "--checkpoint-dir", "d"],
+     "--kill-shard 5: there are shards 0 to 1"),
+    (["demo", "--kill-shard", "0", "--restart", "--checkpoint-dir", "d", "--kill-at-step", "200"],
+     "the kill must come within the run"),
+    (["serve", "--cluster", "[1, 2]", "--job", "ps", "--task", "0"], "must be a JSON object"),
+    (["serve", "--cluster", '{"ps": ["127.0.0.1:1"]}', "--job", "ps", "--task", "0"],
+     "non-empty list of \"host:port\" for job 'worker'"),
+    (["serve", "--cluster", "{not json", "--job", "ps", "--task", "0"], "not valid JSON"),
+    (["serve", "--cluster", '{"ps": ["a:1"], "worker": ["a:2"]}', "--job", "ps", "--task", "1"],
+     "job 'ps' has tasks 0 to 0"),
+    (["serve", "--cluster", '{"ps": ["a:1"], "worker": ["a:2"]}', "--job", "worker", "--task", "0"],
+     "serve runs a 'ps' task"),
+    (["serve", "--cluster", '{"ps": ["a:1"], "worker": ["a:2"]}', "--job", "ps", "--task", "0", "--restore"],
+     "--restore needs --checkpoint-dir"),
+])
+def test_the_cli_refuses_bad_options_before_starting_anything(argv: list[str], message: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from examples.param_server.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def demo_run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """The demo, killed whatever happens with its children."""
+    return run_module("examples.param_server", "demo", *args, cwd=str(REPO), timeout=timeout)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("consistency", ["asp", "bsp"])
+def test_a_shard_killed_before_its_first_checkpoint_restarts_empty_and_saves_in_full(
+        tmp_path: Path, consistency: str) -> None:
+    # Killed at clock 30, first checkpoint due at 50: the restart finds nothing on disk. It
+    # must start empty, save a full checkpoint first (an increment has nothing to extend), and
+    # in bsp go on although the workers rejoin one clock apart (whoever had its ack of the
+    # last clock before the kill does not push that clock again).
+    proc = demo_run("--consistency", consistency, "--steps", "120", "--batch", "32", "--vocab", "2000",
+                    "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "50", "--restart",
+                    "--kill-shard", "0", "--kill-at-step", "30", "--timeout", "50")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ps0 died and was restarted from its checkpoint" in proc.stdout
+    assert "ps 0 epoch 1 table default" in proc.stdout
+    assert "CheckpointError" not in proc.stdout + proc.stderr
+    # Saves at clocks 50 and 100 only (not at the first push after the restart): full, then
+    # an increment of it.
+    entries = sorted(p.name for p in (tmp_path / "ps0" / "default").iterdir() if p.is_dir())
+    assert [e.split("-")[1] for e in entries] == ["full", "incr"], entries
+    assert "shard restarts seen 1" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_the_demo_says_when_the_kill_it_was_asked_for_did_not_happen(tmp_path: Path) -> None:
+    proc = demo_run("--steps", "20", "--batch", "32", "--checkpoint-dir", str(tmp_path), "--restart",
+                    "--kill-shard", "1", "--kill-after", "60")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "note: shard 1 was NOT killed: the run ended before the kill was due (after 60 s)" in proc.stdout
+
+
+def children_of(pid: int) -> list[int]:
+    """Every process whose parent is ``pid`` (from /proc)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                # The command name may hold spaces and parentheses: the fields follow the last ")".
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    kids.append(int(entry.name))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def stop_launcher_and_check(argv: list[str], signum: int, ready: Callable[[Path], bool],
+                            tmp_path: Path, env: dict[str, str] | None = None) -> str:
+    """Start a launcher, wait until ``ready``, send it ``signum``: it must exit with 128 +
+    signum, without a traceback, and leave none of its children running. Returns its stderr."""
+    log = tmp_path / "launcher.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, stdout=out, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + 40
+        while not (ready(log) and len(children_of(proc.pid)) >= 3):
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the launcher never got going"
+            time.sleep(0.1)
+        kids = children_of(proc.pid)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 128 + signum, err
+        assert "Traceback" not in err, err
+        deadline = time.monotonic() + 5
+        while any(alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [k for k in kids if alive(k)], "children outlived the launcher"
+        return err
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for k in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(k, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_demo_stops_every_child(tmp_path: Path, signum: int) -> None:
+    err = stop_launcher_and_check(
+        ["examples.param_server", "demo", "--steps", "100000", "--batch", "16", "--timeout", "50"], signum,
+        lambda log: "param_server:" in log.read_text(), tmp_path)
+    assert f"stopped by {signal.Signals(signum).name}" in err
+
+
+@pytest.mark.timeout(30)
+def test_a_shard_restarted_without_restore_is_named_in_the_workers_error(run) -> None:  # type: ignore[no-untyped-def]
+    # A fresh shard serves epoch 0 from clock 0 and never answers a worker at clock 3: the
+    # worker's error must say what it waited for, and hint at --restore, not just time out.
+    cfg = PSConfig(dim=4)
+    ports = free_ports(2)
+    cluster = {"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]}
+
+    async def shard() -> None:
+        async with rvz.Node(cluster, "ps", 0, linger=0.5) as node:
+            await ShardServer(node, make_tables(cfg), 1).serve()
+
+    async def main() -> None:
+        first = asyncio.ensure_future(shard())
+        async with rvz.Node(cluster, "worker", 0, linger=0.5) as node:
+            client = PSClient(node, 1, 4, timeout=1.0, restart_timeout=1.0)
+            ids = np.arange(5)
+            for clock in range(3):
+                rows = await client.lookup(ids, clock)
+                await client.push(ids, rows, clock)
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            second = asyncio.ensure_future(shard())  # started again, without --restore
+            try:
+                with pytest.raises((TimeoutError, rvz.PeerLost)) as info:
+                    await client.lookup(ids, 3)
+                assert "PS shard" in str(info.value) and "--restore" in str(info.value), info.value
+            finally:
+                second.cancel()
+                await asyncio.gather(second, return_exceptions=True)
+
+    run(main(), timeout=20)

@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 
 import rvz  # noqa: E402
 
+from ..common import Stopped, stop_on_signals  # noqa: E402
 from ..param_server.launch import PSConfig  # noqa: E402
 from .criteo import Columns, LoadStats, encode  # noqa: E402
 from .launch import JobFailed, JobSpec, run_job  # noqa: E402
@@ -101,6 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out.add_argument("--json", help="write the report here")
     out.add_argument("--plot", help="draw loss and AUC against step here (needs matplotlib)")
     args = p.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as exc:
+        sub.choices[args.command].error(str(exc))  # exit 2, before anything runs
     if args.command == "train":
         if args.plot:
             try:
@@ -109,13 +114,72 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 p.error("--plot needs matplotlib, which is not installed (the 'plot' extra of rvz)")
         if args.data and not args.eval_data:
             p.error("--data needs --eval-data (the held-out file)")
-        if args.kill_worker:
-            try:
-                w, s = (int(x) for x in args.kill_worker.split(":"))
-            except ValueError:
-                p.error("--kill-worker takes W:STEP")
-            args.kill_worker = (w, s)
     return args
+
+
+class UsageError(ValueError):
+    """An option that does not fit the data (known once it is loaded): exit 2, as argparse."""
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse what would crash a child, hang, be silently ignored or train nothing."""
+    def at_least(name: str, low: float, value: Any = None) -> None:
+        if value is None:
+            value = getattr(args, name.lstrip("-").replace("-", "_"))
+        if isinstance(value, list):
+            for v in value:
+                at_least(name, low, v)
+        elif not value >= low:
+            raise ValueError(f"{name} must be at least {low:g}, not {value}")
+
+    if args.command == "generate":
+        at_least("--samples", 1)
+        at_least("--eval-samples", 1)
+        return
+    if args.data:
+        for name, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{name} {path}: no such file")
+    else:
+        at_least("--samples", 1)
+        at_least("--eval-samples", 1)
+    for name in ("--workers", "--shards", "--dim", "--batch-size", "--repeat", "--hidden"):
+        at_least(name, 1)
+    for name in ("--staleness", "--eval-every"):
+        at_least(name, 0)
+    if args.max_steps is not None:
+        at_least("--max-steps", 1)
+    for name in ("--lr", "--dense-lr", "--timeout", "--run-timeout", "--switch-interval"):
+        value = getattr(args, name[2:].replace("-", "_"))
+        if not value > 0:
+            raise ValueError(f"{name} must be positive, not {value}")
+    if args.compare_staleness is not None:
+        if not args.compare_staleness:
+            raise ValueError("--compare-staleness needs at least one staleness")
+        at_least("--compare-staleness", 0)
+    if args.compare_workers is not None:
+        if not args.compare_workers:
+            raise ValueError("--compare-workers needs at least one worker count")
+        at_least("--compare-workers", 1)
+    worker_counts = args.compare_workers or [args.workers]
+    for n in worker_counts:
+        if args.batch_size % n:
+            raise ValueError(f"--batch-size {args.batch_size} does not split into {n} equal shares "
+                             f"(one per worker)")
+    if args.kill_worker:
+        try:
+            w, step = (int(x) for x in args.kill_worker.split(":"))
+        except ValueError:
+            raise ValueError("--kill-worker takes W:STEP") from None
+        if not 0 <= w < min(worker_counts):
+            raise ValueError(f"--kill-worker {args.kill_worker}: "
+                             + (f"worker {w} does not exist" if w < 0 or w >= max(worker_counts) else
+                                f"worker {w} does not exist in the runs with {min(worker_counts)} worker(s)")
+                             + f" (--workers/--compare-workers {','.join(map(str, worker_counts))})")
+        if step < 0 or args.max_steps is not None and step >= args.max_steps:
+            raise ValueError(f"--kill-worker {args.kill_worker}: step {step} is not within the run "
+                             f"(steps 0 to {(args.max_steps or 0) - 1})")
+        args.kill_worker = (w, step)
 
 
 # -- data -------------------------------------------------------------------------------------------
@@ -244,6 +308,13 @@ def train(args: argparse.Namespace) -> int:
         ps = PSConfig(dim=args.dim, optimizer=args.optimizer, lr=args.lr, seed=args.seed, mode=args.mode,
                       loop=args.loop)
         n = len(Columns.open(train_dir))
+        steps = n // args.batch_size if args.max_steps is None else min(args.max_steps, n // args.batch_size)
+        if steps == 0:
+            raise UsageError(f"--batch-size {args.batch_size} is more than the {n} training samples: "
+                             f"not one step to train")
+        if args.kill_worker and args.kill_worker[1] >= steps:
+            raise UsageError(f"--kill-worker {args.kill_worker[0]}:{args.kill_worker[1]}: the runs have "
+                             f"{steps} steps (0 to {steps - 1})")
         print(f"embedding_pipeline: {n} training samples, global batch {args.batch_size}, dim {args.dim}, "
               f"MLP {26 * args.dim + 13}-{'-'.join(map(str, args.hidden))}-1, {args.shards} PS shard "
               f"processes (bsp), mode={args.mode}, rvz {rvz.implementation()}, "
@@ -306,11 +377,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "generate":
         return generate(args)
+    stop_on_signals()  # no child, and no temporary cache, outlives the launcher
     try:
         return train(args)
     except JobFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except UsageError as exc:
+        print(f"python -m examples.embedding_pipeline train: error: {exc}", file=sys.stderr)
+        return 2
+    except Stopped as exc:
+        print(f"embedding_pipeline: stopped by {exc}; every child process was stopped", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ names the step that was aborted) and every exit code are gathered into one ``Job
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import queue
 import signal
@@ -19,7 +20,7 @@ from typing import Any
 
 import rvz
 
-from ..common import free_ports
+from ..common import child_signals, free_ports
 from ..param_server.client import PSClient
 from ..param_server.launch import PSConfig, run_shard
 from ..param_server.protocol import PS_JOB, WORKER_JOB
@@ -41,6 +42,7 @@ class JobSpec:
     timeout: float = 600.0
     node_options: dict[str, Any] = field(default_factory=dict)
     kill_worker: tuple[int, int] | None = None   # (worker, step): that worker kills itself (tests, demo)
+    kill_shard: tuple[int, int] | None = None    # (shard, step): that shard kills itself once step is applied
     switch_interval: float = 0.0005              # seconds, in the worker processes (see worker_process)
 
     @property
@@ -70,8 +72,12 @@ async def train_worker(cluster: dict[str, list[str]], w: int, spec: JobSpec) -> 
     result = None
     # Leave the node's ``async with`` normally even on failure: a graceful close delivers
     # the step clean-up and END messages to the others before the connections go.
-    async with rvz.Node(cluster, WORKER_JOB, w, mode=spec.ps.mode, **spec.node_options) as node:
-        ps = PSClient(node, spec.shards, spec.ps.dim, timeout=spec.train.timeout)
+    # Dialling a peer that is not up (yet) is bounded by --timeout too.
+    options = {"connect_timeout": min(10.0, spec.train.timeout), **spec.node_options}
+    async with rvz.Node(cluster, WORKER_JOB, w, mode=spec.ps.mode, **options) as node:
+        # The run's shards are never restarted: a lost one fails the step at once instead of
+        # being waited for.
+        ps = PSClient(node, spec.shards, spec.ps.dim, timeout=spec.train.timeout, restart_timeout=0)
         try:
             worker = Worker(node, ps, data, spec.train, held_out)
             if spec.kill_worker is not None and spec.kill_worker[0] == w:
@@ -79,12 +85,28 @@ async def train_worker(cluster: dict[str, list[str]], w: int, spec: JobSpec) -> 
             result = await worker.run()
         except Exception as exc:  # reported below, once the node is closed
             error = exc
-        finally:
-            await ps.close()
+        try:
+            await asyncio.wait_for(ps.close(), spec.train.timeout)
+        except (rvz.RvzError, TimeoutError) as exc:
+            # After a failure, a lost shard fails the close too: that is a consequence, and
+            # the failure that names the step stays the error reported.
+            if error is None:
+                error = exc
+            else:
+                add_note(error, f"closing the PS client also failed: {type(exc).__name__}: {exc}")
     if error is not None:
         raise error
     assert result is not None
     return result.to_dict()
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` (PEP 678), also before Python 3.11."""
+    exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
+def describe_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" + "".join(f" ({n})" for n in getattr(exc, "__notes__", []))
 
 
 def arm_kill(worker: Worker, step: int) -> None:
@@ -105,17 +127,20 @@ def worker_process(cluster: dict[str, list[str]], w: int, spec: JobSpec, results
     # MG's numpy calls run in a thread and release the GIL, but need it back between calls;
     # while EG's event loop holds it, the default 5 ms switch interval would be added to
     # many of those calls. A short interval keeps MG's thread moving.
+    child_signals()
     sys.setswitchinterval(spec.switch_interval)
     try:
         out = rvz.run(train_worker(cluster, w, spec), loop=spec.ps.loop)
     except BaseException as exc:
-        results.put(("worker", w, {"error": f"{type(exc).__name__}: {exc}"}))
+        results.put(("worker", w, {"error": describe_error(exc)}))
         raise SystemExit(1) from None
     results.put(("worker", w, out))
 
 
-def shard_process(cluster: dict[str, list[str]], shard: int, cfg: PSConfig, results: Any) -> None:
-    summary = rvz.run(run_shard(cluster, shard, cfg), loop=cfg.loop)
+def shard_process(cluster: dict[str, list[str]], shard: int, cfg: PSConfig, results: Any,
+                  crash_at: int | None = None) -> None:
+    child_signals()
+    summary = rvz.run(run_shard(cluster, shard, cfg, crash_at=crash_at), loop=cfg.loop)
     results.put(("ps", shard, summary))
 
 
@@ -140,7 +165,8 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
     reports: dict[tuple[str, int], Any] = {}
     try:
         for s in range(spec.shards):
-            procs[("ps", s)] = ctx.Process(target=shard_process, args=(cluster, s, cfg, results),
+            crash_at = spec.kill_shard[1] + 1 if spec.kill_shard and spec.kill_shard[0] == s else None
+            procs[("ps", s)] = ctx.Process(target=shard_process, args=(cluster, s, cfg, results, crash_at),
                                            name=f"ps{s}", daemon=True)
         for w in range(spec.workers):
             procs[("worker", w)] = ctx.Process(target=worker_process, args=(cluster, w, spec, results),
@@ -161,7 +187,7 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
         while any(p.exitcode is None for p in workers) and time.monotonic() <= deadline:
             drain(0.05)
         # The shards finish once every worker left; give them (and the queue) a moment.
-        end = time.monotonic() + 10
+        end = time.monotonic() + min(10.0, spec.train.timeout)
         while time.monotonic() < end and any(p.exitcode is None for p in procs.values()):
             drain(0.05)
         drain(0.1)

@@ -61,6 +61,10 @@ from .exchange import (
 from .metrics import auc, logloss
 from .model import MLP
 
+# Seconds a dial may take once every process of the run has been up (see
+# ``Worker._everyone_was_up``): a live peer on loopback answers in milliseconds.
+PEER_DIAL_TIMEOUT = 1.0
+
 
 class StepFailed(RuntimeError):
     """A training step failed; the message names the step, the worker and the cause."""
@@ -207,8 +211,8 @@ class Worker:
         """Clean up the PS clocks a failure left half-done, so no shard waits for them."""
         for clock in sorted(set(self.inflight.values())):
             try:
-                await self.ps.abort_step(clock)
-            except rvz.RvzError:
+                await asyncio.wait_for(self.ps.abort_step(clock), self.cfg.timeout)
+            except (rvz.RvzError, TimeoutError):
                 pass
         self.inflight.clear()
 
@@ -296,6 +300,8 @@ class Worker:
                 total = await ring_allreduce(self.node, self.model.flatten(grads, loss), n,
                                              step=pipeline_step(t), tag=t, timeout=self.cfg.timeout)
                 grads, loss = self.model.unflatten(total)
+                if not self.result.losses:
+                    self._everyone_was_up()
                 started = time.perf_counter()
                 await self._compute(self.model.apply, grads)
                 self.result.mg_compute += time.perf_counter() - started
@@ -308,6 +314,14 @@ class Worker:
             raise await self._fail("MG", t, exc) from exc
 
     # -- failures -------------------------------------------------------------------------------
+
+    def _everyone_was_up(self) -> None:
+        """After the first all-reduce (it carries every worker's share) and the shards'
+        greetings, every process of the run has been up and listening. A dial refused from
+        then on (the clean-up of a failed step reaches every peer, including ones never
+        dialled before) means a dead process: fail it within ``PEER_DIAL_TIMEOUT`` rather
+        than retrying for the node's whole start-up allowance (``connect_timeout``)."""
+        self.node.connect_timeout = min(self.node.connect_timeout, PEER_DIAL_TIMEOUT)
 
     async def _fail(self, side: str, step: int, exc: BaseException) -> StepFailed:
         """Clean step ``step`` up everywhere; the error to raise, naming the step.

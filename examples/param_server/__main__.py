@@ -3,7 +3,8 @@
 * ``demo`` (the default): ``--shards`` PS shard processes and ``--workers`` worker processes
   on loopback train the synthetic workload; each process's report is printed. With
   ``--checkpoint-dir`` and ``--restart``, a shard that dies is started again from its last
-  checkpoint (``--kill-shard N --kill-after S`` kills one with SIGKILL, to show it).
+  checkpoint (``--kill-shard N`` kills one with SIGKILL, to show it: when every worker
+  reached ``--kill-at-step``, half of ``--steps`` by default, or after ``--kill-after S``).
 * ``serve --job ps --task N``: one PS shard, on its own host. ``--restore`` restarts it from
   ``--checkpoint-dir`` (its workers rejoin it).
 * ``train --job worker --task N``: one worker.
@@ -28,6 +29,7 @@ from typing import Any
 import rvz
 from rvz.poll import check_budget
 
+from ..common import Stopped, stop_on_signals
 from .launch import (
     Processes,
     PSConfig,
@@ -47,15 +49,31 @@ COMMANDS = ("demo", "serve", "train", "bench")
 
 
 def parse_tables(text: str | None, dim: int, optimizer: str, lr: float | None) -> tuple[TableSpec, ...]:
-    """``"user:16,item:32:adam"`` -> table specs (name:dim[:optimizer[:lr]])."""
+    """``"user:16,item:32:adam"`` -> table specs (name:dim[:optimizer[:lr]]); ValueError
+    naming the bad part."""
     if not text:
         return ()
-    specs = []
+    specs: list[TableSpec] = []
     for part in text.split(","):
         fields = part.split(":")
-        specs.append(TableSpec(fields[0], int(fields[1]) if len(fields) > 1 else dim,
-                               fields[2] if len(fields) > 2 else optimizer,
-                               float(fields[3]) if len(fields) > 3 else lr))
+        if not fields[0] or len(fields) > 4:
+            raise ValueError(f"{part!r} is not name:dim[:optimizer[:lr]]")
+        try:
+            spec = TableSpec(fields[0], int(fields[1]) if len(fields) > 1 else dim,
+                             fields[2] if len(fields) > 2 else optimizer,
+                             float(fields[3]) if len(fields) > 3 else lr)
+        except ValueError:
+            raise ValueError(f"{part!r}: the dim must be an integer and the lr a number") from None
+        if spec.dim < 1:
+            raise ValueError(f"{part!r}: the dim must be at least 1")
+        if spec.optimizer not in OPTIMIZERS:
+            raise ValueError(f"{part!r}: unknown optimizer {spec.optimizer!r} "
+                             f"(one of {', '.join(sorted(OPTIMIZERS))})")
+        if spec.lr is not None and not spec.lr > 0:
+            raise ValueError(f"{part!r}: the lr must be positive")
+        if any(s.name == spec.name for s in specs):
+            raise ValueError(f"table {spec.name!r} is named twice")
+        specs.append(spec)
     return tuple(specs)
 
 
@@ -102,7 +120,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     demo.add_argument("--shards", type=int, default=2, help="PS shard processes")
     demo.add_argument("--restart", action="store_true", help="restart a dead shard from its checkpoint")
     demo.add_argument("--kill-shard", type=int, default=None, help="SIGKILL this shard once (with --restart)")
-    demo.add_argument("--kill-after", type=float, default=2.0, help="seconds before --kill-shard")
+    demo.add_argument("--kill-at-step", type=int, default=None,
+                      help="the shard kills itself when every worker reached this step "
+                      "(default: half of --steps)")
+    demo.add_argument("--kill-after", type=float, default=None,
+                      help="kill the shard after this many seconds instead of at a step")
     demo.add_argument("--timeout", type=float, default=120.0, help="bound on the whole run, seconds")
     for name in ("serve", "train"):
         one = sub.add_parser(name, help=f"{name} one task (multi-host)")
@@ -119,12 +141,104 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bench.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto")
     if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         argv = ["demo", *argv]  # the old single-command form still runs the demo
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.command in ("demo", "serve", "train"):
+        parser = {"demo": demo, "serve": sub.choices["serve"], "train": sub.choices["train"]}[args.command]
+        try:
+            check_args(args)
+        except ValueError as exc:
+            parser.error(str(exc))  # exit 2, before any process starts
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse what would crash a child, hang, or be silently ignored (ValueError)."""
+    def at_least(name: str, low: float, *, optional: bool = False) -> None:
+        value = getattr(args, name.lstrip("-").replace("-", "_"))
+        if (value is not None or not optional) and not value >= low:
+            raise ValueError(f"{name} must be at least {low:g}, not {value}")
+
+    for name in ("--dim", "--full-every"):
+        at_least(name, 1)
+    for name in ("--staleness", "--min-count", "--evict-every", "--checkpoint-every"):
+        at_least(name, 0)
+    for name in ("--ttl", "--max-rows"):
+        at_least(name, 1, optional=True)
+    if args.lr is not None and not args.lr > 0:
+        raise ValueError(f"--lr must be positive, not {args.lr}")
+    args.table_specs = parse_tables(args.tables, args.dim, args.optimizer, args.lr)
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir (where to write them)")
+    if args.command in ("demo", "train"):
+        for name in ("--steps", "--batch", "--bag", "--vocab"):
+            at_least(name, 1)
+        if not args.restart_timeout > 0:
+            raise ValueError(f"--restart-timeout must be positive, not {args.restart_timeout}")
+    if args.command == "demo":
+        for name in ("--shards", "--workers"):
+            at_least(name, 1)
+        if not args.timeout > 0:
+            raise ValueError(f"--timeout must be positive, not {args.timeout}")
+        if args.restart and not args.checkpoint_dir:
+            raise ValueError("--restart needs --checkpoint-dir (a shard restarts from its checkpoints)")
+        if args.kill_shard is None:
+            if args.kill_at_step is not None or args.kill_after is not None:
+                raise ValueError("--kill-at-step and --kill-after need --kill-shard")
+        else:
+            if not 0 <= args.kill_shard < args.shards:
+                raise ValueError(f"--kill-shard {args.kill_shard}: there are shards 0 to {args.shards - 1}")
+            if not args.restart:
+                raise ValueError("--kill-shard needs --restart (and --checkpoint-dir): without them "
+                                 "the run just fails")
+            if args.kill_after is not None:
+                if args.kill_at_step is not None:
+                    raise ValueError("give --kill-at-step or --kill-after, not both")
+                if not args.kill_after >= 0:
+                    raise ValueError(f"--kill-after must be at least 0, not {args.kill_after}")
+            else:
+                if args.kill_at_step is None:
+                    args.kill_at_step = args.steps // 2
+                if not 1 <= args.kill_at_step < args.steps:
+                    raise ValueError(f"--kill-at-step {args.kill_at_step}: the kill must come within the "
+                                     f"run, at a step from 1 to {args.steps - 1} (--steps {args.steps})")
+    else:
+        if args.restore and not args.checkpoint_dir:
+            raise ValueError("--restore needs --checkpoint-dir (where the checkpoints are)")
+        args.cluster_spec, args.job, args.task = resolve_task(args)
+
+
+def resolve_task(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
+    """The cluster and this process's (job, task), checked: ValueError says what is wrong."""
+    try:
+        cluster, task = cluster_from_args(args.cluster)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the cluster is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read the cluster: {exc}") from None
+    if not isinstance(cluster, dict):
+        raise ValueError(f"the cluster must be a JSON object of job -> list of \"host:port\", "
+                         f"not {type(cluster).__name__}")
+    for name in (PS_JOB, WORKER_JOB):
+        tasks = cluster.get(name)
+        if not isinstance(tasks, list) or not tasks or not all(isinstance(t, str) for t in tasks):
+            raise ValueError(f"the cluster needs a non-empty list of \"host:port\" for job {name!r}")
+    if task is not None and not isinstance(task, dict):
+        raise ValueError("TF_CONFIG's task must be an object {\"type\": ..., \"index\": ...}")
+    job: Any = args.job or (task or {}).get("type")
+    index: Any = args.task if args.task is not None else (task or {}).get("index")
+    if job is None or index is None:
+        raise ValueError("say which task this is: --job and --task, or TF_CONFIG's task")
+    wanted = PS_JOB if args.command == "serve" else WORKER_JOB
+    if job != wanted:
+        raise ValueError(f"{args.command} runs a {wanted!r} task, not {job!r}")
+    if not isinstance(index, int) or not 0 <= index < len(cluster[job]):
+        raise ValueError(f"task {index!r}: job {job!r} has tasks 0 to {len(cluster[job]) - 1}")
+    return cluster, job, index
 
 
 def service_config(args: argparse.Namespace, num_workers: int) -> PSConfig:
     return PSConfig(dim=args.dim, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
-                    tables=parse_tables(args.tables, args.dim, args.optimizer, args.lr),
+                    tables=args.table_specs,
                     min_count=args.min_count, ttl=args.ttl, max_rows=args.max_rows,
                     num_workers=num_workers, consistency=args.consistency, staleness=args.staleness,
                     evict_every=args.evict_every, checkpoint_dir=args.checkpoint_dir,
@@ -165,19 +279,29 @@ def demo(args: argparse.Namespace) -> int:
           f"consistency={args.consistency}, tables={ps.dims()}, optimizer={args.optimizer}, "
           f"rvz {rvz.implementation()}", flush=True)
     with Processes() as procs:
-        start_shards(procs, cluster, ps)
+        crash = (args.kill_shard, args.kill_at_step) if args.kill_at_step is not None else None
+        start_shards(procs, cluster, ps, crash)
         for worker in range(args.workers):
             procs.start(f"worker{worker}", worker_process, cluster, worker, ps, work)
-        if args.kill_shard is not None:
+        if args.kill_after is not None:
             victim = procs.get(f"ps{args.kill_shard}")
-            timer = threading.Timer(args.kill_after,
-                                    lambda: victim.is_alive() and os.kill(victim.pid, signal.SIGKILL))
+
+            def kill() -> None:
+                if victim.is_alive():
+                    os.kill(victim.pid, signal.SIGKILL)
+
+            timer = threading.Timer(args.kill_after, kill)
             timer.daemon = True
             timer.start()
         restart = restarter(procs, cluster, ps) if args.restart else None
         results = procs.wait(args.timeout, restart=restart)
         for name in procs.restarts:
             print(f"{name} died and was restarted from its checkpoint")
+        if args.kill_shard is not None and f"ps{args.kill_shard}" not in procs.restarts:
+            when = (f"after {args.kill_after:g} s" if args.kill_after is not None
+                    else f"at step {args.kill_at_step}")
+            print(f"note: shard {args.kill_shard} was NOT killed: the run ended before the kill was due "
+                  f"({when})")
     for worker in range(args.workers):
         r = results[(WORKER_JOB, worker)]
         print(f"worker {worker}: {r['steps']} steps in {r['seconds']:.2f} s "
@@ -192,24 +316,18 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def one_task(args: argparse.Namespace) -> int:
-    cluster, task = cluster_from_args(args.cluster)
-    job = args.job or (task or {}).get("type")
-    index = args.task if args.task is not None else (task or {}).get("index")
-    if job is None or index is None:
-        raise ValueError("say which task this is: --job and --task, or TF_CONFIG's task")
+    cluster, job, index = args.cluster_spec, args.job, args.task
     num_workers = len(cluster[WORKER_JOB])
     ps = service_config(args, num_workers)
     keep_freed_memory()
     if args.command == "serve":
-        if job != PS_JOB:
-            raise ValueError(f"serve runs a {PS_JOB!r} task, not {job!r}")
-        summary = rvz.run(run_shard(cluster, int(index), ps, restore=args.restore), loop=args.loop)
+        summary = rvz.run(run_shard(cluster, index, ps, restore=args.restore), loop=args.loop)
         print_shard(summary)
     else:
-        r = rvz.run(run_worker(cluster, int(index), ps, worker_config(args)), loop=args.loop)
+        r = rvz.run(run_worker(cluster, index, ps, worker_config(args)), loop=args.loop)
         print(f"worker {r['worker']}: {r['steps']} steps in {r['seconds']:.2f} s; loss "
               f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}; shard restarts seen {r['restarts']}")
-    print(json.dumps({"done": job, "task": int(index)}), flush=True)
+    print(json.dumps({"done": job, "task": index}), flush=True)
     return 0
 
 
@@ -220,7 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(args)
     if args.command in ("serve", "train"):
         return one_task(args)
-    return demo(args)
+    stop_on_signals()  # the demo's children must not outlive it, whatever ends it
+    try:
+        return demo(args)
+    except Stopped as exc:
+        print(f"param_server: stopped by {exc}; every child process was stopped", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -54,6 +54,12 @@ def _quiet(task: asyncio.Task[None]) -> None:
         task.exception()  # retrieved: a watcher's failure reaches the exchanges that wait on it
 
 
+# A shard started again without --restore serves a new epoch 0 from clock 0: it neither
+# greets its workers as a restarted shard nor answers their clocks, so they can only time out.
+FRESH_HINT = ("; if that shard was restarted, was it with --restore? A shard started afresh "
+              "does not know its workers' clocks")
+
+
 class ShardRestarted(Exception):
     """The shard greeted us from a new incarnation while we waited for it."""
 
@@ -63,7 +69,8 @@ class PSClient:
 
     ``tables``: the service's tables as ``{name: dim}`` in the shards' order, or one dim for a
     single table named ``"default"``. ``timeout`` bounds each wait for a reply from a live
-    shard; ``restart_timeout`` bounds the wait for a lost shard to come back.
+    shard; ``restart_timeout`` bounds the wait for a lost shard to come back (0: the shards
+    are never restarted, a lost one fails the call at once).
     """
 
     def __init__(self, node: rvz.Node, num_shards: int, tables: int | dict[str, int], *,
@@ -149,13 +156,15 @@ class PSClient:
         async with self._resync_lock[shard]:
             if self.epoch[shard] != failed_epoch:
                 return  # the other channel already did it
+            if self.restart_timeout <= 0:
+                raise rvz.PeerLost(f"PS shard {shard} was lost (its shards are not restarted)")
             fut = self._next_hello[shard]
             assert fut is not None
             try:
                 hello = await asyncio.wait_for(asyncio.shield(fut), self.restart_timeout)
             except TimeoutError:
                 raise rvz.PeerLost(f"PS shard {shard} did not come back within "
-                                   f"{self.restart_timeout} s") from None
+                                   f"{self.restart_timeout} s{FRESH_HINT}") from None
             epoch = int(hello[0])
             clocks = np.array([self._inflight[c].get(shard, self.next_step[c]) for c in CHANNELS],
                               dtype=np.int64)
@@ -195,7 +204,13 @@ class PSClient:
                 await asyncio.gather(answer, return_exceptions=True)
         if answer.cancelled():
             raise ShardRestarted("a PS shard restarted")
-        return answer.result()
+        try:
+            return answer.result()
+        except TimeoutError:
+            # rvz's own message names the keys, not what they mean here.
+            channel = "rows of its pull" if reply == PULL_ROWS else "acknowledgement of its push"
+            raise TimeoutError(f"worker {self.worker}: no {channel} at clock {clock} from PS shard(s) "
+                               f"{shards} within {self.timeout} s{FRESH_HINT}") from None
 
     async def _round(self, channel: str, clock: int, messages: list[list[tuple[str, Any]]],
                      reply: str) -> list[Any]:
@@ -405,11 +420,20 @@ class PSClient:
                 await self.connect()  # a shard serves until every worker said END
             except (rvz.RvzError, TimeoutError):
                 return  # no shard to tell
+            # Every live shard hears END even when another one is gone (each serves until
+            # every worker said it); the first failure is raised afterwards.
+            failure: BaseException | None = None
             for shard in range(self.num_shards):
                 for kind, channel in ((PULL_IDS, "lookup"), (PUSH_IDS, "push")):
                     clock = self.next_step[channel]
-                    await self.node.send(self._edge(kind, shard, clock), END,
-                                         step=step_id(self.worker, clock))
+                    try:
+                        await self.node.send(self._edge(kind, shard, clock), END,
+                                             step=step_id(self.worker, clock))
+                    except (rvz.RvzError, TimeoutError) as exc:
+                        failure = failure or exc
+                        break  # this shard is gone: its other channel would fail the same way
+            if failure is not None:
+                raise failure
         finally:
             for task in self._watchers:
                 task.cancel()

@@ -24,7 +24,7 @@ from typing import Any
 
 import rvz
 
-from ..common import free_ports
+from ..common import child_signals, free_ports
 from .checkpoint import has_checkpoint
 from .optimizers import make_optimizer
 from .protocol import PS_JOB, WORKER_JOB
@@ -139,44 +139,54 @@ def _next_epoch(root: Path, restore: bool) -> int:
     return epoch
 
 
-def open_shard(cfg: PSConfig, shard: int, restore: bool) -> tuple[dict[str, EmbeddingTable], int]:
-    """The tables of ``shard`` (restored from its last checkpoint if asked and present), and
-    the epoch to serve them at."""
+def open_shard(cfg: PSConfig, shard: int, restore: bool) -> tuple[dict[str, EmbeddingTable], int, bool]:
+    """The tables of ``shard`` (restored from its last checkpoint if asked and present), the
+    epoch to serve them at, and whether every table came from a checkpoint. A shard restored
+    before its first checkpoint starts with empty tables (at the next epoch all the same:
+    its workers must rejoin it)."""
     root = shard_dir(cfg, shard)
     if root is None:
         if restore:
             raise ValueError("restoring needs a checkpoint directory")
-        return make_tables(cfg), 0
+        return make_tables(cfg), 0, False
     epoch = _next_epoch(root, restore)
     tables = make_tables(cfg)
+    restored = 0
     if restore:
         for name in tables:
             if has_checkpoint(root / name):
                 tables[name] = EmbeddingTable.load(root / name)
-    return tables, epoch
+                restored += 1
+    return tables, epoch, restore and restored == len(tables)
 
 
 async def run_shard(cluster: dict[str, Any], shard: int, cfg: PSConfig,
-                    restore: bool = False) -> dict[str, Any]:
-    """Run PS shard ``shard`` until every worker left; returns its summary."""
-    tables, epoch = open_shard(cfg, shard, restore)
+                    restore: bool = False, crash_at: int | None = None) -> dict[str, Any]:
+    """Run PS shard ``shard`` until every worker left; returns its summary. ``crash_at``: the
+    process kills itself (SIGKILL) when the slowest worker reaches that clock (a demo)."""
+    tables, epoch, restored = open_shard(cfg, shard, restore)
     async with rvz.Node(cluster, PS_JOB, shard, mode=cfg.mode, **cfg.node_options) as node:
         server = ShardServer(node, tables, cfg.num_workers, worker_job=cfg.worker_job,
                              consistency=cfg.consistency, staleness=cfg.staleness,
                              evict_every=cfg.evict_every, checkpoint_dir=shard_dir(cfg, shard),
                              checkpoint_every=cfg.checkpoint_every, full_every=cfg.full_every,
                              epoch=epoch, fsync=cfg.fsync)
-        if restore:
-            server._saves = 1  # the next save may be incremental on the restored chain
+        if restored:
+            # The next save may add an increment to the restored chain. Without a full
+            # checkpoint of every table on disk (a crash before the first save) it must be a
+            # full one: an increment would have nothing to extend.
+            server._saves = 1
+        server.crash_at = crash_at
         await server.serve()
     return server.summary()
 
 
 def shard_process(cluster: dict[str, Any], shard: int, cfg: PSConfig, restore: bool,
-                  results: Any) -> None:
+                  results: Any, crash_at: int | None = None) -> None:
     """Entry point of a PS shard process."""
+    child_signals()
     keep_freed_memory()
-    summary = rvz.run(run_shard(cluster, shard, cfg, restore), loop=cfg.loop)
+    summary = rvz.run(run_shard(cluster, shard, cfg, restore, crash_at), loop=cfg.loop)
     results.put((PS_JOB, shard, summary))
 
 
@@ -190,8 +200,9 @@ class Processes:
         self.collected: dict[tuple[str, int], Any] = {}  # (job, task) -> summary
         self.restarts: list[str] = []
 
-    def start(self, name: str, target: Any, *args: Any) -> Any:
-        proc = self.ctx.Process(target=target, args=(*args, self.results), name=name, daemon=True)
+    def start(self, name: str, target: Any, *args: Any, **kwargs: Any) -> Any:
+        proc = self.ctx.Process(target=target, args=(*args, self.results), kwargs=kwargs, name=name,
+                                daemon=True)
         proc.start()
         self.procs.append(proc)
         return proc
@@ -261,9 +272,13 @@ class Processes:
         self.stop()
 
 
-def start_shards(procs: Processes, cluster: dict[str, Any], cfg: PSConfig) -> None:
+def start_shards(procs: Processes, cluster: dict[str, Any], cfg: PSConfig,
+                 crash: tuple[int, int] | None = None) -> None:
+    """Start every shard; ``crash=(shard, clock)``: that shard's first incarnation kills
+    itself (SIGKILL) once the slowest worker reached ``clock``."""
     for shard in range(len(cluster[PS_JOB])):
-        procs.start(f"ps{shard}", shard_process, cluster, shard, cfg, False)
+        crash_at = crash[1] if crash is not None and crash[0] == shard else None
+        procs.start(f"ps{shard}", shard_process, cluster, shard, cfg, False, crash_at=crash_at)
 
 
 def restarter(procs: Processes, cluster: dict[str, Any], cfg: PSConfig) -> Callable[[str], bool]:

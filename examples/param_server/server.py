@@ -26,6 +26,8 @@ it runs each table's eviction policy.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +110,10 @@ class ShardServer:
         self._bsp_done: dict[int, asyncio.Future[None]] = {}
         self._housekept = 0
         self._saves = 0
+        self._rejoining = num_workers if epoch > 0 else 0
+        # Demo hook (``demo --kill-shard``): this process kills itself with SIGKILL once the
+        # slowest worker reached this clock, a crash at a known point of the run.
+        self.crash_at: int | None = None
 
     @property
     def store(self) -> EmbeddingTable:
@@ -134,11 +140,13 @@ class ShardServer:
             # Restarted: until the worker says where its clocks stand, it counts as clock 0
             # (the consistency bound then holds back the others, never lets them run ahead).
             pull_clock, push_clock = await self._rejoin(worker)
+            self._rejoined()
             if push_clock < 0:
                 self._lost(worker)
                 return
             self.clock[worker] = push_clock
             self._wake()
+            self._bsp_recheck()
         await run_together(self._serve_pulls(worker, pull_clock),
                            self._serve_pushes(worker, push_clock))
 
@@ -150,9 +158,21 @@ class ShardServer:
             return -1, -1
         return int(msg[0]), int(msg[1])
 
+    def _rejoined(self) -> None:
+        self._rejoining -= 1
+        if self._rejoining == 0:
+            # Every worker said where it stands: count housekeeping periods from there. From
+            # 0, the first push after a restart would look like a period boundary and save
+            # (or evict) at once, whatever ``checkpoint_every`` says.
+            slowest = self.slowest()
+            self._housekept = max(self._housekept, 0 if slowest >= 1 << 62 else slowest)
+
     def _leave(self, worker: int) -> None:
         self.active.discard(worker)
         self._wake()
+        self._bsp_recheck()
+
+    def _bsp_recheck(self) -> None:
         for clock in list(self._bsp):
             self._bsp_maybe_apply(clock)
 
@@ -263,7 +283,11 @@ class ShardServer:
 
     def _bsp_maybe_apply(self, clock: int) -> None:
         pushes = self._bsp.get(clock, {})
-        if not self.active <= set(pushes):
+        # Only workers that have not passed ``clock`` push it. In a run without restarts that
+        # is every active worker (none passes a clock before it is applied); after this shard
+        # restarted, a worker whose ack of ``clock`` the old incarnation sent rejoins one
+        # clock ahead of one whose ack was lost, and will never send ``clock`` again.
+        if not {w for w in self.active if self.clock[w] <= clock} <= set(pushes):
             return
         del self._bsp[clock]
         for t, name in enumerate(self.names):
@@ -289,6 +313,8 @@ class ShardServer:
         if slowest >= 1 << 62 or slowest <= self._housekept:
             return
         previous, self._housekept = self._housekept, slowest
+        if self.crash_at is not None and slowest >= self.crash_at:
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.evict_every and slowest // self.evict_every > previous // self.evict_every:
             for table in self.tables.values():
                 self.stats.evicted += len(table.evict())

@@ -16,6 +16,7 @@ import numpy as np
 
 import rvz
 
+from ..common import child_signals
 from .client import PSClient
 from .launch import PSConfig, keep_freed_memory
 from .sparse import mix64, seeded_uniform
@@ -97,6 +98,7 @@ async def run_worker(cluster: dict[str, Any], worker: int, ps: PSConfig,
 def worker_process(cluster: dict[str, Any], worker: int, ps: PSConfig, cfg: WorkerConfig,
                    results: Any) -> None:
     """Entry point of a demo worker process."""
+    child_signals()
     keep_freed_memory()
     summary = rvz.run(run_worker(cluster, worker, ps, cfg), loop=ps.loop)
     results.put((ps.worker_job, worker, summary))
