@@ -7,10 +7,13 @@ what is wrong, so a typo in a job name fails at start-up, not at the first send.
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import operator
 import os
 import random
 import socket
+import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,6 +30,10 @@ RVZ_TASK = "RVZ_TASK"
 # strings (';'-separated), so these characters would make it unparsable.
 _JOB_FORBIDDEN = frozenset("/:; \t\r\n")
 
+# A host name or IPv4 address: RFC 1123's letters, digits, '-' and '.', and '_' (which DNS
+# carries and container names use).  An IPv6 address is written in brackets.
+_HOST_CHARS = frozenset(string.ascii_letters + string.digits + "-._")
+
 
 def split_address(address: str) -> tuple[str, int]:
     """``"host:port"`` (``"[v6]:port"`` too) to ``(host, port)``; ``ConfigError`` if not."""
@@ -39,7 +46,26 @@ def split_address(address: str) -> tuple[str, int]:
         raise ConfigError(f"address {address!r}: port {port} is not in 0..65535")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(f"address {address!r}: {host!r} in brackets is not an IPv6 "
+                              "address") from None
+    elif ":" in host:
+        # "::1:7000" could be port 7000 of ::1 or the address ::1:7000 with no port.
+        raise ConfigError(f"address {address!r}: an IPv6 address takes brackets, as in "
+                          f"'[{host}]:{port}'")
+    elif not _HOST_CHARS.issuperset(host):
+        raise ConfigError(f"address {address!r}: {host!r} is not a host name or IPv4 address")
     return host, int(port)
+
+
+def _endpoint(host: str, port: int) -> tuple[str, int]:
+    """What two spellings of one address share: "H:01" is "h:1", "[::0:1]:1" is "[::1]:1"."""
+    try:
+        return ipaddress.ip_address(host).compressed, port
+    except ValueError:  # a host name: DNS names are case-insensitive
+        return host.lower(), port
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -132,7 +158,7 @@ class ClusterSpec:
         if not jobs:
             raise ConfigError("the cluster has no jobs")
         self._jobs: dict[str, dict[int, str]] = {}
-        seen: dict[str, str] = {}
+        seen: dict[tuple[str, int], tuple[str, str]] = {}  # endpoint -> (task, address)
         for job, tasks in jobs.items():
             _check_job(job, "cluster")
             table: dict[int, str] = {}
@@ -147,13 +173,15 @@ class ClusterSpec:
             for index, address in table.items():
                 where = f"/job:{job}/task:{index}"
                 try:
-                    split_address(address)
+                    endpoint = _endpoint(*split_address(address))
                 except ConfigError as exc:
                     raise ConfigError(f"cluster {where}: {exc}") from None
-                if address in seen:
-                    raise ConfigError(f"cluster {where} and {seen[address]} share the address "
-                                      f"{address}")
-                seen[address] = where
+                if endpoint in seen:
+                    other, spelled = seen[endpoint]
+                    also = "" if spelled == address else f" (written {spelled!r} there)"
+                    raise ConfigError(f"cluster {where} and {other} share the address "
+                                      f"{address}{also}")
+                seen[endpoint] = (where, address)
             self._jobs[job] = dict(sorted(table.items()))
 
     @classmethod
@@ -189,10 +217,14 @@ class ClusterSpec:
             raise UnknownTask(f"the cluster has no job {job!r} (jobs: "
                               f"{', '.join(map(repr, self._jobs))})")
         try:
+            if type(task) is not int:
+                if isinstance(task, bool):  # True and False would find tasks 1 and 0
+                    raise TypeError
+                task = operator.index(task)  # numpy's ints; TypeError for 1.0 or "1"
             return tasks[task]
         except (KeyError, TypeError):
             known = ", ".join(map(str, tasks)) or "none"
-            raise UnknownTask(f"the cluster has no task /job:{job}/task:{task} (job {job!r} "
+            raise UnknownTask(f"the cluster has no task /job:{job}/task:{task!r} (job {job!r} "
                               f"has tasks {known})") from None
 
     def jobs(self) -> list[str]:

@@ -71,7 +71,8 @@ class TransportError(RvzError):
 
 
 class AuthError(RvzError):
-    """A peer could not prove it belongs to the cluster (reserved for authentication)."""
+    """A peer could not prove it holds the cluster's secret, or one side has a secret and
+    the other none (names the peer, never the secret)."""
 
 
 class RemoteError(RvzError):

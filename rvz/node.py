@@ -39,9 +39,11 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import operator
 import os
 import ssl as _ssl
 import sys
+import warnings
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from threading import get_ident
@@ -87,6 +89,7 @@ _RETIRED_STEPS_MAX = 1 << 12
 # A peer needs one or two connections (each side may dial); a few more cover reconnects
 # whose old connection is not known dead yet.  More is a peer holding sockets open.
 _MAX_INBOUND_PER_PEER = 8
+_ABORT_TEXT_MAX = 1024  # characters of a peer's step clean-up message that are kept
 
 TaskId = tuple  # (job, task)
 
@@ -106,6 +109,12 @@ def _log_unclaimed_failure(done: asyncio.Future[None]) -> None:
 def _release_held(core: Any, nbytes: int, done: asyncio.Future[None]) -> None:
     """A held value pushed to its consumer left the push queue (``Node._push_oldest``)."""
     core.released_held(nbytes)
+
+
+def _close_server(creating: asyncio.Future[Any]) -> None:
+    """A server a cancelled or failed ``start()`` made after all: close it."""
+    if not creating.cancelled() and creating.exception() is None:
+        creating.result().close()
 
 
 def _observe(future: asyncio.Future[Any]) -> None:
@@ -166,9 +175,15 @@ class Node(_NodeCalls):
             check_budget(busy_poll)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if isinstance(task, bool) or not hasattr(type(task), "__index__"):  # "0" and 0.0 too
+            raise ConfigError(f"task must be an int, not {task!r}")
+        if incarnation is not None and (isinstance(incarnation, bool) or not isinstance(incarnation, int)
+                                        or not 0 <= incarnation < 1 << 64):
+            # The HELLO carries it as 64 bits: any other value fails every connection later.
+            raise ConfigError(f"incarnation must be an int in [0, 2**64), not {incarnation!r}")
         self.cluster = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec(cluster)
         self.job = job
-        self.task = int(task)
+        self.task = operator.index(task)
         self.id: TaskId = (job, self.task)
         self.name = f"/job:{job}/replica:0/task:{self.task}"
         self.address = self.cluster.address(job, self.task)
@@ -210,6 +225,7 @@ class Node(_NodeCalls):
         self._recv_pool = _impl.recvpool.RecvPool(recv_pool) if recv_pool > 0 else None
         self.incarnation = incarnation if incarnation is not None else int.from_bytes(os.urandom(8), "little")
         self._state = "new"
+        self._starting = False  # a start() is under way (``start``)
         self._close_cause: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -268,6 +284,21 @@ class Node(_NodeCalls):
 
     async def start(self) -> Node:
         """Listen on this task's address and start the heartbeat."""
+        # Before anything is bound: a second start() must leave the running node alone, and
+        # a closed node cannot come back (make a new one).  A start() that failed (the port
+        # was taken) left the node new: it may be tried again.
+        if self._state != "new":
+            raise RvzError(f"node {self.name} is {self._state}: start() runs once, on a new node"
+                           + ("" if self._state == "running" else "; create a new Node"))
+        if self._starting:
+            raise RvzError(f"node {self.name} is already starting")
+        self._starting = True
+        try:
+            return await self._start()
+        finally:
+            self._starting = False
+
+    async def _start(self) -> Node:
         self._loop = asyncio.get_running_loop()
         self._core.attach(self._loop, get_ident())
         if self.busy_poll:
@@ -278,11 +309,19 @@ class Node(_NodeCalls):
         if self.transport != "tcp" and self._onesided is None:
             from .onesided.hub import Hub  # TransportError here names what is missing
             self._onesided = Hub(self, self._onesided_options)
+        # A TLS handshake happens before the protocol exists, so before hello_timeout and
+        # max_unidentified can see the connection: bound it by the same time.
+        # (None without TLS: the loops refuse a handshake timeout for plain TCP.)
+        tls_limit = (self.hello_timeout or None) if self._ssl_server is not None else None
+        creating = asyncio.ensure_future(self._loop.create_server(
+            lambda: self._connection(outbound=False), host, port, reuse_address=True,
+            ssl=self._ssl_server, ssl_handshake_timeout=tls_limit))
         try:
-            self._server = await self._loop.create_server(
-                lambda: self._connection(outbound=False), host, port, reuse_address=True,
-                ssl=self._ssl_server)
+            # Shielded: asyncio's create_server yields once after it has bound, and a cancel
+            # landing there would lose the listening server.  Cancelled, we close it instead.
+            self._server = await asyncio.shield(creating)
         except BaseException as exc:
+            creating.add_done_callback(_close_server)
             if self._onesided is not None:  # its completion queues are on this loop
                 self._onesided.close()
                 self._onesided = None
@@ -297,6 +336,13 @@ class Node(_NodeCalls):
                         "can send, receive and abort steps (see docs/security.md)",
                         self.name, host)
         return self
+
+    def __del__(self, _warn: Any = warnings.warn) -> None:
+        # As asyncio does for its transports: a node dropped while running held sockets (and
+        # on shm, shared memory) that only close() gives back in order.
+        if getattr(self, "_state", "new") in ("running", "closing"):
+            _warn(f"unclosed node {self.name} ({self.address}): use `async with rvz.Node(...)` "
+                  "or await node.close()", ResourceWarning, source=self)
 
     async def __aenter__(self) -> Node:
         return await self.start()
@@ -317,7 +363,7 @@ class Node(_NodeCalls):
             err: RvzError
             if self._state == "closed" and self._close_cause is not None:
                 # abort()/close() promise that every later operation fails with Aborted.
-                err = Aborted(f"node {self.name} is closed: {self._close_cause}{where}")
+                err = NodeClosed(self._closed_text(self._close_cause, "is closed") + where)
             elif self._state == "new":
                 err = RvzError(f"node {self.name} is not started{where}: use `async with "
                                "rvz.Node(...) as node` or `await node.start()` first")
@@ -422,8 +468,7 @@ class Node(_NodeCalls):
             "held": {"values": int(core.held_count), "bytes": int(core.held_bytes)},
             "waits": {"producer": int(core.waits_producer), "consumer": int(core.waits_consumer)},
             "dead_steps": len(core.dead_steps),
-            "unidentified": sum(1 for c in self._conns
-                                if not c.ready and not c.closed and c.close_reason is None),
+            "unidentified": self._unidentified(),
             "recv_pool": self._recv_pool.stats() if self._recv_pool is not None else None,
             "busy_poll": ({"budget": self.busy_poll, "spins": self._poll.spins}
                           if self._poll is not None else None),
@@ -470,11 +515,15 @@ class Node(_NodeCalls):
             conn.close()
             return
         if not conn.outbound:
-            unidentified = sum(1 for c in self._conns
-                               if not c.ready and not c.outbound and c.close_reason is None)
-            if unidentified > self.max_unidentified:
+            if self._unidentified() > self.max_unidentified:
                 conn.fail(ProtocolError(f"more than {self.max_unidentified} connections have "
                                         "not completed their handshake (max_unidentified)"))
+
+    def _unidentified(self) -> int:
+        """Accepted connections whose handshake is not complete (``max_unidentified``).
+        Refused ones count too: they hold their buffers until the peer reads the ERROR and
+        hangs up (or ``hello_timeout``), and a flood of them costs as much as silent ones."""
+        return sum(1 for c in self._conns if not c.ready and not c.outbound and not c.closed)
 
     def connection_lost(self, conn: Connection) -> None:
         """A connection closed; fails what depended on it (``Connection`` calls this)."""
@@ -525,6 +574,7 @@ class Node(_NodeCalls):
         and counted in one log line.  A close() that is cancelled (an ``asyncio.wait_for``
         around it timed out, say) closes the rest at once, as ``abort()`` does.
         """
+        self._entry(None)  # from another thread it raises RuntimeError and changes nothing
         if self._state in ("new", "closed"):
             self._state = "closed"
             self._core.running = False
@@ -613,7 +663,10 @@ class Node(_NodeCalls):
         conn.closed_here = True
 
     def abort(self, exc: BaseException | None = None) -> None:
-        """Close at once: every pending and later operation fails with ``Aborted``."""
+        """Close at once: every pending and later operation fails with ``NodeClosed`` (an
+        ``Aborted``) whose ``__cause__`` is ``exc``.  From another thread, schedule it on
+        the node's loop (``loop.call_soon_threadsafe(node.abort)``)."""
+        self._entry(None)
         if self._state == "closed":
             return
         cause = exc if exc is not None else NodeClosed(f"node {self.name} was aborted")
@@ -633,7 +686,7 @@ class Node(_NodeCalls):
             self._tick_handle.cancel()
         message = f"node {self.name} closed"
         for step in list(core.tables):
-            self._drop_table(step, message, cause)
+            self._drop_table(step, message, cause, NodeClosed)
         for peer in core.peers.values():
             self._fail_queued_pushes(peer, lambda key: self._closed_error(cause))
         for waiter in core.hold_waiters:
@@ -645,10 +698,16 @@ class Node(_NodeCalls):
         if self._onesided is not None:
             self._onesided.close()  # pool blocks under live arrays stay until those die
 
-    def _closed_error(self, cause: BaseException) -> Aborted:
-        err = Aborted(f"node {self.name} closed: {cause}")
+    def _closed_error(self, cause: BaseException) -> NodeClosed:
+        err = NodeClosed(self._closed_text(cause, "closed"))
         err.__cause__ = cause
         return err
+
+    def _closed_text(self, cause: BaseException, how: str) -> str:
+        """Why this node is closed: the node once, then the cause (ours names it already)."""
+        text = str(cause)
+        prefix = f"node {self.name}"
+        return text if text.startswith(prefix) else f"{prefix} {how}: {text}"
 
     # -- send ----------------------------------------------------------------------------------
 
@@ -827,7 +886,8 @@ class Node(_NodeCalls):
         else:
             poll = None
         try:
-            return await _table.wait_batch(batch, loop, timeout, self._unconsume)
+            return await _table.wait_batch(batch, loop, timeout, self._unconsume,
+                                           functools.partial(self._batch_where, step))
         finally:
             if poll is not None:
                 poll.end()
@@ -835,6 +895,14 @@ class Node(_NodeCalls):
                 table = batch.table
                 for text in {routes[i].text for i in waiting}:
                     core.rebalance(step, text, table)
+
+    def _batch_where(self, step: int, keys: list[str]) -> str:
+        """What a recv_many's timeout adds to name where it waited: the step and the
+        producers of the keys still missing."""
+        peers = sorted({self._core.route(key).peer.name for key in keys
+                        if self._core.route(key).peer is not None})
+        shown = ", ".join(peers[:3]) + (f" and {len(peers) - 3} more" if len(peers) > 3 else "")
+        return (f" in step {step}" if step else "") + (f" from {shown}" if peers else "")
 
     def _undo_batch(self, batch: Any) -> None:
         """Give a batch's values back, oldest first, before it ever waited."""
@@ -1206,6 +1274,10 @@ class Node(_NodeCalls):
         if not 0 <= incarnation < 1 << 64 or window < 0 or not isinstance(nonce, bytes):
             raise ProtocolError(f"HELLO has out-of-range fields: {fields!r}")
         core = self._core
+        if task_id == self.id:
+            # No node connects to itself (its own keys never leave it): such a HELLO is a
+            # peer replaying ours, to have our own proof accepted as its own.
+            raise ProtocolError(f"a peer claims to be this node ({self.name})")
         if conn.outbound:
             assert conn.peer is not None
             if conn.peer.id != task_id:
@@ -1226,16 +1298,24 @@ class Node(_NodeCalls):
                             "(give both Node(secret=...) or RVZ_SECRET)")
         if not wants_auth:
             raise AuthError(f"{conn.peer.name} has no secret and this node requires one")
-        if len(nonce) != 16:
+        if len(nonce) != 16 or nonce == conn.nonce:  # ours sent back: a reflection
             raise ProtocolError("HELLO carries a malformed nonce")
-        conn.write_frame(_codec.encode_auth(self._mac(conn.nonce, nonce, self.id, self.incarnation,
-                                                      task_id, incarnation)))
+        conn.write_frame(_codec.encode_auth(self._mac(conn.outbound, conn.nonce, nonce, self.id,
+                                                      self.incarnation, task_id, incarnation)))
 
-    def _mac(self, sender_nonce: bytes, receiver_nonce: bytes, sender: tuple[str, int],
-             sender_inc: int, receiver: tuple[str, int], receiver_inc: int) -> bytes:
-        """HMAC-SHA256 of the secret over both fresh nonces and both identities."""
+    def _mac(self, dialled: bool, sender_nonce: bytes, receiver_nonce: bytes,
+             sender: tuple[str, int], sender_inc: int, receiver: tuple[str, int],
+             receiver_inc: int) -> bytes:
+        """HMAC-SHA256 of the secret over the sender's side of the connection (it dialled,
+        or it accepted), both fresh nonces and both identities.
+
+        The side is what makes a proof one-way: without it, a node's proof to a peer on
+        one connection is the very proof that node expects from that peer on another, and
+        someone without the secret who dials both (handing each the other's nonce) could
+        pass one's proof to the other as its own.
+        """
         assert self._secret is not None
-        message = b"".join((b"rvz-auth-1", sender_nonce, receiver_nonce,
+        message = b"".join((b"rvz-auth-2", b"D" if dialled else b"A", sender_nonce, receiver_nonce,
                             f"{sender[0]}:{sender[1]}:{sender_inc}".encode(),
                             f"{receiver[0]}:{receiver[1]}:{receiver_inc}".encode()))
         return hmac.new(self._secret, message, hashlib.sha256).digest()
@@ -1247,8 +1327,9 @@ class Node(_NodeCalls):
             raise ProtocolError("unexpected AUTH frame")
         incarnation, _, nonce, _ = hello
         mac = fields.get("mac")
-        expected = self._mac(nonce, conn.nonce, conn.peer.id, incarnation, self.id,
-                             self.incarnation)
+        # The peer's side is the other one: it dialled if we accepted.
+        expected = self._mac(not conn.outbound, nonce, conn.nonce, conn.peer.id, incarnation,
+                             self.id, self.incarnation)
         if not isinstance(mac, bytes) or not hmac.compare_digest(mac, expected):
             raise AuthError(f"authentication of {conn.peer.name} failed: its proof does not "
                             "match this node's secret")
@@ -1338,6 +1419,9 @@ class Node(_NodeCalls):
         name = self._peer_name(conn)
         if step == 0:  # no node sends it (cleanup_step(0) is refused): a broken peer
             raise ProtocolError(f"{name} tried to abort step 0, the step of plain send/recv")
+        # Kept for every dead step (up to _DEAD_STEPS_MAX of them): a peer's text is cut to a
+        # length that names a reason, not one that fills memory.
+        message = message[:_ABORT_TEXT_MAX]
         # Said once: a message relayed from node to node already names who started it.
         text = message if " by /job:" in message else f"{message} (by {name})"
         self._abort_step(step, text, RemoteError(message, name), origin=conn.peer)
@@ -1404,13 +1488,14 @@ class Node(_NodeCalls):
             for conn in peer.live_connections()[:1]:
                 conn.write_frame(_codec.encode_abort_step(step, message))
 
-    def _drop_table(self, step: int, message: str, cause: BaseException | None) -> None:
+    def _drop_table(self, step: int, message: str, cause: BaseException | None,
+                    kind: type[Aborted] = Aborted) -> None:
         core = self._core
         table = core.drop_table(step)
         self._idle_since.pop(step, None)   # (cleaned up: nothing walks it again)
         if table is None:
             return
-        for key, value in table.abort(message, cause):
+        for key, value in table.abort(message, cause, kind):
             route = core.route(key)
             if route.src == self.id and route.dst != self.id:
                 core.released_held(nbytes_of(value))

@@ -68,6 +68,8 @@ class Rendezvous:
         """``send`` each ``(key, value)`` pair, in order; every key is checked before any
         value is queued."""
         checked = [(self._text(key), value) for key, value in items]
+        if not checked and self._table.aborted:
+            raise self._table.aborted_error("")  # an empty batch fails as any call would
         put = self._table.put
         for text, value in checked:
             put(text, value)
@@ -99,8 +101,8 @@ class Rendezvous:
     def abort(self, exc: BaseException | None = None, message: str | None = None) -> None:
         """Fail every pending and every later operation with ``rvz.Aborted`` (``__cause__``
         is ``exc``)."""
-        cause = exc if exc is not None else None
-        self._table.abort(message or f"rendezvous aborted: {exc!r}", cause)
+        default = "rendezvous aborted" + ("" if exc is None else f": {exc!r}")
+        self._table.abort(message or default, exc)
 
     @property
     def aborted(self) -> bool:

@@ -36,7 +36,7 @@ from rvz import _impl
 codec = _impl.codec
 VERSION = codec.VERSION
 AUTH = 12                      # the AUTH frame type of the handshake (issue 8)
-AUTH_LABEL = b"rvz-auth-1"
+AUTH_LABEL = b"rvz-auth-2"
 # The frame layout as the tests spell it, apart from rvz's codec on purpose (a test of the
 # codec must not read the wire through the codec), once for every test that builds or reads
 # frames by hand:
@@ -62,10 +62,12 @@ def identity(job: str, task: int, incarnation: int) -> bytes:
 
 
 def auth_mac(secret: str | bytes, sender_nonce: bytes, receiver_nonce: bytes,
-             sender: bytes, receiver: bytes) -> bytes:
-    """The MAC of the handshake: HMAC-SHA256 over both nonces and both identities."""
+             sender: bytes, receiver: bytes, *, dialled: bool) -> bytes:
+    """The MAC of the handshake: HMAC-SHA256 over the sender's side (``dialled``: it
+    dialled, else it accepted), both nonces and both identities."""
     key = secret.encode() if isinstance(secret, str) else secret
-    return hmac.new(key, AUTH_LABEL + sender_nonce + receiver_nonce + sender + receiver,
+    side = b"D" if dialled else b"A"
+    return hmac.new(key, AUTH_LABEL + side + sender_nonce + receiver_nonce + sender + receiver,
                     hashlib.sha256).digest()
 
 
@@ -190,6 +192,11 @@ class Hostile:
                 raise AssertionError(f"the node sent a frame of type {ftype} with {meta_len} "
                                      f"bytes of metadata and {payload_len} of payload")
             body = await asyncio.wait_for(self.reader.readexactly(meta_len + payload_len), timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            # Not the end of the stream: the caller decides.  (On Python 3.11+ it is the
+            # built-in TimeoutError, an OSError, which the clause below took for an EOF: a
+            # connection the node never closed read as closed.)
+            raise
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             self.eof = True
             return None
@@ -271,7 +278,8 @@ class Hostile:
         assert event[0] == codec.HELLO, event
         self.node_hello = event[1]
         if secret is not None and mac is None:
-            mac = auth_mac(secret, self.nonce, self.node_nonce, self.identity, self.node_identity)
+            mac = auth_mac(secret, self.nonce, self.node_nonce, self.identity, self.node_identity,
+                           dialled=True)
         if mac is not None:
             await self.send(encode_auth(mac), timeout)
         return self.node_hello

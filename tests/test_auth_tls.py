@@ -32,7 +32,7 @@ import rvz.onesided
 from rvz import _impl
 
 from .conftest import FAST, FakeTransport, frame_types, free_ports, key, pair
-from .hostile import Hostile, auth_mac, data_frame, encode_auth, identity, key_text, victim
+from .hostile import Hostile, auth_mac, data_frame, encode_auth, hello_fields, identity, key_text, victim
 
 codec = _impl.codec
 SECRET = "s3cret-Auth-T0ken-xyzzy"
@@ -193,7 +193,7 @@ def test_a_dialler_that_rejects_the_listener_s_proof_still_sends_its_own(run) ->
                                         "win": 1 << 20, "auth": True})
             # the listener's proof, made with its secret (not ours)
             mac = auth_mac(SECRET, nonce, conn.nonce, identity("ps", 0, 5),
-                           identity("worker", 0, node.incarnation))
+                           identity("worker", 0, node.incarnation), dialled=False)
             data = hello + encode_auth(mac)
             conn.get_buffer(-1)[:len(data)] = data
             conn.buffer_updated(len(data))  # still the iteration connection_made ran in
@@ -220,7 +220,8 @@ def test_rvz_secret_in_the_environment_is_the_secret(run, monkeypatch) -> None: 
                 node_hello = await h.hello("worker", 1, secret=SECRET)
                 assert node_hello.get("auth") is True, node_hello
                 mac = await h.read_auth()
-                assert mac == auth_mac(SECRET, h.node_nonce, h.nonce, h.node_identity, h.identity)
+                assert mac == auth_mac(SECRET, h.node_nonce, h.nonce, h.node_identity, h.identity,
+                                       dialled=False)
                 to_raw = key_text("for_raw", PS0, ("worker", 1))
                 await p.send(to_raw, np.arange(5))
                 await h.send(codec.encode_request(0, 1, to_raw.encode()))
@@ -315,14 +316,15 @@ def test_a_replayed_auth_is_refused(run) -> None:
             try:
                 await first.hello("worker", 1, 5, secret=SECRET)
                 assert await first.read_auth() == auth_mac(SECRET, first.node_nonce, first.nonce,
-                                                           first.node_identity, first.identity)
+                                                           first.node_identity, first.identity,
+                                                           dialled=False)
                 await first.send(codec.encode_request(0, 1, to_raw.encode()))
                 event = await first.read_event()
                 assert event[0] == codec.DATA and event[4].tolist() == [0, 1, 2], event
             finally:
                 first.close()
             old_mac = auth_mac(SECRET, first.nonce, first.node_nonce, first.identity,
-                               first.node_identity)
+                               first.node_identity, dialled=True)
             # The same HELLO (same nonce, same identity) and that connection's AUTH, replayed.
             replay = await Hostile.connect(p.address)
             try:
@@ -337,6 +339,68 @@ def test_a_replayed_auth_is_refused(run) -> None:
             await exchange(w, p, "after_replay")
 
     run(body(), timeout=20)
+
+
+async def _forged_push_refused(h: Hostile, p: rvz.Node) -> None:
+    """After a handshake that should have failed: a forged push for worker:0's key must not
+    reach ``p``, and ``p`` must close the connection."""
+    forged = key_text("forged", WORKER0, PS0)
+    await h.send(data_frame(0, 0, forged, np.full(4, -999)))
+    got = await h.events_until_closed(5)
+    assert not any(e[0] == codec.DATA for e in got), got
+    with pytest.raises((TimeoutError, asyncio.TimeoutError)):
+        await p.recv(forged, timeout=0.5)
+
+
+def test_a_proof_relayed_from_the_real_peer_is_refused(run) -> None:  # type: ignore[no-untyped-def]
+    """Someone without the secret dials both nodes, hands each the other's nonce and identity,
+    and passes worker:0's proof (made for ps:0's nonce) to ps:0 as its own.  The proof names
+    the side that made it (worker:0 accepted that connection; a dialler's is expected)."""
+    async def body() -> None:
+        async with pair(three_tasks(), "send", secret=SECRET) as (w, p):
+            to_p, to_w = await Hostile.connect(p.address), await Hostile.connect(w.address)
+            try:
+                hello_p, hello_w = (await to_p.read_event())[1], (await to_w.read_event())[1]
+                await to_w.send(codec.encode_hello(hello_fields(
+                    "ps", 0, hello_p["inc"], mode="send", nonce=hello_p["n"], auth=True)))
+                proof = await to_w.read_auth()
+                assert proof is not None
+                await to_p.send(codec.encode_hello(hello_fields(
+                    "worker", 0, hello_w["inc"], mode="send", nonce=hello_w["n"], auth=True)))
+                await to_p.read_auth()
+                await to_p.send(encode_auth(proof))
+                await _forged_push_refused(to_p, p)
+            finally:
+                to_p.close()
+                to_w.close()
+            await exchange(w, p, "after")  # the real pair is undisturbed
+
+    run(body(), timeout=30)
+
+
+def test_a_peer_claiming_to_be_the_node_itself_is_refused(run) -> None:  # type: ignore[no-untyped-def]
+    """A HELLO that claims the node's own identity and nonce, then the node's own proof sent
+    back: no node connects to itself, and a nonce equal to ours is a reflection."""
+    async def body() -> None:
+        async with pair(three_tasks(), "send", secret=SECRET) as (w, p):
+            h = await Hostile.connect(p.address)
+            try:
+                mine = (await h.read_event())[1]
+                await h.send(codec.encode_hello(hello_fields(
+                    "ps", 0, mine["inc"], mode="send", nonce=mine["n"], auth=True)))
+                proof = await h.read_auth()
+                if proof is not None:
+                    await h.send(encode_auth(proof))
+                # what an accepted peer may do: abort a step everywhere
+                await h.send(codec.encode_abort_step(5, "forged"))
+                got = await h.events_until_closed(5)
+                assert not any(e[0] == codec.DATA for e in got), got
+            finally:
+                h.close()
+            assert p.stats()["dead_steps"] == 0
+            assert ("ps", 0) not in p._peers or not p._peers[("ps", 0)].live_connections()
+
+    run(body(), timeout=30)
 
 
 def test_fake_new_incarnations_without_the_secret_do_not_disturb_the_real_peer(run) -> None:  # type: ignore[no-untyped-def]
@@ -606,3 +670,23 @@ def test_shm_keeps_working_under_a_secret_and_tls(run, certs, mode, protection) 
                     await w.send(key("no_secret"), np.arange(3), timeout=15)
 
     run(body(), timeout=25)
+
+
+def test_a_tls_handshake_never_started_is_closed_at_hello_timeout(run, certs) -> None:  # type: ignore[no-untyped-def]
+    """The TLS handshake runs before the connection reaches rvz (so before hello_timeout and
+    max_unidentified can see it), and had asyncio's own limit of 60 s: 1,000 silent
+    connections to a TLS node all stayed open past its hello_timeout of 3 s."""
+    async def body() -> None:
+        cluster = three_tasks()
+        async with rvz.Node(cluster, *PS0, "send", ssl=tls(certs), **{**QUICK, "hello_timeout": 0.5}) as p:
+            silent = [await Hostile.connect(p.address) for _ in range(5)]
+            try:
+                # each sends nothing: the node's TLS side waits for a ClientHello
+                closed = await asyncio.gather(*(h.events_until_closed(2.5) for h in silent),
+                                              return_exceptions=True)
+                assert all(not isinstance(c, BaseException) for c in closed), closed
+            finally:
+                for h in silent:
+                    h.close()
+
+    run(body(), timeout=30)

@@ -450,6 +450,33 @@ async def test_payload_above_the_limit_is_refused() -> None:
     assert len(feed(ok, HELLO + data_frame(np.zeros(1000, np.uint8)))) == 2
 
 
+@pytest.mark.parametrize("big", [np.zeros(1001, np.uint8), bytes(1001), np.zeros((7, 143), np.uint8)])
+async def test_a_data_many_entry_above_the_limit_is_refused(big: Any) -> None:
+    # max_payload bounds each value packed in a DATA_MANY frame as it bounds a DATA
+    # frame's, wherever the entry is in the frame and however the frame arrives.
+    over = KEYB + b"-over"
+    frame = codec.encode_data_many(4, [(KEYB, np.arange(3)), (over, big), (KEYB, b"after")])
+    for chunks in (None, byte_by_byte(), random_chunks(7)):
+        dec = codec.Decoder(max_payload=1000)
+        with pytest.raises(rvz.ProtocolError) as info:
+            feed(dec, HELLO + frame, chunks)
+        message = str(info.value)
+        assert "DATA_MANY" in message and "1001" in message and "1000" in message
+        assert over.decode() in message
+        with pytest.raises(rvz.ProtocolError):  # and the decoder stays failed
+            feed(dec, codec.encode_ping())
+
+
+async def test_a_data_many_frame_above_the_limit_whose_values_are_within_it_is_accepted() -> None:
+    # The limit is on a value, not on the frame: the sender packs values it may send
+    # without knowing the consumer's limit, here three of 1000 bytes in a frame of over 3000.
+    values = [np.full(1000, 1, np.uint8), bytes(1000), np.zeros((10, 25), np.float32)]
+    frame = codec.encode_data_many(5, [(KEYB, v) for v in values])
+    assert len(frame) > 3000
+    events = feed(codec.Decoder(max_payload=1000), HELLO + frame)
+    assert normalize(events[1:]) == normalize([(codec.DATA_MANY, 5, [KEY] * 3, values)])
+
+
 async def test_keys_seen_again_decode_to_their_own_text() -> None:
     # The compiled decoder remembers decoded keys in 256 slots picked by a hash of their
     # bytes. 1000 distinct keys share those slots: short ones, long ones that differ in

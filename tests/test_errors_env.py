@@ -9,14 +9,18 @@ import inspect
 import json
 import logging
 import random
+import re
 import socket
 from typing import Any
 
+import numpy as np
 import pytest
 
 import rvz
 from rvz import errors
 from rvz.cluster import from_env
+
+from .conftest import in_loop
 
 JOBS = {"worker": ["10.0.0.1:7000", "10.0.0.2:7000"], "ps": ["10.0.0.3:7000"]}
 TF = {"cluster": JOBS, "task": {"type": "worker", "index": 1}}
@@ -89,6 +93,50 @@ def test_cluster_forms() -> None:
     assert rvz.cluster.split_address("[::1]:7000") == ("::1", 7000)
     with pytest.raises(ValueError):  # ConfigError is a ValueError, as before
         rvz.cluster.split_address("nope")
+
+
+# Synchronous, so run through in_loop: the checks hold on either loop and implementation.
+@pytest.mark.parametrize("jobs, words", [
+    ({"w": ["127.0.0.1:1", "127.0.0.1:01"]}, ["/job:w/task:1", "/job:w/task:0", "127.0.0.1:01",
+                                              "'127.0.0.1:1'"]),
+    ({"w": ["h:7000"], "ps": {"3": "H:07000"}}, ["/job:ps/task:3", "/job:w/task:0", "H:07000"]),
+    ({"w": ["[::1]:7000", "[0:0::1]:7000"]}, ["/job:w/task:1", "/job:w/task:0", "[0:0::1]:7000"]),
+    ({"w": ["h:1", "exa mple:1"]}, ["/job:w/task:1", "'exa mple:1'", "host name"]),
+    ({"w": {"2": "exa\tmple:1"}}, ["/job:w/task:2", "'exa\\tmple:1'"]),
+    ({"w": ["h/x:1"]}, ["/job:w/task:0", "'h/x:1'"]),
+    ({"w": ["h:1", "::1:7000"]}, ["/job:w/task:1", "'::1:7000'", "'[::1]:7000'"]),
+    ({"w": ["fe80::1:7000"]}, ["/job:w/task:0", "'fe80::1:7000'", "brackets"]),
+    ({"w": ["[::1:7000"]}, ["/job:w/task:0", "'[::1:7000'"]),
+    ({"w": ["[example]:7000"]}, ["/job:w/task:0", "'[example]:7000'", "IPv6"]),
+    ({"w": ["[10.0.0.1]:7000"]}, ["/job:w/task:0", "'[10.0.0.1]:7000'", "IPv6"]),
+])
+@in_loop
+def test_a_cluster_refuses_ambiguous_and_repeated_addresses(jobs: Any, words: list[str]) -> None:
+    with pytest.raises(rvz.ConfigError) as info:
+        rvz.ClusterSpec(jobs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+@in_loop
+def test_a_cluster_takes_host_names_ipv4_and_bracketed_ipv6() -> None:
+    addresses = ["[::1]:7000", "host-1.example_x:7000", "10.0.0.1:7000", "[fe80::1%eth0]:7000",
+                 "10.0.0.2:7000", "10.0.0.1:7001", "[::2]:7000", "LOCALHOST:7002"]
+    assert rvz.ClusterSpec({"w": addresses}).as_dict() == {"w": dict(enumerate(addresses))}
+    assert [rvz.cluster.split_address(a) for a in addresses[:4]] == [
+        ("::1", 7000), ("host-1.example_x", 7000), ("10.0.0.1", 7000), ("fe80::1%eth0", 7000)]
+    with pytest.raises(rvz.ConfigError, match="brackets"):
+        rvz.cluster.split_address("::1:7000")
+
+
+@pytest.mark.parametrize("task", [True, False, 1.0, "1", None])
+@in_loop
+def test_a_task_index_is_an_int(task: Any) -> None:
+    # True and 1.0 hash like 1: a dict look-up alone would find task 1 for them.
+    cluster = rvz.ClusterSpec({"w": ["h:1", "h:2"]})
+    with pytest.raises(rvz.UnknownTask, match=re.escape(f"task:{task!r}")):
+        cluster.address("w", task)
+    assert cluster.address("w", np.int64(1)) == cluster.address("w", 1) == "h:2"
 
 
 def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:

@@ -10,6 +10,7 @@ The cluster: worker:0 (a real node), worker:1 (the identity the raw client uses)
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import numpy as np
@@ -401,6 +402,52 @@ def test_parked_requests_are_capped_and_gone_when_the_requester_leaves(run) -> N
     run(body(), timeout=50)
 
 
+def test_a_request_id_reused_while_parked_closes_the_connection(run) -> None:  # type: ignore[no-untyped-def]
+    """A second request with the id of a parked one replaced it in the connection's count:
+    50k of them escaped max_parked, and all but the last outlived the connection in their
+    keys' queues (step 0 never expires)."""
+    async def body() -> None:
+        cluster = three_tasks()
+        async with victim(cluster, "ps", 0, "recv", **VICTIM) as v:
+            h = await Hostile.connect(v_address(cluster))
+            try:
+                await h.hello("worker", 1)
+                await h.send(b"".join(codec.encode_request(0, 7, key_text(f"dup_{i}", PS0, W1).encode())
+                                      for i in range(3)))
+                await h.events_until_closed(5)
+            finally:
+                h.close()
+            stats = await eventually_async(
+                v, lambda s: not s["stats"]["steps"] and not peer_stats(s).get("parked_requests"),
+                "nothing of the requester stays in the tables")
+            assert stats["unhandled"] == []
+            await legit_traffic_flows(cluster, v)
+
+    run(body(), timeout=30)
+
+
+def test_error_replies_for_a_dead_step_are_bounded_by_answer_backlog(run) -> None:  # type: ignore[no-untyped-def]
+    """Requests in a step the peer itself cleaned up get one ERROR each; a peer that never
+    reads them was not closed (4 GiB in 12 s in the probe that found it), unlike one whose
+    requests get WrongEndpoint."""
+    async def body() -> None:
+        cluster = three_tasks()
+        async with victim(cluster, "ps", 0, "recv", answer_backlog=1 * MiB, **VICTIM) as v:
+            h = await Hostile.connect(v_address(cluster), rcvbuf=4096)
+            try:
+                await h.hello("worker", 1)
+                await h.send(codec.encode_abort_step(1, "over"))
+                await h.flood(requests_frames(0, 100_000, 1, "d" * 100, PS0, per_frame=100))
+                await h.events_until_closed(10)
+            finally:
+                h.close()
+            stats = await v.call("stats")
+            assert stats["unhandled"] == []
+            await legit_traffic_flows(cluster, v)
+
+    run(body(), timeout=40)
+
+
 async def eventually_async(v: Any, predicate: Any, what: str, within: float = 8.0) -> dict[str, Any]:
     """Poll the victim's stats until ``predicate(stats)`` holds; fail naming ``what``."""
     loop = asyncio.get_running_loop()
@@ -479,6 +526,35 @@ def test_unidentified_connections_are_capped_and_timed_out(run) -> None:  # type
             await eventually_async(v, lambda s: s["stats"]["unidentified"] == 0,
                                    "no unidentified connection left")
             report("100 connections that never say HELLO", before, v.mem())
+            await legit_traffic_flows(cluster, v)
+
+    run(body(), timeout=40)
+
+
+def test_connections_with_a_refused_handshake_count_as_unidentified(run) -> None:  # type: ignore[no-untyped-def]
+    """A refused handshake (a HELLO asking for a secret the node does not have) leaves the
+    connection waiting for the peer to read the ERROR and hang up.  Those did not count:
+    1,500 of them held 390 MB until hello_timeout, with max_unidentified at 8."""
+    async def body() -> None:
+        cluster = three_tasks()
+        cap = 8
+        async with victim(cluster, "ps", 0, "send", max_unidentified=cap, hello_timeout=5.0,
+                          **VICTIM) as v:
+            fds_before = len(os.listdir(f"/proc/{v.proc.pid}/fd"))
+            refused = [await Hostile.connect(v_address(cluster)) for _ in range(60)]
+            try:
+                for h in refused:  # never read: the node's ERROR stays unread
+                    await h.send(codec.encode_hello(hello_fields("worker", 1, 7, auth=True,
+                                                                 nonce=os.urandom(16))))
+                await asyncio.sleep(0.3)
+                stats = await v.call("stats")
+                assert stats["stats"]["unidentified"] <= cap, stats["stats"]["unidentified"]
+                # the node's own sockets: the refused connections beyond the cap are gone
+                held = len(os.listdir(f"/proc/{v.proc.pid}/fd")) - fds_before
+                assert held <= cap + 2, f"the node holds {held} more file descriptors"
+            finally:
+                for h in refused:
+                    h.close()
             await legit_traffic_flows(cluster, v)
 
     run(body(), timeout=40)

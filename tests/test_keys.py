@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import enum
+import random
+
 import numpy as np
 import pytest
 
@@ -75,6 +78,9 @@ BAD = [
     pytest.param(f"{SRC};1;{DST};x;0:\u0663", id="arabic-digit-iter"),
     pytest.param(f";1;{DST};x;0:0", id="empty-src"),
     pytest.param(f"{SRC};1;;x;0:0", id="empty-dst"),
+    pytest.param(f"{SRC};1;{DST};x;{1 << 64}:0", id="frame-2**64"),
+    pytest.param(f"{SRC};1;{DST};x;0:{1 << 64}", id="iter-2**64"),
+    pytest.param(f"{SRC};1;{DST};x;{'9' * 5000}:0", id="frame-5000-digits"),
 ]
 
 
@@ -99,6 +105,10 @@ SPELLINGS = [s.values[0] for s in BAD] + [
     f"{SRC};0000000000000001;{DST};edge/a:b;123:456",
     f"{SRC};0000000000000001;{DST};\u00fc;0:0",
     f"{SRC};0000000000000001;{DST};;0:0",
+    f"{SRC};0000000000000001;{DST};x;18446744073709551615:18446744073709551615",
+    f"{SRC};0000000000000001;{DST};x;18446744073709551616:0",
+    f"{SRC};0000000000000001;{DST};x;0:99999999999999999999",
+    f"{SRC};0000000000000001;{DST};x;{'0' * 30}1:0",  # leading zeros: parses, not canonical
 ]
 
 
@@ -124,6 +134,94 @@ async def test_constructor_rejects_bad_fields() -> None:
         fields.update(kwargs)
         with pytest.raises(rvz.KeyFormatError):
             rvz.Key(**fields)
+
+
+class Colour(enum.StrEnum):
+    RED = "red"
+
+
+class Level(enum.IntEnum):
+    THREE = 3
+
+
+# Each field a value the string form cannot carry or Key.parse cannot read back.
+UNCARRIED = [
+    ("frame", 1.5), ("frame", True), ("frame", "1"), ("frame", None), ("frame", 1 << 64),
+    ("frame", np.bool_(True)), ("frame", np.float64(2.0)),
+    ("iter", True), ("iter", False), ("iter", 0.0), ("iter", -1), ("iter", 1 << 64),
+    ("incarnation", 1.5), ("incarnation", True), ("incarnation", "1f"), ("incarnation", 1 << 64),
+    ("incarnation", -1),
+    ("src", 5), ("src", None), ("src", b"/job:a/task:0"), ("dst", 5), ("name", 5), ("name", b"x"),
+    ("name", None),
+]
+
+
+@pytest.mark.parametrize("field, value", UNCARRIED, ids=[f"{f}={v!r}" for f, v in UNCARRIED])
+async def test_constructor_refuses_what_the_string_form_cannot_carry(field: str, value: object) -> None:
+    fields: dict = dict(src=SRC, dst=DST, name="x")
+    fields[field] = value
+    with pytest.raises(rvz.ConfigError) as info:
+        rvz.Key(**fields)
+    assert isinstance(info.value, rvz.KeyFormatError)
+    assert field in str(info.value) and (repr(value) in str(info.value) or str(value) in str(info.value))
+
+
+async def test_a_huge_frame_is_refused_naming_its_size() -> None:
+    # str() of an int of more than 4300 digits raises ValueError: the message must not.
+    with pytest.raises(rvz.KeyFormatError, match="frame of 16610 bits"):
+        rvz.Key(SRC, DST, "x", frame=10 ** 5000)
+
+
+ROUND_TRIPS = [
+    dict(name="x"),
+    dict(name="edge:with:colons/and/slashes", frame=(1 << 64) - 1, iter=(1 << 64) - 1,
+         incarnation=(1 << 64) - 1),
+    dict(name="\u00fc \t\u2603", frame=1, iter=0, incarnation=1),
+    dict(name=Colour.RED, frame=np.int64(7), iter=np.uint64((1 << 64) - 1), incarnation=np.uint8(255)),
+    dict(name="x", frame=Level.THREE, iter=Level.THREE, incarnation=Level.THREE),
+]
+
+
+@pytest.mark.parametrize("fields", ROUND_TRIPS)
+async def test_every_accepted_key_reads_back(fields: dict) -> None:
+    k = rvz.Key(src=SRC, dst=DST, **fields)
+    back = rvz.Key.parse(str(k))
+    assert back == k and str(back) == str(k) and hash(back) == hash(k)
+    # Stored as the plain str and int the string form holds, whatever type was given.
+    for field in ("src", "dst", "name", "frame", "iter", "incarnation"):
+        assert type(getattr(k, field)) is type(getattr(back, field)), field
+        assert getattr(k, field) == getattr(back, field), field
+    assert type(k.name) is str and type(k.frame) is int and type(k.incarnation) is int
+
+
+async def test_random_keys_read_back() -> None:
+    rng = random.Random(11)
+    for _ in range(2000):
+        bits = [rng.choice([1, 8, 32, 63, 64]) for _ in range(3)]
+        frame, iter, incarnation = (rng.getrandbits(b) for b in bits)
+        k = rvz.Key(SRC, DST, f"e{rng.random()}", frame=frame, iter=iter, incarnation=incarnation)
+        back = rvz.Key.parse(str(k))
+        assert back == k and (back.frame, back.iter, back.incarnation) == (frame, iter, incarnation)
+        assert _impl.keys.canonical_devices(str(k)) == (SRC, DST)
+
+
+@pytest.mark.parametrize("text", [5, None, b"x", ["a"]])
+async def test_parse_takes_only_a_string(text: object) -> None:
+    with pytest.raises(TypeError, match=type(text).__name__):
+        rvz.Key.parse(text)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("attr", ["src", "dst", "name", "frame", "iter", "incarnation", "src_task",
+                                  "_text", "_src_task", "not_a_field"])
+async def test_keys_are_immutable(attr: str) -> None:
+    k = rvz.Key(SRC, DST, "x", frame=1, iter=2, incarnation=3)
+    text, h = str(k), hash(k)
+    with pytest.raises(AttributeError):
+        setattr(k, attr, "y")
+    with pytest.raises(AttributeError):
+        delattr(k, attr)
+    assert str(k) == text and hash(k) == h and k.name == "x" and k.frame == 1
+    assert k == rvz.Key.parse(text)
 
 
 async def test_device_routing() -> None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import logging
+import os
+import socket
 import threading
 from typing import Any
 
@@ -15,7 +18,7 @@ import rvz
 import rvz.node as node_module
 from rvz import _impl
 
-from .conftest import FAST, WORKER, eventually, key, pair, pending, settle
+from .conftest import FAST, PS, WORKER, eventually, key, pair, pending, settle
 
 
 def test_stats_and_repr_describe_a_running_pair(run, cluster) -> None:  # type: ignore[no-untyped-def]
@@ -128,7 +131,9 @@ def test_a_call_from_another_loop_on_the_same_thread_is_refused(loop_name, clust
         own = key("own", dst=WORKER)
         home.run_until_complete(asyncio.wait_for(node.start(), 10))
         try:
-            with pytest.raises(RuntimeError, match="run_coroutine_threadsafe"):
+            # (its loop is not running: the advice is to call it from there, not to hand the
+            # call to a loop that would never run it)
+            with pytest.raises(RuntimeError, match="event loop that is not running"):
                 rvz.run(asyncio.wait_for(node.send(key("t"), np.arange(2)), 10), loop=loop_name)
             # and back on its own loop the node serves again (a key to itself: no peer needed)
             home.run_until_complete(asyncio.wait_for(node.send(own, np.arange(2)), 10))
@@ -247,7 +252,8 @@ def test_a_step_id_the_wire_cannot_carry_is_refused_at_the_call(run, cluster, mo
     async def main() -> None:
         async with pair(cluster, mode) as (w, p):
             for bad, error in ((-1, ValueError), (1 << 64, ValueError), ("x", TypeError),
-                               (None, TypeError), (1.5, TypeError)):
+                               (None, TypeError), (1.5, TypeError), (True, TypeError),
+                               (False, TypeError), (np.True_, TypeError)):
                 with pytest.raises(error, match="step id"):
                     await w.send(key("s"), np.arange(1), step=bad)
                 with pytest.raises(error, match="step id"):
@@ -268,6 +274,21 @@ def test_a_step_id_the_wire_cannot_carry_is_refused_at_the_call(run, cluster, mo
             assert (await p.recv(key("s"), step=3, timeout=5)).tolist() == [0, 1, 2]
             with pytest.raises(TimeoutError):
                 await p.recv(key("s"), timeout=0.2)
+            # Ids equal to 1 as dict keys (True, 1.0, numpy's True) are refused too once
+            # step 1 has a table, which they would otherwise have found unchecked.
+            await w.send(key("one"), np.arange(4), step=1)
+            await eventually(lambda: 1 in (w.stats()["steps"] if mode == "recv" else p.stats()["steps"]),
+                             "step 1 has a table where its value waits")
+            for bad in (True, 1.0, np.True_):
+                with pytest.raises(TypeError, match="step id"):
+                    await w.send(key("one"), np.arange(1), step=bad)
+                with pytest.raises(TypeError, match="step id"):
+                    await p.recv(key("one"), step=bad, timeout=5)
+                with pytest.raises(TypeError, match="step id"):
+                    await p.recv_many([key("one")], step=bad, timeout=5)
+            assert (await p.recv(key("one"), step=1, timeout=5)).tolist() == [0, 1, 2, 3]
+            with pytest.raises(TimeoutError):
+                await p.recv(key("one"), step=1, timeout=0.2)
 
     run(main(), timeout=20)
 
@@ -482,6 +503,66 @@ def test_an_array_the_wire_cannot_carry_is_refused_at_the_call(run, cluster, mod
     run(main())
 
 
+@pytest.mark.parametrize(("size", "frame"), [(5000, "DATA_MANY entry"), (20000, "DATA frame")])
+@pytest.mark.loop_timeout(20)
+async def test_a_value_above_the_consumer_s_max_payload_fails_the_connection(cluster, size, frame) -> None:  # type: ignore[no-untyped-def]
+    # max_payload is the largest value a peer may send.  A Send-Driven value of 16 KiB or
+    # less travels packed in a DATA_MANY frame, a larger one in a DATA frame: both are a
+    # ProtocolError that closes the connection, and the producer sees it reset.
+    async with pair(cluster, "send", ps={"max_payload": 1000}) as (w, p):
+        await w.send(key("warm"), np.arange(2))
+        assert (await p.recv(key("warm"), timeout=5)).tolist() == [0, 1]
+        waiting = asyncio.ensure_future(p.recv(key("big"), timeout=10))
+        back = asyncio.ensure_future(w.recv(key("back", src=PS, dst=WORKER), timeout=10))
+        await settle()
+        await w.send(key("big"), np.zeros(size, np.uint8))  # it left: the send returns
+        with pytest.raises(rvz.PeerLost) as info:
+            await waiting
+        assert isinstance(info.value.__cause__, rvz.ProtocolError)
+        assert f"{frame} for key {key('big')}: payload of {size} bytes exceeds the limit of 1000" \
+            in str(info.value)
+        with pytest.raises(rvz.PeerLost):  # the producer's recv from the consumer
+            await back
+        # Nothing of it was delivered; values within the limit go on a new connection.
+        await w.send(key("after"), np.arange(1000, dtype=np.uint8))
+        assert (await p.recv(key("after"), timeout=5)).nbytes == 1000
+        with pytest.raises(TimeoutError):
+            await p.recv(key("big"), timeout=0.2)
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize("mode", ["recv", "send"])
+def test_a_masked_array_is_refused_at_the_call_other_subclasses_go(run, cluster, mode, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # A masked array's buffer is its data alone: it went as a plain array, its mask
+    # silently dropped.  Every send refuses it, naming what to send instead; np.matrix and
+    # np.memmap are their values and go as before.
+    masked = np.ma.masked_array(np.arange(3.0), mask=[False, True, False])
+    mapped = np.memmap(tmp_path / "values", np.float32, "w+", shape=(4,))
+    mapped[:] = np.arange(4)
+
+    async def main() -> None:
+        async with pair(cluster, mode) as (w, p):
+            for value in (masked, np.ma.masked_array(np.arange(2), mask=False), np.ma.masked):
+                with pytest.raises(TypeError, match=r"masked arrays \(numpy\.ma.*filled") as info:
+                    await w.send(key("m"), value)
+                assert "mask" in str(info.value)
+                with pytest.raises(TypeError, match=r"masked arrays \(numpy\.ma.*filled"):
+                    await w.send_many([(key("m"), np.arange(1)), (key("m"), value)])
+                # send_many sent the pairs before the refused one, as for any refused value
+                assert (await p.recv(key("m"), timeout=5)).tolist() == [0]
+            await w.send(key("m"), masked.filled(-1.0))
+            assert (await p.recv(key("m"), timeout=5)).tolist() == [0.0, -1.0, 2.0]
+            await w.send(key("m"), np.matrix([[1, 2], [3, 4]]))
+            await w.send_many([(key("m"), mapped)])
+            got = await p.recv(key("m"), timeout=5)
+            assert type(got) is np.ndarray and got.tolist() == [[1, 2], [3, 4]]
+            got = await p.recv(key("m"), timeout=5)
+            assert type(got) is np.ndarray and got.tolist() == [0.0, 1.0, 2.0, 3.0]
+            with pytest.raises(TimeoutError):
+                await p.recv(key("m"), timeout=0.2)
+    run(main())
+
+
 
 @pytest.mark.loop_timeout(30)
 async def test_steps_used_once_leave_no_state_behind(cluster, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -530,3 +611,194 @@ async def test_the_oldest_dead_steps_are_forgotten_first(cluster, monkeypatch) -
             await w.step(9).send(key("x"), np.arange(1))
         await w.step(3).send(key("x"), np.arange(1))   # forgotten: a step like any other
         assert (await p.step(3).recv(key("x"), timeout=5))[0] == 0
+
+
+def new_loop(name: str) -> asyncio.AbstractEventLoop:
+    if name == "uvloop":
+        import uvloop
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def _listening(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as probe:
+        probe.settimeout(1.0)
+        return probe.connect_ex((host, int(port))) == 0
+
+
+@pytest.mark.parametrize("how", ["close", "abort"])
+def test_every_call_a_close_fails_raises_node_closed(run, cluster, how) -> None:  # type: ignore[no-untyped-def]
+    """Pending calls (local, remote, batch) and later ones: NodeClosed, an Aborted, naming the
+    node once; after abort(exc), exc is the cause.  They raised a plain Aborted."""
+    async def main() -> None:
+        async with pair(cluster, "recv") as (w, p):
+            waiting = [await pending(p.recv(key("r"), timeout=10)),
+                       await pending(p.recv(key("local", src=p.name + "/device:CPU:0"), timeout=10)),
+                       await pending(p.recv_many([key("m1"), key("m2")], timeout=10))]
+            cause = RuntimeError("shutting down")
+            if how == "close":
+                await p.close()
+            else:
+                p.abort(cause)
+            for task in waiting:
+                with pytest.raises(rvz.NodeClosed) as info:
+                    await task
+                assert str(info.value).count(f"node {p.name}") == 1, info.value
+                if how == "abort":
+                    assert info.value.__cause__ is cause
+            for call in (p.recv(key("r"), timeout=1), p.recv_many([key("r")], timeout=1),
+                         p.send(key("b", src=p.name + "/device:CPU:0", dst=WORKER), np.arange(2))):
+                with pytest.raises(rvz.NodeClosed) as info:
+                    await call
+                assert str(info.value).count(f"node {p.name}") == 1, info.value
+            del w
+    run(main())
+
+
+def test_start_runs_once_and_leaves_nothing_bound_when_refused(run, cluster) -> None:  # type: ignore[no-untyped-def]
+    """A second start() of a running node raised the bind error of its own address (and on
+    shm closed the running node's hub); a start() after close() bound the port, then failed
+    and left it listening.  Both now fail before anything is bound."""
+    async def main() -> None:
+        async with pair(cluster, "send") as (w, p):
+            with pytest.raises(rvz.RvzError, match="is running"):
+                await p.start()
+            await w.send(key("still"), np.arange(3))
+            assert (await p.recv(key("still"), timeout=5)).tolist() == [0, 1, 2]
+        for node in (w, p):
+            assert node.state == "closed"
+            with pytest.raises(rvz.RvzError, match="is closed"):
+                await node.start()
+            assert not _listening(node.address), f"{node.address} listens after a refused start()"
+    run(main(), timeout=20)
+
+
+def test_a_start_cancelled_while_it_binds_leaves_nothing_listening(run, cluster) -> None:  # type: ignore[no-untyped-def]
+    """Cancelled at every loop pass of its first few: on asyncio, a cancel that landed after
+    create_server had bound lost the server, and the port listened for good."""
+    async def main() -> None:
+        for passes in range(8):
+            node = rvz.Node(cluster, "ps", 0, "recv", **FAST)
+            task = asyncio.ensure_future(node.start())
+            for _ in range(passes):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                await asyncio.sleep(0.01)  # the server it made after all is closed then
+                assert node.state == "new"
+                assert not _listening(node.address), f"listening after a cancel at pass {passes}"
+            else:
+                await node.close()  # it completed before the cancel
+    run(main(), timeout=20)
+
+
+@pytest.mark.parametrize("call", ["close", "abort"])
+def test_close_and_abort_from_another_thread_raise_and_change_nothing(run, cluster, call) -> None:  # type: ignore[no-untyped-def]
+    """They skipped the thread check every other call makes: closed the node from a foreign
+    thread (or raised only after aborting it)."""
+    async def main() -> None:
+        async with pair(cluster, "send") as (w, p):
+            errors: list[BaseException] = []
+
+            def foreign() -> None:
+                try:
+                    if call == "close":
+                        asyncio.run(p.close())
+                    else:
+                        p.abort()
+                except BaseException as exc:  # noqa: BLE001 - the test inspects it
+                    errors.append(exc)
+
+            thread = threading.Thread(target=foreign)
+            thread.start()
+            while thread.is_alive():
+                await asyncio.sleep(0.01)
+            assert len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
+            assert p.state == "running"
+            await w.send(key("after"), np.arange(2))
+            assert (await p.recv(key("after"), timeout=5)).tolist() == [0, 1]
+    run(main(), timeout=20)
+
+
+def test_a_call_on_a_node_whose_loop_has_ended_says_so(cluster, loop_name) -> None:  # type: ignore[no-untyped-def]
+    """The advice was run_coroutine_threadsafe on the node's loop, which hangs when that loop
+    is closed (a node kept across pytest-asyncio's per-test loops)."""
+    node = rvz.Node(cluster, "ps", 0, "recv", **FAST)
+    loop = new_loop(loop_name)
+    try:
+        loop.run_until_complete(node.start())
+    finally:
+        loop.close()  # the node was never closed: its server and heartbeat die with it
+
+    async def later() -> None:
+        with pytest.raises(RuntimeError, match="event loop that is now closed"):
+            await node.recv(key("x"), timeout=1)
+        with pytest.raises(RuntimeError, match="event loop that is now closed"):
+            await node.close()
+    asyncio.run(later())
+
+
+@pytest.mark.parametrize("bad", [{"task": "0"}, {"task": 0.0}, {"task": True}, {"incarnation": -1},
+                                 {"incarnation": 1 << 64}, {"incarnation": "x"}, {"incarnation": 1.5}])
+def test_task_and_incarnation_the_wire_cannot_carry_are_refused(cluster, bad) -> None:  # type: ignore[no-untyped-def]
+    # They were accepted, and every connection of the node failed later (the peer's recv only
+    # timed out; 2**64 raised inside an event-loop callback).
+    args = {"task": 0, **bad}
+    task = args.pop("task")
+    with pytest.raises(rvz.ConfigError):
+        rvz.Node(cluster, "ps", task, "recv", **args)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_node_dropped_unclosed_warns_and_gives_its_memory_back(cluster, loop_name, transport) -> None:  # type: ignore[no-untyped-def]
+    """Never closed (its loop ended first): no warning said so, and on shm its memory files
+    and pipes stayed open for the life of the process once the node was collected."""
+    def pool_fds() -> int:
+        count = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                count += "rvz-pool" in os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                pass
+        return count
+
+    before = pool_fds()
+
+    async def main() -> None:
+        w = rvz.Node(cluster, "worker", 0, "send", transport=transport, **FAST)
+        p = rvz.Node(cluster, "ps", 0, "send", transport=transport, **FAST)
+        await w.start()
+        await p.start()
+        await w.send(key("big"), np.zeros(1 << 20))
+        await p.recv(key("big"), timeout=5)
+
+    loop = new_loop(loop_name)
+    with pytest.warns(ResourceWarning, match="unclosed node"):
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()
+        del loop  # (uvloop's keeps its servers, and through them the nodes)
+        gc.collect()
+    gc.collect()  # the warning's record held the node (its source) until the block ended
+    assert pool_fds() == before
+
+
+@pytest.mark.parametrize("mode", ["recv", "send"])
+def test_timeouts_name_the_step_and_the_producer(run, cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    # Neither named the step, and recv_many's did not name the producer it waited for.
+    async def main() -> None:
+        async with pair(cluster, mode) as (w, p):
+            with pytest.raises(TimeoutError) as info:
+                await p.step(5).recv(key("late"), timeout=0.1)
+            assert f"from {w.name} in step 5 timed out" in str(info.value), info.value
+            with pytest.raises(TimeoutError) as info:
+                await p.step(5).recv_many([key("a"), key("b")], timeout=0.1)
+            assert f"recv_many of 2 keys in step 5 from {w.name} timed out" in str(info.value), info.value
+            with pytest.raises(TimeoutError) as info:
+                await p.recv(key("late"), timeout=0.1)
+            assert "step" not in str(info.value), info.value
+    run(main())

@@ -187,6 +187,17 @@ async def test_abort_fails_pending_and_later_ops_with_cause() -> None:
 
 
 @pytest.mark.loop_timeout(5)
+async def test_empty_batches_fail_after_abort_as_any_call() -> None:
+    # send_many([]) returned as if it had sent, and abort() without a cause said "None".
+    rv = rvz.Rendezvous()
+    rv.abort()
+    with pytest.raises(rvz.Aborted, match="^rendezvous aborted$"):
+        rv.send_many([])
+    with pytest.raises(rvz.Aborted, match="^rendezvous aborted$"):
+        await rv.recv_many([])
+
+
+@pytest.mark.loop_timeout(5)
 async def test_abort_is_immediate() -> None:
     rv = rvz.Rendezvous()
     waiter = asyncio.ensure_future(rv.recv(K))

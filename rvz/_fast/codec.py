@@ -701,6 +701,16 @@ class Decoder:
                 self._fail(f"DATA_MANY entry (key of {klen} bytes, payload of {nbytes}) does "
                            "not fit the frame")
             key = self._key(buf, kstart, klen)
+            # max_payload bounds each value, as a DATA frame's: checked at each entry's
+            # header, before its array is made (the frame, 32 KiB at most, is already staged;
+            # arrays of the entries before it go with the error). Not on the frame's total,
+            # which is no value's size: values within the limit pack into a frame above it
+            # (the sender does not know the limit), and refusing it would drop a peer that
+            # sent nothing too large; a total within the limit needs no check, but testing
+            # that would cost what this comparison costs.
+            if nbytes > self._max_payload:
+                self._fail(f"DATA_MANY entry for key {key}: payload of {nbytes} bytes exceeds "
+                           f"the limit of {self._max_payload}")
             shape = self._shape(buf, pos + _C_ENTRY, ndim, code, key, nbytes)
             pos = kstart + klen
             if COMPILED:

@@ -315,6 +315,7 @@ cdef class Core:
     cpdef Route arriving_route(self, Peer peer, str key)
     @cython.locals(route=Route, table=Table, peer=Peer, waiter=RemoteWaiter, held=bint)
     cpdef on_request(self, Wire conn, object step, object request_id, str key)
+    cdef check_backlog(self, Wire conn, Peer peer)
     @cython.locals(i=Py_ssize_t, item=tuple)
     cpdef object unqueue_push(self, Peer peer, object step, str text)
     cpdef on_credit(self, Wire conn, object nbytes)

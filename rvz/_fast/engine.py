@@ -129,12 +129,19 @@ SEND = "send"
 
 def step_id(step: Any) -> int:
     """``step`` as a step id: an integer in [0, 2**64), which the wire carries as a u64.
-    Checked when a step's table is made (and by ``node.step``): an id the wire cannot carry
-    would otherwise fail only when its first frame is written, away from the caller."""
-    try:
-        n = operator.index(step)
-    except TypeError:
-        raise TypeError(f"a step id is an integer, not {type(step).__name__}") from None
+    Checked when a step's table is made, when an id that is not an int looks one up (and by
+    ``node.step``): an id the wire cannot carry would otherwise fail only when its first
+    frame is written, away from the caller."""
+    if type(step) is int:  # the common id: no call
+        n = step
+    else:
+        # bool is an int to operator.index: True would be step 1 (numpy's bool is refused there)
+        if isinstance(step, bool):
+            raise TypeError("a step id is an integer, not bool")
+        try:
+            n = operator.index(step)
+        except TypeError:
+            raise TypeError(f"a step id is an integer, not {type(step).__name__}") from None
     if not 0 <= n < 1 << 64:
         raise ValueError(f"step id {n} is out of range [0, 2**64)")
     return n
@@ -889,6 +896,10 @@ class Core:
     def table(self, step: Any) -> Table:
         if step is self._last_step:
             return self._last_table
+        if type(step) is not int:
+            # True, 1.0 or np.int64(1) equal the id 1 as a dict key: they would find its
+            # table (or its cleanup) unchecked. Checked here, and looked up as the int.
+            step = step_id(step)
         table = self.tables.get(step)
         if table is None:
             dead = self.dead_steps.get(step)
@@ -1005,11 +1016,24 @@ class Core:
         # loop (a thread runs one loop at a time), and that test costs no system call.
         if (loop is not None and (thread_ident() != self.loop_thread or not self.loop_running())
                 and _get_running_loop() is not loop):
-            raise RuntimeError(
-                f"node {self.name} runs on another thread's event loop; call it from that "
-                "thread, e.g. asyncio.run_coroutine_threadsafe(node.recv(key), node_loop)")
+            raise RuntimeError(self.wrong_loop())
         if timeout is not None:
             check_timeout(timeout)
+
+    def wrong_loop(self) -> str:
+        """Why a call from here cannot run (``enter``): the advice differs with the state of
+        the node's loop (a closed one, as pytest-asyncio's per-test loops leave behind, is
+        the usual case)."""
+        loop = self.loop
+        if loop.is_closed():
+            return (f"node {self.name} was started on an event loop that is now closed: a "
+                    "node lives and dies with the loop that started it; start a new node on "
+                    "this loop")
+        if not loop.is_running():
+            return (f"node {self.name} belongs to an event loop that is not running: call it "
+                    "from a coroutine on that loop")
+        return (f"node {self.name} runs on another thread's event loop; call it from that "
+                "thread, e.g. asyncio.run_coroutine_threadsafe(node.recv(key), node_loop)")
 
     def send(self, key: Any, value: Any, mode: Any, step: Any, timeout: Any) -> Any:
         """The synchronous part of ``Node.send`` (``enter`` first).
@@ -1858,8 +1882,7 @@ class Core:
             raise ProtocolError("REQUEST before HELLO")
         if not route.from_me or route.peer is not peer:
             # Only the key's destination may fetch it, and never a key local to this node.
-            if conn.backlog() > self.answer_backlog:
-                raise ProtocolError(f"{peer.name} sends requests and does not read the replies")
+            self.check_backlog(conn, peer)
             conn.write_frame(encode_error(
                 request_id, step, key, "WrongEndpoint",
                 f"{self.name} cannot answer {peer.name}'s request for key {key}: it routes "
@@ -1868,6 +1891,7 @@ class Core:
             return
         dead = self.dead_steps.get(step)
         if dead is not None or self.closed:
+            self.check_backlog(conn, peer)  # an error reply is output as any other
             conn.write_frame(encode_error(request_id, step, key, "aborted",
                                           dead or f"node {self.name} closed"))
             return
@@ -1893,8 +1917,13 @@ class Core:
             # (a tuple, a clock read and a dict insert less per parked request).
             self.asked[(step, route.text)] = self.loop.time()
         if value is EMPTY:
-            if len(conn.parked) >= self.max_parked:
+            if len(conn.parked) >= self.max_parked or request_id in conn.parked:
                 table.remove_waiter(route.text, waiter)
+                if request_id in conn.parked:
+                    # It would replace the parked waiter of that id, which then escaped
+                    # max_parked and outlived the connection in its key's queue.
+                    raise ProtocolError(f"{peer.name} reused request id {request_id} while "
+                                        "its request was parked")
                 raise ProtocolError(f"{peer.name} has more than {self.max_parked} requests "
                                     "parked (max_parked)")
             conn.parked[request_id] = waiter
@@ -1904,6 +1933,12 @@ class Core:
             if held:
                 self.released_held(nbytes_of(value))
             self.answer(conn, step, request_id, route, value)
+
+    def check_backlog(self, conn: Wire, peer: Peer) -> None:
+        """A peer whose requests get only error replies, and that does not read them, is
+        closed at ``answer_backlog`` bytes unsent: they would pile up here unbounded."""
+        if conn.backlog() > self.answer_backlog:
+            raise ProtocolError(f"{peer.name} sends requests and does not read the replies")
 
     def unqueue_push(self, peer: Peer, step: Any, text: str) -> Any:
         """Take the oldest push of key ``text`` out of ``peer``'s queue (its ``send``

@@ -8,11 +8,19 @@ use it, so two spellings of one key (say an unpadded incarnation) always meet.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from ..errors import KeyFormatError
 
+try:  # Cython's own module; a compiled build sees the constant True
+    import cython
+    COMPILED = cython.compiled
+except ImportError:  # pure Python without Cython installed
+    COMPILED = False
+
 _MAX_U64 = (1 << 64) - 1
+_MAX_U64_TEXT = str(_MAX_U64)
 _HEX_DIGITS = "0123456789abcdefABCDEF"
 
 
@@ -72,39 +80,97 @@ def route_of(device: str) -> tuple:
     return task
 
 
-def _check_part(what: str, value: str) -> None:
+def _check_part(what: str, value: object) -> str:
+    """A device or edge name as the key stores it: a non-empty ``str`` without ';'."""
+    if type(value) is not str:
+        if not isinstance(value, str):
+            raise KeyFormatError(f"key {what} {value!r} is not a string")
+        # A subclass (a StrEnum, say) is stored as the plain string: its own __str__ or
+        # __format__ must not change the key's string form.
+        value = str.__str__(value)
     if not value or ";" in value:
         raise KeyFormatError(f"key {what} {value!r} is empty or contains ';'")
+    return value
+
+
+def _check_number(what: str, value: Any) -> int:
+    """A frame, iter or incarnation as the key stores it: an int in 0..2**64-1.
+
+    The string form and ``Key.parse`` carry exactly those (the incarnation as 16 hex
+    digits; frame and iter bounded alike, as TensorFlow's 64-bit ids are).  Other integer
+    types (numpy's, int subclasses) are stored as ``int``; bool, float and str are refused.
+    """
+    if type(value) is not int:
+        if isinstance(value, bool):  # an int, but "True:False" is no frame:iter
+            raise KeyFormatError(f"key {what} {value!r} is not an integer")
+        try:
+            value = operator.index(value)  # always an exact int
+        except TypeError:
+            raise KeyFormatError(f"key {what} {value!r} is not an integer") from None
+    if not 0 <= value <= _MAX_U64:
+        # str() of an int of thousands of digits raises ValueError: name its size instead.
+        shown = value if value.bit_length() <= 256 else f"of {value.bit_length()} bits"
+        raise KeyFormatError(f"key {what} {shown} is not in 0..2**64-1")
+    return value
+
+
+def _parse_number(text: str) -> int | None:
+    """ASCII digits (leading zeros allowed) to an int, or None if not in 0..2**64-1."""
+    if not _is_digits(text) or len(text.lstrip("0")) > len(_MAX_U64_TEXT):
+        return None  # int() of thousands of digits would raise ValueError, or be slow
+    value = int(text)
+    return value if value <= _MAX_U64 else None
 
 
 class Key:
-    """An immutable rendezvous key; ``str(key)`` is its TF string form."""
+    """An immutable rendezvous key; ``str(key)`` is its TF string form.
+
+    ``src`` and ``dst`` are device names and ``name`` the edge name: strings, not empty, no
+    ';'.  ``frame``, ``iter`` and ``incarnation`` are ints in 0..2**64-1 (not bool).  Any
+    other value raises ``KeyFormatError`` naming the field.
+    """
 
     __slots__ = ("src", "dst", "name", "frame", "iter", "incarnation", "_text", "_src_task", "_dst_task")
 
     def __init__(self, src: str, dst: str, name: str, frame: int = 0, iter: int = 0,
                  incarnation: int = 0) -> None:
-        _check_part("src", src)
-        _check_part("dst", dst)
-        _check_part("name", name)
-        if not 0 <= incarnation <= _MAX_U64:
-            raise KeyFormatError(f"key incarnation {incarnation} is not an unsigned 64-bit number")
-        if frame < 0 or iter < 0:
-            raise KeyFormatError(f"key frame/iter {frame}:{iter} must not be negative")
-        self.src = src
-        self.dst = dst
-        self.name = name
-        self.frame = frame
-        self.iter = iter
-        self.incarnation = incarnation
-        self._text: Any = None
+        # Every field is checked here, once: what str() writes, parse() must read back.
+        src = _check_part("src", src)
+        dst = _check_part("dst", dst)
+        name = _check_part("name", name)
+        frame = _check_number("frame", frame)
+        iter = _check_number("iter", iter)
+        incarnation = _check_number("incarnation", incarnation)
         # Checked here, so a malformed device fails when the key is built, not at send.
-        self._src_task: Any = route_of(src)
-        self._dst_task: Any = route_of(dst)
+        src_task = route_of(src)
+        dst_task = route_of(dst)
+        if COMPILED:  # C stores into the struct; __setattr__ is for Python code only
+            self.src = src
+            self.dst = dst
+            self.name = name
+            self.frame = frame
+            self.iter = iter
+            self.incarnation = incarnation
+            self._text: Any = None
+            self._src_task: Any = src_task
+            self._dst_task: Any = dst_task
+        else:  # pure Python: through the slots' own setters, past our __setattr__
+            _SET_SRC(self, src)
+            _SET_DST(self, dst)
+            _SET_NAME(self, name)
+            _SET_FRAME(self, frame)
+            _SET_ITER(self, iter)
+            _SET_INCARNATION(self, incarnation)
+            _SET_TEXT(self, None)
+            _SET_SRC_TASK(self, src_task)
+            _SET_DST_TASK(self, dst_task)
 
     @classmethod
     def parse(cls, text: str) -> Key:
-        """The exact inverse of ``str(key)``; raises ``KeyFormatError`` naming the string."""
+        """The exact inverse of ``str(key)``; raises ``KeyFormatError`` naming the string
+        (``TypeError`` if ``text`` is not a ``str``)."""
+        if not isinstance(text, str):
+            raise TypeError(f"Key.parse takes a key string, not {type(text).__name__}")
         parts = text.split(";")
         if len(parts) != 5:
             raise KeyFormatError(f"key {text!r} has {len(parts)} ';'-separated parts, expected 5")
@@ -116,11 +182,14 @@ class Key:
             raise KeyFormatError(f"key {text!r}: incarnation {inc!r} is not 1-16 hex digits")
         incarnation = int(inc, 16)
         frame_s, sep, iter_s = frame_iter.partition(":")
-        if not sep or not _is_digits(frame_s) or not _is_digits(iter_s):
-            raise KeyFormatError(f"key {text!r}: {frame_iter!r} is not frame_id:iter_id")
+        frame = _parse_number(frame_s) if sep else None
+        iter = _parse_number(iter_s) if sep else None
+        if frame is None or iter is None:
+            raise KeyFormatError(f"key {text!r}: {frame_iter!r} is not frame_id:iter_id "
+                                 "(numbers in 0..2**64-1)")
         if not src or not dst:
             raise KeyFormatError(f"key {text!r} has an empty device name")
-        key = cls(src, dst, name, int(frame_s), int(iter_s), incarnation)
+        key = cls(src, dst, name, frame, iter, incarnation)
         return key
 
     def __str__(self) -> str:
@@ -128,8 +197,18 @@ class Key:
         if text is None:
             text = (f"{self.src};{self.incarnation:016x};{self.dst};{self.name};"
                     f"{self.frame}:{self.iter}")
-            self._text = text
+            if COMPILED:
+                self._text = text
+            else:
+                _SET_TEXT(self, text)
         return text
+
+    # The compiled class refuses writes too (readonly fields); one message for both.
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"rvz.Key is immutable: cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"rvz.Key is immutable: cannot delete {name!r}")
 
     def __repr__(self) -> str:
         return f"Key({str(self)!r})"
@@ -156,6 +235,16 @@ class Key:
         return self._dst_task
 
 
+if not COMPILED:
+    # Each slot's own setter, for Key's pure-Python __init__ and __str__ to write past its
+    # __setattr__ (object.__setattr__ would look the name up on every write: slower).
+    _SET_SRC, _SET_DST, _SET_NAME = (vars(Key)[f].__set__ for f in ("src", "dst", "name"))
+    _SET_FRAME, _SET_ITER, _SET_INCARNATION = (vars(Key)[f].__set__
+                                               for f in ("frame", "iter", "incarnation"))
+    _SET_TEXT, _SET_SRC_TASK, _SET_DST_TASK = (vars(Key)[f].__set__
+                                               for f in ("_text", "_src_task", "_dst_task"))
+
+
 def _lower_hex(text: str, start: int, end: int) -> bool:
     """``text[start:end]`` holds only 0-9 and a-f, the digits of a canonical incarnation."""
     for i in range(start, end):
@@ -167,8 +256,12 @@ def _lower_hex(text: str, start: int, end: int) -> bool:
 
 def _canonical_number(text: str, start: int, end: int) -> bool:
     """``text[start:end]`` is a number as ``str(int)`` writes it: ASCII digits, no leading
-    zero."""
-    return _digits(text, start, end) and (text[start] != "0" or end - start == 1)
+    zero, and at most 2**64-1 (what ``Key.parse`` takes)."""
+    if not _digits(text, start, end) or (text[start] == "0" and end - start > 1):
+        return False
+    n = len(_MAX_U64_TEXT)
+    # Same length: the string order is the numeric one (a slice only in this rare case).
+    return end - start < n or (end - start == n and text[start:end] <= _MAX_U64_TEXT)
 
 
 def canonical_devices(text: str) -> Any:

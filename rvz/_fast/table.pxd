@@ -15,6 +15,7 @@ cdef class Table:
     cdef dict _waiters
     cdef object _abort_cause
     cdef object _abort_message
+    cdef object _abort_kind
     cdef dict _back
     cdef public long long stamp
     cdef public long long took
@@ -35,7 +36,7 @@ cdef class Table:
     cpdef bint remove_waiter(self, str key, object waiter) except -1
     cpdef Py_ssize_t waiting(self, str key) except -1
     cpdef Py_ssize_t queued(self, str key) except -1
-    cpdef list abort(self, str message, object cause)
+    cpdef list abort(self, str message, object cause, object kind=*)
     cpdef bint put_back(self, str key, object value, long long stamp) except -1
     cdef long long _took_back(self, str key, long long fresh) except? -1
     cdef object _queue(self, object item)

@@ -43,9 +43,10 @@ def check_timeout(timeout: Any) -> None:
         raise ValueError(f"timeout must be None or >= 0 seconds, not {timeout!r}")
 
 
-def aborted_error(message: str, cause: Any, key: str) -> Aborted:
-    """The ``Aborted`` every operation on ``key`` of an aborted table (or step) fails with."""
-    err = Aborted(message + naming(key) if key else message)
+def aborted_error(message: str, cause: Any, key: str, kind: Any = Aborted) -> Aborted:
+    """The ``Aborted`` (``kind``: the class, an ``Aborted``) every operation on ``key`` of an
+    aborted table (or step) fails with."""
+    err = kind(message + naming(key) if key else message)
     err.__cause__ = cause
     return err
 
@@ -76,8 +77,8 @@ class Waiter:
 class Table:
     """Per-key FIFO of values or waiters, with abort (TF LocalRendezvous)."""
 
-    __slots__ = ("_values", "_waiters", "_abort_cause", "_abort_message", "_back", "stamp",
-                 "took", "puts", "_handed")
+    __slots__ = ("_values", "_waiters", "_abort_cause", "_abort_message", "_abort_kind", "_back",
+                 "stamp", "took", "puts", "_handed")
 
     def __init__(self) -> None:
         self._values: dict[str, deque[Any]] = {}   # key -> values nobody received yet
@@ -86,6 +87,7 @@ class Table:
         self._waiters: dict[str, Any] = {}
         self._abort_cause: Any = None
         self._abort_message: Any = None
+        self._abort_kind: Any = Aborted
         # key -> stamps of the values at the head of its queue that came back (ascending)
         self._back: dict[str, list] = {}
         self.stamp = 0  # the last stamp given, to a take or a queued waiter
@@ -108,7 +110,7 @@ class Table:
 
     def aborted_error(self, key: str) -> Aborted:
         """A fresh ``Aborted`` for ``key`` carrying the abort's original cause."""
-        return aborted_error(self._abort_message, self._abort_cause, key)
+        return aborted_error(self._abort_message, self._abort_cause, key, self._abort_kind)
 
     @property
     def aborted(self) -> bool:
@@ -336,8 +338,9 @@ class Table:
                 n += 1
         return n
 
-    def abort(self, message: str, cause: Any) -> list:
-        """Fail every pending waiter and every later operation with ``Aborted``.
+    def abort(self, message: str, cause: Any, kind: Any = Aborted) -> list:
+        """Fail every pending waiter and every later operation with ``Aborted`` (or ``kind``,
+        a subclass: ``NodeClosed`` when the node closes).
 
         Returns the ``(key, value)`` pairs that were queued and are now dropped, so the
         owner can release what they held.  A second abort keeps the first cause.
@@ -346,6 +349,7 @@ class Table:
             return []
         self._abort_message = message
         self._abort_cause = cause
+        self._abort_kind = kind
         dropped = []
         for key, values in self._values.items():
             for value in values:
@@ -460,12 +464,13 @@ class Batch:
 
 
 def arm_timeout(loop: Any, timeout: Any, table: Table, key: str, waiter: Any,
-                source: Any) -> Any:
+                source: Any, step: Any = 0) -> Any:
     """Fail ``waiter`` (queued in ``table``) with ``TimeoutError`` after ``timeout`` seconds;
-    returns the timer handle, or None without a timeout.  ``source`` names the producer."""
+    returns the timer handle, or None without a timeout.  ``source`` names the producer,
+    ``step`` the step (0: none to name)."""
     if timeout is None:
         return None
-    return loop.call_later(timeout, _expire, table, key, waiter, timeout, source)
+    return loop.call_later(timeout, _expire, table, key, waiter, timeout, source, step)
 
 
 def give_back(table: Table, key: str, waiter: Any, stamp: int) -> bool:
@@ -501,12 +506,14 @@ async def wait_waiter(table: Table, key: str, waiter: Any, stamp: int, loop: Any
             handle.cancel()
 
 
-async def wait_batch(batch: Batch, loop: Any, timeout: Any, undone: Any = None) -> list:
+async def wait_batch(batch: Batch, loop: Any, timeout: Any, undone: Any = None,
+                     where: Any = None) -> list:
     """Await a ``Batch`` with an optional timeout.  All or nothing: on any failure it is
-    restored (``Batch.restore``) and ``undone`` gets the pairs that went back to a queue."""
+    restored (``Batch.restore``) and ``undone`` gets the pairs that went back to a queue.
+    ``where(keys)`` adds to a timeout's message (the step, the producers of ``keys``)."""
     handle = None
     if timeout is not None:
-        handle = loop.call_later(timeout, expire_batch, batch, timeout)
+        handle = loop.call_later(timeout, expire_batch, batch, timeout, where)
     try:
         return await batch.future
     except BaseException:
@@ -521,18 +528,20 @@ async def wait_batch(batch: Batch, loop: Any, timeout: Any, undone: Any = None) 
             handle.cancel()
 
 
-def _expire(table: Table, key: str, waiter: Any, timeout: Any, source: Any) -> None:
+def _expire(table: Table, key: str, waiter: Any, timeout: Any, source: Any, step: Any) -> None:
     if not waiter.done():
         table.remove_waiter(key, waiter)
-        where = f" from {source}" if source else ""
+        where = (f" from {source}" if source else "") + (f" in step {step}" if step else "")
         waiter.set_exception(TimeoutError(f"recv of {key}{where} timed out after {timeout}s"))
 
 
-def expire_batch(batch: Batch, timeout: Any) -> None:
+def expire_batch(batch: Batch, timeout: Any, where: Any = None) -> None:
     """The ``call_later`` callback of a batch's timeout: fail it naming what it waits for."""
     if batch.future.done():
         return
     keys = [batch.keys[slot.index] for slot in batch.slots if not slot.filled]
     shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    context = where(keys) if where is not None else ""
     batch.future.set_exception(TimeoutError(
-        f"recv_many of {len(batch.keys)} keys timed out after {timeout}s waiting for {shown}"))
+        f"recv_many of {len(batch.keys)} keys{context} timed out after {timeout}s waiting for "
+        f"{shown}"))

@@ -11,7 +11,9 @@ from typing import Any
 
 import numpy as np
 
-VERSION = 3    # 2: REQUESTS (several keys in one frame) was added; 3: DATA_MANY
+# 2: REQUESTS (several keys in one frame) was added; 3: DATA_MANY; 4: the AUTH proof names
+# the side of the connection that sends it (a secret-less relay passed as either peer)
+VERSION = 4
 DATA = 2       # the DATA frame's type (codec.py lists them all)
 REQUEST = 3    # the REQUEST frame's type
 DATA_MANY = 13  # several small Send-Driven values of one step in one frame
@@ -31,6 +33,14 @@ def describe_other(value: Any) -> tuple:
     if isinstance(value, np.generic):  # a numpy scalar (say ``arr.sum()``): a 0-d array
         value = np.asarray(value)
     if isinstance(value, np.ndarray):
+        # A masked array's buffer is its data without its mask: sent as an array, the mask
+        # would be lost without a word. Other subclasses (matrix, memmap) are their values.
+        # (An exact ndarray skips the check and so never loads numpy.ma.)
+        if type(value) is not np.ndarray and isinstance(value, np.ma.MaskedArray):
+            raise TypeError(f"rvz does not send masked arrays ({type(value).__module__}."
+                            f"{type(value).__name__}): the mask would be lost; send "
+                            "value.filled(fill_value), or the data and the mask "
+                            "(np.ma.getmaskarray(value)) as two arrays")
         if value.ndim > MAX_NDIM:  # (refused here, by the call: the frame could not carry it)
             raise ValueError(f"array has {value.ndim} dimensions; rvz carries at most "
                              f"{MAX_NDIM}")

@@ -111,14 +111,14 @@ class ShmProvider:
                                  "is /dev/shm (tmpfs) large enough?") from exc
         view = memoryview(mm)
         rkey = next(self._rkeys)
-        return Region(rkey, rkey, _address(view), length, view, handle=(mm, fd),
+        return Region(rkey, rkey, _address(view), length, view, handle=(mm, _Fd(fd)),
                       extra={"fd": fd, "ino": os.fstat(fd).st_ino})
 
     def deregister(self, region: Region) -> None:
         mm, fd = region.handle
         region.view.release()
         mm.close()
-        os.close(fd)
+        fd.close()
 
     def create_cq(self) -> ShmCQ:
         return ShmCQ(self)
@@ -128,6 +128,24 @@ class ShmProvider:
 
     def close(self) -> None:
         pass
+
+
+class _Fd:
+    """A region's memory file descriptor: closed at ``deregister``, or when the region is
+    collected unregistered (a node never closed must not hold its shared memory until the
+    process exits)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def close(self, _close: Any = os.close) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            _close(fd)
+
+    __del__ = close
 
 
 class ShmCQ:
@@ -186,6 +204,13 @@ class ShmCQ:
             self.closed = True
             os.close(self.fd)
             os.close(self.wfd)
+
+    def __del__(self, _close: Any = os.close) -> None:
+        # Collected unclosed (a node never closed): its pipe goes with it, not with the process.
+        if not getattr(self, "closed", True):
+            self.closed = True
+            _close(self.fd)
+            _close(self.wfd)
 
 
 class ShmEndpoint:
@@ -368,3 +393,9 @@ class ShmEndpoint:
             view.release()
             mm.close()
         self._maps.clear()
+
+    def __del__(self, _close: Any = os.close) -> None:
+        # Collected unclosed (its loop is gone: no reader to remove); the maps close themselves.
+        if not getattr(self, "closed", True) and self._wfd >= 0:
+            self.closed = True
+            _close(self._wfd)
