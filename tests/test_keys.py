@@ -136,7 +136,7 @@ async def test_constructor_rejects_bad_fields() -> None:
             rvz.Key(**fields)
 
 
-class Colour(enum.StrEnum):
+class Colour(str, enum.Enum):  # (enum.StrEnum is Python 3.11+; its str() is the value)
     RED = "red"
 
 
