@@ -135,9 +135,10 @@ def step_id(step: Any) -> int:
     if type(step) is int:  # the common id: no call
         n = step
     else:
-        # bool is an int to operator.index: True would be step 1 (numpy's bool is refused there)
-        if isinstance(step, bool):
-            raise TypeError("a step id is an integer, not bool")
+        # bool is an int to operator.index: True would be step 1.  So is numpy's bool before
+        # numpy 2.0 (with a DeprecationWarning): refused by its type's name, "bool_" there.
+        if isinstance(step, bool) or type(step).__name__ in ("bool", "bool_"):
+            raise TypeError(f"a step id is an integer, not {type(step).__name__}")
         try:
             n = operator.index(step)
         except TypeError:

@@ -101,7 +101,10 @@ def _check_number(what: str, value: Any) -> int:
     types (numpy's, int subclasses) are stored as ``int``; bool, float and str are refused.
     """
     if type(value) is not int:
-        if isinstance(value, bool):  # an int, but "True:False" is no frame:iter
+        # An int, but "True:False" is no frame:iter; numpy's bool too, which numpy before
+        # 2.0 lets operator.index take (with a DeprecationWarning): refused by its type's name
+        # ("bool_" there, "bool" since), with no import of numpy here.
+        if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):
             raise KeyFormatError(f"key {what} {value!r} is not an integer")
         try:
             value = operator.index(value)  # always an exact int
