@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import operator
 import os
 import random
 import socket
@@ -17,7 +16,10 @@ import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from . import _impl
 from .errors import ConfigError, UnknownTask
+
+_keys = _impl.keys
 
 __all__ = ["ClusterSpec", "free_ports", "from_env", "split_address"]
 
@@ -217,12 +219,12 @@ class ClusterSpec:
             raise UnknownTask(f"the cluster has no job {job!r} (jobs: "
                               f"{', '.join(map(repr, self._jobs))})")
         try:
-            if type(task) is not int:
-                if isinstance(task, bool):  # True and False would find tasks 1 and 0
-                    raise TypeError
-                task = operator.index(task)  # numpy's ints; TypeError for 1.0 or "1"
-            return tasks[task]
-        except (KeyError, TypeError):
+            # numpy's ints too; True and False would find tasks 1 and 0, 1.0 or "1" task 1
+            index = _keys.as_index(task)
+            if index is None:
+                raise KeyError(task)
+            return tasks[index]
+        except KeyError:
             known = ", ".join(map(str, tasks)) or "none"
             raise UnknownTask(f"the cluster has no task /job:{job}/task:{task!r} (job {job!r} "
                               f"has tasks {known})") from None

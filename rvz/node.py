@@ -39,7 +39,6 @@ import hashlib
 import hmac
 import ipaddress
 import logging
-import operator
 import os
 import ssl as _ssl
 import sys
@@ -175,15 +174,18 @@ class Node(_NodeCalls):
             check_budget(busy_poll)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if isinstance(task, bool) or not hasattr(type(task), "__index__"):  # "0" and 0.0 too
+        index = _keys.as_index(task)
+        if index is None:  # "0", 0.0 and True too
             raise ConfigError(f"task must be an int, not {task!r}")
-        if incarnation is not None and (isinstance(incarnation, bool) or not isinstance(incarnation, int)
-                                        or not 0 <= incarnation < 1 << 64):
+        if incarnation is not None:
             # The HELLO carries it as 64 bits: any other value fails every connection later.
-            raise ConfigError(f"incarnation must be an int in [0, 2**64), not {incarnation!r}")
+            number = _keys.as_index(incarnation)
+            if number is None or not 0 <= number < 1 << 64:
+                raise ConfigError(f"incarnation must be an int in [0, 2**64), not {incarnation!r}")
+            incarnation = number
         self.cluster = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec(cluster)
         self.job = job
-        self.task = operator.index(task)
+        self.task = index
         self.id: TaskId = (job, self.task)
         self.name = f"/job:{job}/replica:0/task:{self.task}"
         self.address = self.cluster.address(job, self.task)
@@ -899,8 +901,8 @@ class Node(_NodeCalls):
     def _batch_where(self, step: int, keys: list[str]) -> str:
         """What a recv_many's timeout adds to name where it waited: the step and the
         producers of the keys still missing."""
-        peers = sorted({self._core.route(key).peer.name for key in keys
-                        if self._core.route(key).peer is not None})
+        routes = [self._core.route(key) for key in keys]
+        peers = sorted({route.peer.name for route in routes if route.peer is not None})
         shown = ", ".join(peers[:3]) + (f" and {len(peers) - 3} more" if len(peers) > 3 else "")
         return (f" in step {step}" if step else "") + (f" from {shown}" if peers else "")
 

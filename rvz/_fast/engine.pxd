@@ -313,7 +313,7 @@ cdef class Core:
                    cost=Py_ssize_t, routes=list)
     cpdef on_data_many(self, Wire conn, object step, list keys, list values)
     cpdef Route arriving_route(self, Peer peer, str key)
-    @cython.locals(route=Route, table=Table, peer=Peer, waiter=RemoteWaiter, held=bint)
+    @cython.locals(route=Route, table=Table, peer=Peer, waiter=RemoteWaiter, held=bint, reused=bint)
     cpdef on_request(self, Wire conn, object step, object request_id, str key)
     cdef check_backlog(self, Wire conn, Peer peer)
     @cython.locals(i=Py_ssize_t, item=tuple)

@@ -23,7 +23,6 @@ close) stays in ``rvz.node.Node``; this module calls back into it only for those
 
 from __future__ import annotations
 
-import operator
 from asyncio import Future
 from asyncio.events import _get_running_loop
 from collections import deque
@@ -135,14 +134,9 @@ def step_id(step: Any) -> int:
     if type(step) is int:  # the common id: no call
         n = step
     else:
-        # bool is an int to operator.index: True would be step 1.  So is numpy's bool before
-        # numpy 2.0 (with a DeprecationWarning): refused by its type's name, "bool_" there.
-        if isinstance(step, bool) or type(step).__name__ in ("bool", "bool_"):
+        n = _keys.as_index(step)  # (True would be step 1)
+        if n is None:
             raise TypeError(f"a step id is an integer, not {type(step).__name__}")
-        try:
-            n = operator.index(step)
-        except TypeError:
-            raise TypeError(f"a step id is an integer, not {type(step).__name__}") from None
     if not 0 <= n < 1 << 64:
         raise ValueError(f"step id {n} is out of range [0, 2**64)")
     return n
@@ -1918,11 +1912,12 @@ class Core:
             # (a tuple, a clock read and a dict insert less per parked request).
             self.asked[(step, route.text)] = self.loop.time()
         if value is EMPTY:
-            if len(conn.parked) >= self.max_parked or request_id in conn.parked:
+            # A reused id would replace the parked waiter of that id, which then escaped
+            # max_parked and outlived the connection in its key's queue.
+            reused = request_id in conn.parked
+            if reused or len(conn.parked) >= self.max_parked:
                 table.remove_waiter(route.text, waiter)
-                if request_id in conn.parked:
-                    # It would replace the parked waiter of that id, which then escaped
-                    # max_parked and outlived the connection in its key's queue.
+                if reused:
                     raise ProtocolError(f"{peer.name} reused request id {request_id} while "
                                         "its request was parked")
                 raise ProtocolError(f"{peer.name} has more than {self.max_parked} requests "

@@ -17,6 +17,7 @@ cdef str _MAX_U64_TEXT
 cdef str _check_part(str what, object value)
 cdef object _check_number(str what, object value)
 cdef object _parse_number(str text)
+cpdef object as_index(object value)
 cpdef tuple parse_device(str device)
 cpdef tuple route_of(str device)
 cpdef Key as_key(object key)

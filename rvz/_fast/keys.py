@@ -93,23 +93,38 @@ def _check_part(what: str, value: object) -> str:
     return value
 
 
+def as_index(value: Any) -> Any:
+    """``value`` as an exact ``int`` if it is an integer (numpy's and int subclasses too)
+    other than a bool, else None: what every id rvz carries as a number takes (a task, a
+    step, a key's frame, iter and incarnation).
+
+    ``operator.index`` takes bool (True would be 1), and numpy's bool in some numpy
+    versions (with a DeprecationWarning): those are refused by their type's name ("bool",
+    numpy's "bool_" or "bool"), with no import of numpy here.
+    """
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):
+        return None
+    try:
+        return operator.index(value)  # always an exact int
+    except TypeError:
+        return None
+
+
 def _check_number(what: str, value: Any) -> int:
     """A frame, iter or incarnation as the key stores it: an int in 0..2**64-1.
 
     The string form and ``Key.parse`` carry exactly those (the incarnation as 16 hex
     digits; frame and iter bounded alike, as TensorFlow's 64-bit ids are).  Other integer
-    types (numpy's, int subclasses) are stored as ``int``; bool, float and str are refused.
+    types (numpy's, int subclasses) are stored as ``int``; bool, float and str are refused
+    ("True:False" is no frame:iter).
     """
     if type(value) is not int:
-        # An int, but "True:False" is no frame:iter; numpy's bool too, which numpy before
-        # 2.0 lets operator.index take (with a DeprecationWarning): refused by its type's name
-        # ("bool_" there, "bool" since), with no import of numpy here.
-        if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):
+        number = as_index(value)
+        if number is None:
             raise KeyFormatError(f"key {what} {value!r} is not an integer")
-        try:
-            value = operator.index(value)  # always an exact int
-        except TypeError:
-            raise KeyFormatError(f"key {what} {value!r} is not an integer") from None
+        value = number
     if not 0 <= value <= _MAX_U64:
         # str() of an int of thousands of digits raises ValueError: name its size instead.
         shown = value if value.bit_length() <= 256 else f"of {value.bit_length()} bits"

@@ -199,18 +199,15 @@ class ShmCQ:
             if n == 0 or end < _READ_SIZE:
                 return out
 
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            os.close(self.fd)
-            os.close(self.wfd)
-
-    def __del__(self, _close: Any = os.close) -> None:
-        # Collected unclosed (a node never closed): its pipe goes with it, not with the process.
+    def close(self, _close: Any = os.close) -> None:
+        # Also when collected unclosed (a node never closed): its pipe goes with it, not with
+        # the process.  (getattr: a queue whose pipe2 failed has no fds to close.)
         if not getattr(self, "closed", True):
             self.closed = True
             _close(self.fd)
             _close(self.wfd)
+
+    __del__ = close
 
 
 class ShmEndpoint:
