@@ -4,9 +4,10 @@ and the launchers' signal handling."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import rvz
@@ -49,6 +50,18 @@ class Stopped(BaseException):
         return 128 + self.signum  # the shell's convention: 143 for SIGTERM, 130 for SIGINT
 
 
+# Signals that arrived while a child process was being started (``starting_child``); None
+# when no start is under way.
+_held: list[int] | None = None
+
+
+def _stop(signum: int) -> None:
+    # The clean-up that follows is bounded; a second signal must not cut it short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
 def stop_on_signals() -> None:
     """In a launcher's main thread: SIGTERM and SIGINT raise ``Stopped``. Without this,
     SIGTERM (what ``timeout`` and service managers send) ends the launcher at once and leaves
@@ -57,14 +70,34 @@ def stop_on_signals() -> None:
     if threading.current_thread() is not threading.main_thread():
         return
 
-    def stop(signum: int, frame: Any) -> None:
-        # The clean-up that follows is bounded; a second signal must not cut it short.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        raise Stopped(signum)
+    def on_signal(signum: int, frame: Any) -> None:
+        if _held is not None:
+            _held.append(signum)  # raised once the child has started (starting_child)
+            return
+        _stop(signum)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
+@contextlib.contextmanager
+def starting_child() -> Iterator[None]:
+    """Around ``Process.start()`` and the bookkeeping that records the process: a SIGTERM or
+    SIGINT that arrives inside is raised (as ``Stopped``) when the block ends. Raised inside,
+    it would cut ``spawn``'s write of the child's start-up data short, so the child died of
+    ``EOFError`` with a traceback on the launcher's terminal, or it would leave a started child
+    that the launcher does not know about and so never stops."""
+    global _held
+    if _held is not None:  # nested: the outer block raises
+        yield
+        return
+    _held = []
+    try:
+        yield
+    finally:
+        held, _held = _held, None
+        if held:
+            _stop(held[0])
 
 
 def child_signals() -> None:

@@ -50,8 +50,13 @@ def run_module(module: str, *args: str, cwd: str, timeout: float) -> subprocess.
     """``python -m module args`` in ``cwd`` (on ``PYTHONPATH``), in its own process group,
     which is killed whatever happens: with every process it started, should it be killed
     itself."""
+    return run_python(["-m", module, *args], cwd=cwd, timeout=timeout)
+
+
+def run_python(args: list[str], cwd: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python args``, as ``run_module`` runs a module (``-c`` code, for instance)."""
     env = dict(os.environ, PYTHONPATH=cwd)
-    proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=env,
+    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

@@ -20,7 +20,7 @@ from typing import Any
 
 import rvz
 
-from ..common import child_signals, free_ports
+from ..common import child_signals, free_ports, starting_child
 from ..param_server.client import PSClient
 from ..param_server.launch import PSConfig, run_shard
 from ..param_server.protocol import PS_JOB, WORKER_JOB
@@ -171,8 +171,9 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
         for w in range(spec.workers):
             procs[("worker", w)] = ctx.Process(target=worker_process, args=(cluster, w, spec, results),
                                                name=f"worker{w}", daemon=True)
-        for p in procs.values():
-            p.start()
+        with starting_child():
+            for p in procs.values():
+                p.start()
         def drain(timeout: float) -> None:
             """Take every report that arrives, until none came for ``timeout`` seconds."""
             try:

@@ -24,7 +24,7 @@ from typing import Any
 
 import rvz
 
-from ..common import child_signals, free_ports
+from ..common import child_signals, free_ports, starting_child
 from .checkpoint import has_checkpoint
 from .optimizers import make_optimizer
 from .protocol import PS_JOB, WORKER_JOB
@@ -203,8 +203,9 @@ class Processes:
     def start(self, name: str, target: Any, *args: Any, **kwargs: Any) -> Any:
         proc = self.ctx.Process(target=target, args=(*args, self.results), kwargs=kwargs, name=name,
                                 daemon=True)
-        proc.start()
-        self.procs.append(proc)
+        with starting_child():
+            proc.start()
+            self.procs.append(proc)
         return proc
 
     def wait(self, timeout: float, names: list[str] | None = None,
