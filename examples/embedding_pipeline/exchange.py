@@ -16,6 +16,7 @@ that names the step. A batch's record is dropped once EG and MG have both called
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,19 @@ PIPELINE_STEP_BASE = 1 << 52
 
 def pipeline_step(batch_id: int) -> int:
     return PIPELINE_STEP_BASE + batch_id
+
+
+def in_training_steps(text: str) -> str:
+    """``text`` (an rvz error's) with the rvz step ids of training steps written as the
+    training steps they are: rvz names a step by its id, and 4503599627370499 means nothing to
+    a reader of the pipeline's errors."""
+    def name(match: re.Match[str]) -> str:
+        step = int(match.group(1))
+        return f"step {step - PIPELINE_STEP_BASE}" if step >= PIPELINE_STEP_BASE else match.group(0)
+    return _STEP_ID.sub(name, text)
+
+
+_STEP_ID = re.compile(r"\bstep (\d+)")
 
 
 @dataclass

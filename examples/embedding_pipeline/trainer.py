@@ -56,6 +56,7 @@ from .exchange import (
     GRADIENTS,
     ExchangeManager,
     PipelineDataset,
+    in_training_steps,
     pipeline_step,
 )
 from .metrics import auc, logloss
@@ -331,12 +332,13 @@ class Worker:
         """
         if self._failure is not None:
             return StepFailed(str(self._failure), self._failure.step)
-        if isinstance(exc, rvz.Aborted) and f"step {step} " in str(exc):
-            message = f"worker {self.w}: step {step} was aborted elsewhere: {exc}"
+        text = in_training_steps(str(exc))
+        if isinstance(exc, rvz.Aborted) and f"step {step} " in text:
+            message = f"worker {self.w}: step {step} was aborted elsewhere: {text}"
         elif isinstance(exc, rvz.PeerLost):
-            message = f"step {step} aborted: worker {self.w} lost a peer in {side}: {exc}"
+            message = f"step {step} aborted: worker {self.w} lost a peer in {side}: {text}"
         else:
-            message = f"step {step} aborted: {side} of worker {self.w} failed: {type(exc).__name__}: {exc}"
+            message = f"step {step} aborted: {side} of worker {self.w} failed: {type(exc).__name__}: {text}"
         self._failure = StepFailed(message, step)  # before the await: the other loop may fail meanwhile
         try:
             await self.exchange.abort(step, message)
