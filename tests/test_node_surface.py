@@ -563,6 +563,40 @@ def test_a_masked_array_is_refused_at_the_call_other_subclasses_go(run, cluster,
     run(main())
 
 
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize("batch", [False, True])
+@pytest.mark.parametrize("mode", ["recv", "send"])
+def test_a_key_to_the_same_node_delivers_the_types_a_peer_would(run, cluster, mode, batch) -> None:  # type: ignore[no-untyped-def]
+    # A bytearray or memoryview arrives as bytes and an array subclass as a plain ndarray,
+    # from a peer.  A key whose src and dst are one node handed the sent object over as it
+    # was: a bytearray, a memoryview of the sender's buffer, an np.matrix.
+    mine = key("own", src=WORKER, dst=WORKER)
+    buffer = bytearray(b"mutable")
+    values = [buffer, memoryview(b"a view"), memoryview(bytes(range(10)))[::2],
+              memoryview(np.arange(3, dtype=np.int16)), np.matrix([[1, 2], [3, 4]]), b"bytes"]
+    expected = [b"mutable", b"a view", bytes(range(0, 10, 2)),
+                np.arange(3, dtype=np.int16).tobytes(), [[1, 2], [3, 4]], b"bytes"]
+
+    async def main() -> None:
+        async with pair(cluster, mode) as (w, p):
+            for where, node, k in (("peer", p, key("own")), ("local", w, mine)):
+                if batch:
+                    await w.send_many([(k, v) for v in values])
+                    got = await node.recv_many([k] * len(values), timeout=5)
+                else:
+                    got = []
+                    for v in values:
+                        await w.send(k, v)
+                        got.append(await node.recv(k, timeout=5))
+                for value, want in zip(got, expected, strict=True):
+                    if isinstance(want, bytes):
+                        assert type(value) is bytes and value == want, where
+                    else:
+                        assert type(value) is np.ndarray and value.tolist() == want, where
+            buffer[:] = b"changed"  # what a local recv got was the bytes sent, not the buffer
+            assert got[0] == b"mutable"
+    run(main())
+
 
 @pytest.mark.loop_timeout(30)
 async def test_steps_used_once_leave_no_state_behind(cluster, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -30,6 +30,8 @@ from threading import get_ident
 from time import monotonic_ns
 from typing import Any
 
+from numpy import ndarray
+
 from ..errors import (
     Aborted,
     AuthError,
@@ -68,6 +70,7 @@ MANY_OVERHEAD = _codec.MANY_OVERHEAD
 MANY_HEAD = _arrays.MANY_HEAD_SIZE   # a DATA_MANY frame's header and metadata
 MAX_NDIM = _codec.MAX_NDIM
 MAX_KEY = _codec.MAX_KEY
+BYTES_CODE = _codec.BYTES_CODE
 REQUEST = _codec.REQUEST
 CREDIT = _codec.CREDIT
 CANCEL = _codec.CANCEL
@@ -156,6 +159,19 @@ def describe_value(value: Any) -> tuple:
     if COMPILED:
         return describe_c(value)  # type: ignore[name-defined]  # noqa: F821
     return describe(value)
+
+
+def local_value(value: Any, code: int) -> Any:
+    """What a recv of a key from this node to itself gets for a described value: a value
+    of the type a peer's recv would get.  ``bytes`` for a ``bytes``-like value (a
+    ``bytearray`` or ``memoryview`` is copied into its bytes, as the wire copies it), a
+    plain ``ndarray`` view of an array subclass (``np.matrix``, ``np.memmap``); ``bytes``
+    and plain arrays are handed over as they are."""
+    if code == BYTES_CODE:
+        return value if type(value) is bytes else bytes(value)
+    if type(value) is not ndarray:
+        return value.view(ndarray)
+    return value
 
 
 def frame_data(out: bytearray, step: Any, request_id: Any, key: bytes, code: int, shape: tuple,
@@ -1044,7 +1060,7 @@ class Core:
         table = self.table(step)
         peer = route.peer
         if peer is None:  # a key from this node to itself
-            table.put(route.text, value)
+            table.put(route.text, local_value(value, code))
             return None
         self.joined(step, peer)
         mode = self._check_mode(mode)
