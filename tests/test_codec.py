@@ -272,6 +272,17 @@ async def test_unsupported_values_are_refused_with_type_error(value: Any) -> Non
     assert "rvz" in str(info.value)
 
 
+@pytest.mark.parametrize("dtype", [np.longdouble, np.clongdouble])
+async def test_long_double_is_refused_naming_the_dtypes_that_go(dtype: Any) -> None:
+    # numeric, but its layout is the platform's (80-bit x87 padded to 16 bytes here, a plain
+    # double elsewhere): the wire has no code for it, and the error says which floats go
+    value = np.zeros(2, dtype)
+    if value.dtype.itemsize <= 8 * (2 if value.dtype.kind == "c" else 1):
+        pytest.skip(f"{value.dtype} is an ordinary double on this platform")
+    with pytest.raises(TypeError, match="float16 to float64 and complex64/complex128"):
+        codec.describe(value)
+
+
 # -- chunked decoding and zero copy ---------------------------------------------------------
 
 

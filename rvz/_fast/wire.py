@@ -51,8 +51,9 @@ def describe_other(value: Any) -> tuple:
                 value = value.astype(dtype.newbyteorder("<"))
                 code = CODES.get(value.dtype.str, -1)
             if code < 0:
-                raise TypeError(f"rvz does not send arrays of dtype {dtype} (numeric and bool "
-                                "dtypes only; nothing is pickled)")
+                raise TypeError(f"rvz does not send arrays of dtype {dtype} (bool, integer, "
+                                "float16 to float64 and complex64/complex128 dtypes only; "
+                                "nothing is pickled)")
         if not value.flags.c_contiguous:
             value = np.ascontiguousarray(value)
         return value, code, value.shape, value.nbytes
