@@ -565,6 +565,32 @@ async def test_a_value_passed_on_and_given_back_again_keeps_its_place(cluster, t
         assert ints(await end.recv_many([a, a], timeout=5)) == [0, 1]
 
 
+@pytest.mark.parametrize("target", ["rendezvous", "node"])
+@pytest.mark.parametrize("taker", ["recv", "recv_many"])
+@pytest.mark.loop_timeout(10)
+async def test_a_send_before_a_cancelled_batch_resumed_keeps_fifo(cluster, target, taker) -> None:  # type: ignore[no-untyped-def]
+    # A batch holds 0 and waits for a second value of the key; a receiver waits behind it.
+    # The batch is cancelled and 1 is sent before the batch's task has run (the cancel only
+    # marks it): 1 must not go to the waiter past 0, which the batch gives back when it
+    # resumes.  FIFO: the waiter gets 0, the next recv 1.
+    a, never = local("a"), local("never")
+    async with local_table(cluster, target) as (send_many, end):
+        await _maybe(send_many([(a, v(0))]))
+        batch = await pending(end.recv_many([a, a], timeout=10))
+        waiter = await pending(end.recv(a, timeout=10) if taker == "recv"
+                               else end.recv_many([a, never], timeout=10))
+        batch.cancel()
+        await _maybe(send_many([(a, v(1))]))  # (does not suspend: the batch has not resumed)
+        with pytest.raises(asyncio.CancelledError):
+            await batch
+        if taker == "recv":
+            assert ints([await waiter]) == [0]
+        else:
+            await _maybe(send_many([(never, v(9))]))
+            assert ints(await waiter) == [0, 9]
+        assert ints(await end.recv_many([a], timeout=5)) == [1]
+
+
 async def _maybe(result: Any) -> Any:
     """Await ``result`` if it is awaitable (``Rendezvous.send_many`` is not)."""
     return await result if asyncio.iscoroutine(result) else result

@@ -382,7 +382,11 @@ class Slot(Waiter):
 
 
     def done(self) -> bool:
-        return self.filled or self.batch.future.done()
+        # Only a filled slot is done.  A slot of a batch that already failed (cancelled, timed
+        # out) stays live until the batch's ``restore`` takes it out of the queue: the values
+        # the batch took go back then, so a value that comes meanwhile must not pass them to
+        # a later waiter; it goes to this slot and back with them, in its place.
+        return self.filled
 
     def set_result(self, value: Any) -> None:
         self.filled = True
