@@ -750,13 +750,17 @@ class Node(_NodeCalls):
         """The rest of a send that could not complete at once (see ``Core.send``)."""
         said = timeout if total is None else total
         if isinstance(pending, tuple):  # Recv-Driven: wait for room under hold_limit
-            table, route, value, nbytes, peer = pending
+            _, route, value, nbytes, peer = pending  # (its table: looked up below)
             core = self._core
             assert self._loop is not None
             end = None if timeout is None else self._loop.time() + timeout
             mine = core.reserve_hold(nbytes)
             try:
-                while core.hold_full(table, route, nbytes, mine):
+                # The step's table is looked up again after every wait: an empty one is
+                # dropped at a heartbeat, and the request of the consumer that then asks
+                # parks in the new one (kept, the old one hid it, and took the value where
+                # no recv looks: both sides waited for ever).
+                while core.hold_full(core.table(step), route, nbytes, mine):
                     left = None if end is None else max(0.0, end - self._loop.time())
                     try:
                         if peer.unconnected():
@@ -777,7 +781,7 @@ class Node(_NodeCalls):
                 raise
             finally:
                 core.hold_reserved -= mine
-            core.hold(table, step, route, value, nbytes)
+            core.hold(core.table(step), step, route, value, nbytes)
             return
         # A Send-Driven push waiting in its peer's queue (for the link, credit or socket).
         # A cancelled or timed-out push is cancelled in the queue too: the pump skips it.

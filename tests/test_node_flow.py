@@ -143,6 +143,27 @@ async def test_held_values_pushed_unclaimed_count_against_hold_limit_until_writt
 
 
 @pytest.mark.loop_timeout(30)
+async def test_a_send_waiting_for_hold_room_sees_a_request_after_its_table_was_dropped(cluster) -> None:  # type: ignore[no-untyped-def]
+    """A Recv-Driven send waiting for room under hold_limit goes as soon as its consumer
+    asks for its key.  It kept the step's table it began with: when the values filling the
+    limit had all been pushed at claim_timeout (they wait for credit, counted as held) that
+    table was empty and dropped at a heartbeat, the consumer's request parked in a new one,
+    and the send never saw it: send and recv both waited for ever."""
+    limit, window, size = 256 << 10, 128 << 10, 32 << 10
+    async with pair(cluster, "recv", hold_limit=limit, push_window=window, claim_timeout=0.1) as (w, p):
+        await _linked(w, p)
+        with pytest.raises(TimeoutError, match="hold limit"):
+            for i in range(200):   # nobody takes these: pushed at claim_timeout, stuck at the window
+                await w.send(key("untaken"), np.full(size // 4, i, np.float32), timeout=0.6)
+        await eventually(lambda: 0 not in w._tables, "the empty step-0 table dropped")
+        waiting = await pending(w.send(key("asked"), np.full(size // 4, -1, np.float32)), 0.2)
+        await eventually(lambda: 0 not in w._tables, "the empty step-0 table dropped again")
+        got = await p.recv(key("asked"), timeout=10)
+        assert got[0] == -1
+        await asyncio.wait_for(waiting, 10)
+
+
+@pytest.mark.loop_timeout(30)
 async def test_a_send_waiting_for_hold_room_fails_when_its_consumer_is_gone() -> None:
     """Room under hold_limit comes only when consumers fetch.  A send waiting for it whose
     consumer died waited for ever; now it dials the consumer, as a Send-Driven recv does
