@@ -88,6 +88,8 @@ _RETIRED_STEPS_MAX = 1 << 12
 # A peer needs one or two connections (each side may dial); a few more cover reconnects
 # whose old connection is not known dead yet.  More is a peer holding sockets open.
 _MAX_INBOUND_PER_PEER = 8
+# Replaced incarnations of each peer remembered, to refuse a second process with its task id.
+_REPLACED_KEPT = 16
 _ABORT_TEXT_MAX = 1024  # characters of a peer's step clean-up message that are kept
 
 TaskId = tuple  # (job, task)
@@ -248,6 +250,9 @@ class Node(_NodeCalls):
         self._onesided: Any = None
         self._closing_pushes: list[Any] = []
         self._said_bye = False  # close() said BYE: a connection made since says it at once
+        # task id -> incarnations of that task a newer one replaced (the last few): one of
+        # them back is a second process with the same task id, never a restart.
+        self._replaced: dict[TaskId, deque[int]] = {}
 
     # the engine's state, read by the one-sided hub and by tests
     @property
@@ -1346,6 +1351,16 @@ class Node(_NodeCalls):
         incarnation, window, _, fields = conn.hello
         window = min(window, self.push_window)
         peer = conn.peer
+        replaced = self._replaced.get(peer.id)
+        if replaced is not None and incarnation in replaced:
+            # A restarted process has a new incarnation and the old one never comes back:
+            # this is a second live process with the peer's task id (two nodes started as
+            # one task).  Taking it would replace the other one, which would replace it in
+            # turn, each time failing what the other held: refused, as a failed handshake
+            # (the dialler does not retry).
+            raise AuthError(f"{peer.name} incarnation {incarnation:#x} was replaced by "
+                            f"incarnation {peer.incarnation:#x}: two processes run as "
+                            f"{peer.name} (give each task its own job and task index)")
         if not conn.outbound:
             if len([c for c in peer.inbound if not c.closed]) >= _MAX_INBOUND_PER_PEER:
                 raise ProtocolError(f"{peer.name} opened more than {_MAX_INBOUND_PER_PEER} "
@@ -1354,6 +1369,7 @@ class Node(_NodeCalls):
         if self._onesided is not None:  # agree on the transport; TransportError fails conn
             self._onesided.on_hello(conn, fields)
         if peer.incarnation is not None and peer.incarnation != incarnation:
+            self._replaced.setdefault(peer.id, deque(maxlen=_REPLACED_KEPT)).append(peer.incarnation)
             err = PeerLost(f"peer {peer.name} restarted (new incarnation)")
             err.__cause__ = ConnectionResetError(f"{peer.name} restarted")
             self._peer_lost(peer, err, keep=conn)
@@ -1390,7 +1406,10 @@ class Node(_NodeCalls):
 
     def _on_error(self, conn: Connection, fields: dict[str, Any]) -> None:
         core = self._core
-        if not conn.ready:  # only a refused handshake says ERROR before it is complete
+        if not conn.ready or (conn.outbound and fields.get("code") == "auth"):
+            # A refused handshake says ERROR: before it is complete here, or after, when the
+            # listener refused us (without a secret each side takes the other's HELLO as it
+            # comes, so a dialler may already have taken the connection).
             if fields.get("code") == "auth":
                 raise AuthError(f"{self._peer_name(conn)} refused this node: "
                                 f"{str(fields.get('msg', ''))[:500]}")

@@ -19,7 +19,7 @@ import pytest
 import rvz
 from rvz import _impl
 
-from .conftest import FAST, eventually, free_ports, key, pair, pending
+from .conftest import FAST, PS, WORKER, eventually, free_ports, key, pair, pending
 from .procs import ready_process
 
 MODES = ["recv", "send"]
@@ -274,6 +274,38 @@ async def test_a_restarted_peer_is_a_new_incarnation_and_works_again(cluster, mo
             await second.send(key("after", incarnation=2), np.arange(2))
             assert (await p.recv(key("after", incarnation=2), timeout=5)).tolist() == [0, 1]
             assert p._peers[WORKER_ID].incarnation == 2
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.loop_timeout(20)
+async def test_a_second_process_with_a_peers_task_id_is_refused_not_taken_in_turns(
+        cluster, transport) -> None:  # type: ignore[no-untyped-def]
+    # Two processes started as worker/0 (their cluster specs disagree on its address, so
+    # both can listen). The second to reach ps looks like a restart and replaces the first;
+    # the first must then be refused, clearly, and not replace the second in its turn (each
+    # time failing what the other held, over and over).
+    other = rvz.ClusterSpec({"worker": [f"127.0.0.1:{free_ports(1)[0]}"],
+                             "ps": [cluster.address("ps", 0)]})
+    opts = {**FAST, "transport": transport}
+    async with rvz.Node(cluster, "ps", 0, "send", **opts) as p, \
+            rvz.Node(cluster, "worker", 0, "send", **opts) as first, \
+            rvz.Node(other, "worker", 0, "send", **opts) as second:
+        await first.send(key("one"), np.arange(1))
+        assert (await p.recv(key("one"), timeout=5)).tolist() == [0]
+        await second.send(key("two"), np.arange(2))
+        assert (await p.recv(key("two"), timeout=5)).tolist() == [0, 1]
+        assert p._peers[WORKER_ID].incarnation == second.incarnation
+        # ps dropped the first one's connection for the second's: the first one sees it go.
+        await eventually(lambda: not connected(first, ("ps", 0)), "the first lost its link")
+        # The first one talks to ps again: refused, saying why, and not retried for ever.
+        back = key("back", src=PS, dst=WORKER)
+        with pytest.raises((rvz.PeerLost, rvz.AuthError)) as info:
+            await first.recv(back, mode="recv", timeout=5)
+        assert "two processes run as /job:worker/replica:0/task:0" in str(info.value)
+        assert p._peers[WORKER_ID].incarnation == second.incarnation
+        await second.send(key("three"), np.arange(3))
+        assert (await p.recv(key("three"), timeout=5)).tolist() == [0, 1, 2]
+        first.abort(RuntimeError("the misconfigured one stops"))
 
 
 @pytest.mark.loop_timeout(20)
