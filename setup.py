@@ -61,6 +61,12 @@ class BuildExt(build_ext):
 
     def run(self):
         if not self.inplace:  # a wheel: leave the example's module out
+            for ext in self.extensions:
+                stale = self.get_ext_fullpath(ext.name)
+                if ext.name.startswith("examples.") and os.path.exists(stale):
+                    # left in build/lib by an in-place build (setuptools builds there, then
+                    # copies): bdist_wheel would ship it as a top-level "examples" package
+                    os.remove(stale)
             self.extensions = [e for e in self.extensions if not e.name.startswith("examples.")]
         self.skipped = set()
         if not self.extensions:

@@ -46,7 +46,7 @@ import warnings
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from threading import get_ident
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import _impl
 from .cluster import ClusterSpec, split_address
@@ -65,7 +65,7 @@ from .errors import (
     WrongEndpoint,
 )
 from .poll import BusyPoll, check_budget
-from .types import KeyLike, Mode, SendValue, TransportName, Value
+from .types import KeyLike, Mode, NodeStats, PeerStats, SendValue, StepStats, TransportName, Value
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +412,7 @@ class Node(_NodeCalls):
         return (f"<rvz.Node {self.name} at {self.address} {self._state} mode={self.mode} "
                 f"transport={self.transport} peers={peers}>")
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> NodeStats:
         """A snapshot of this node's state and counters, as plain data (see the README).
 
         ``peers`` maps each peer's name to its connection ``state`` (``"connected"``,
@@ -433,10 +433,11 @@ class Node(_NodeCalls):
         for request in core.requests.values():
             outstanding[request.peer] = outstanding.get(request.peer, 0) + 1
         held = self._held_for()
-        peers = {}
+        peers: dict[str, PeerStats] = {}
         for peer in core.peers.values():
             conns = peer.live_connections()
             ready = [c for c in conns if c.ready]
+            state: Literal["connected", "dialling", "idle"]
             if ready:
                 state = "connected"
             elif conns or (peer.dialling is not None and not peer.dialling.done()):
@@ -462,7 +463,7 @@ class Node(_NodeCalls):
                 "outstanding_requests": outstanding.get(peer, 0),
                 "held_values": held.get(peer, 0),
             }
-        steps = {}
+        steps: dict[int, StepStats] = {}
         for step, table in core.tables.items():
             keys_queued, queued, keys_waiting, waiting = table.counts()
             steps[step] = {"queued_values": queued, "queued_keys": keys_queued,

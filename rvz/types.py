@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -40,4 +40,78 @@ TransportName: TypeAlias = Literal["tcp", "shm", "verbs", "auto"]
 LoopName: TypeAlias = Literal["auto", "uvloop", "asyncio"]
 """The event loops of ``rvz.run(loop=...)`` and ``rvz.new_event_loop``."""
 
-__all__ = ["KeyLike", "LoopName", "Mode", "SendValue", "TransportName", "Value"]
+
+
+class PeerStats(TypedDict):
+    """One peer in ``Node.stats()["peers"]``."""
+
+    state: Literal["connected", "dialling", "idle"]
+    transport: str | None
+    incarnation: int | None
+    mode: Mode | None
+    bytes_in: int
+    bytes_out: int
+    messages_in: int
+    messages_out: int
+    credit: int
+    owed: int
+    unreturned: int
+    window: int
+    queued_pushes: int
+    parked_requests: int
+    deferred_answers: int
+    outstanding_requests: int
+    held_values: int
+
+
+class StepStats(TypedDict):
+    """One step in ``Node.stats()["steps"]``."""
+
+    queued_values: int
+    queued_keys: int
+    waiting_recvs: int
+    waiting_keys: int
+
+
+class HeldStats(TypedDict):
+    """``Node.stats()["held"]``: the Recv-Driven values kept for remote consumers."""
+
+    values: int
+    bytes: int
+
+
+class WaitStats(TypedDict):
+    """``Node.stats()["waits"]``: how often a send or a recv had to wait for the other."""
+
+    producer: int
+    consumer: int
+
+
+class BusyPollStats(TypedDict):
+    """``Node.stats()["busy_poll"]``: the budget in seconds, the loop passes kept awake."""
+
+    budget: float
+    spins: int
+
+
+class NodeStats(TypedDict):
+    """What ``Node.stats()`` returns (plain data; the README describes each field)."""
+
+    node: str
+    address: str
+    state: str
+    mode: Mode
+    transport: str
+    implementation: str
+    peers: dict[str, PeerStats]
+    steps: dict[int, StepStats]
+    held: HeldStats
+    waits: WaitStats
+    dead_steps: int
+    unidentified: int
+    recv_pool: dict[int, tuple[int, int, int]] | None
+    busy_poll: BusyPollStats | None
+
+
+__all__ = ["BusyPollStats", "HeldStats", "KeyLike", "LoopName", "Mode", "NodeStats", "PeerStats",
+           "SendValue", "StepStats", "TransportName", "Value", "WaitStats"]

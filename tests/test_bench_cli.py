@@ -246,6 +246,75 @@ def test_bad_options_fail_clearly() -> None:
     assert proc.returncode == 2 and "sideways" in proc.stderr
 
 
+def _one_line_error(proc: subprocess.CompletedProcess[str], status: int, *words: str) -> None:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == status and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("rvz-bench: "), proc.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+@pytest.mark.timeout(60)
+def test_bad_values_fail_before_the_run_in_one_line(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for args, words in [
+        (["--sizes", "inf"], ["inf"]),                 # was an OverflowError
+        (["--sizes", "1e400"], ["1e400"]),
+        (["--sizes", "100G"], ["100G", "4G"]),          # was a worker's MemoryError
+        (["--duration", "nan"], ["--duration"]),        # ran, and wrote NaN into the JSON
+        (["--duration", "inf"], ["--duration"]),        # ran until killed
+        (["--repeat", "0"], ["--repeat"]),              # ran once, as if not given
+        (["--client", "--addr", "nonsense"], ["--addr", "nonsense"]),
+        (["--json", str(tmp_path / "no" / "such" / "dir.json")], ["--json", "does not exist"]),
+        (["--json", str(tmp_path)], ["--json", "directory"]),  # was lost after the whole run
+        (["--profile", str(blocker / "prof")], ["--profile"]),  # a file in the way
+    ]:
+        count = [] if "--duration" in args else ["--iters", "5"]
+        proc = bench("stream", "--sizes", "64", *count, *args, "--quiet", timeout=20)
+        _one_line_error(proc, 2, *words)
+    _one_line_error(bench("--server", "--addr", "nonsense", timeout=20), 2, "--addr", "nonsense")
+    # rendezvous measured the first size only, and the JSON listed them all
+    proc = bench("rendezvous", "--sizes", "64,4K", "--iters", "3", "--quiet", timeout=20)
+    _one_line_error(proc, 2, "one size")
+
+
+@pytest.mark.timeout(60)
+def test_server_problems_are_one_line_errors() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        _one_line_error(bench("--server", "--addr", f"127.0.0.1:{port}", timeout=20), 1,
+                        f"127.0.0.1:{port}")
+    # nobody listens there (the socket above is closed): was a ConnectionRefusedError
+    proc = bench("stream", "--client", "--addr", f"127.0.0.1:{port}", "--iters", "5", "--quiet",
+                 timeout=20)
+    _one_line_error(proc, 1, f"127.0.0.1:{port}", "server")
+
+
+@pytest.mark.timeout(60)
+def test_server_survives_a_client_that_is_not_rvz_bench(tmp_path: Path) -> None:
+    addr = f"127.0.0.1:{_free_port()}"
+    server = subprocess.Popen([sys.executable, "-m", "rvz.bench", "--server", "--addr", addr,
+                               "--once"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait_listening(server, 15)
+        for junk in (b"GET / HTTP/1.0\r\n\r\n", b"[1, 2]\n", b"\xff\xfe\n"):
+            with socket.create_connection(("127.0.0.1", int(addr.rsplit(":", 1)[1])), 5) as s:
+                s.sendall(junk)
+                s.settimeout(5)
+                assert b"spawn" in s.recv(200)
+        assert server.poll() is None, server.stderr.read() if server.stderr else ""
+        # ... and still serves a real client
+        r = run_json(tmp_path, "rendezvous", "--client", "--addr", addr, "--iters", "3",
+                     "--order", "producer-first", "--mode", "send", "--no-baselines", *TINY)
+        assert r["rendezvous"][0]["rounds"] == 3
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.communicate()
+
+
 def _workers(pid: int) -> set[int]:
     """The rvz-bench worker processes among ``pid``'s children (not, say, an ldconfig)."""
     try:

@@ -1,7 +1,8 @@
 """Packaging: setup.py falls back to pure Python when a module cannot be compiled (and
 refuses to when RVZ_REQUIRE_EXTENSIONS=1), leaves the example's module out of wheels, and
 pyproject.toml states what the README promises (license, Python versions, no generated C in
-wheels).  CI builds a real wheel and lists it (.ci/run); these tests stay offline and fast.
+wheels), and that an sdist holds what a build needs and no build artefacts, tests or
+examples.  CI builds a real wheel and lists it (.ci/run); these tests stay offline and fast.
 
 setup.py's own ``setup()`` call is intercepted, and its build_ext command is run on one
 small module (rvz/_fast/keys.py) in a copy of the tree, with ``CC=false`` standing for a
@@ -140,3 +141,59 @@ def test_wheels_get_no_generated_c() -> None:
     requires = " ".join(config["build-system"]["requires"])
     found = re.search(r"setuptools>=(\d+)", requires)
     assert found and int(found.group(1)) >= 77, requires  # SPDX license strings
+
+
+STALE_DRIVER = DRIVER.replace(
+    'print("building:"',
+    "import os\n"
+    'stale = cmd.get_ext_fullpath("examples.param_server._table")\n'
+    "os.makedirs(os.path.dirname(stale), exist_ok=True)\n"
+    'open(stale, "wb").close()  # what an earlier in-place build leaves in build/lib\n'
+    'print("building:"') + 'print("stale example left:", os.path.exists(stale), flush=True)\n'
+
+
+def test_a_wheel_build_drops_the_example_module_an_inplace_build_left(tree: Path) -> None:
+    # setuptools builds in place by building into build/lib and copying; a later wheel build
+    # reuses build/lib, and shipped examples/param_server/_table.*.so as a top-level package
+    (tree / "driver.py").write_text(STALE_DRIVER)
+    proc = build(tree, "wheel")
+    assert "stale example left: False" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def _tracked_files() -> list[str]:
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                             timeout=30, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("needs a git checkout")
+    return [name for name in out.decode().split("\0") if name]
+
+
+@pytest.mark.timeout(150)
+def test_sdist_has_what_a_build_needs_and_nothing_else(tmp_path: Path) -> None:
+    pytest.importorskip("setuptools", reason="setuptools is in the test extra")
+    tree = tmp_path / "tree"
+    for name in _tracked_files():
+        if (ROOT / name).is_file():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, tree / name)
+    # what a previous in-place build and test run leave in a checkout
+    (tree / "rvz" / "_fast" / "keys.c").write_text("/* generated */\n")
+    (tree / "rvz" / "_fast" / "keys.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\0")
+    (tree / "rvz" / "__pycache__").mkdir()
+    (tree / "rvz" / "__pycache__" / "node.cpython-311.pyc").write_bytes(b"\0")
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "dist")],
+                          cwd=tree, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import tarfile
+
+    (sdist,) = (tmp_path / "dist").glob("rvz-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    sources = {name for name in _tracked_files()
+               if name.startswith("rvz/") and name.endswith((".py", ".pxd", ".pyx", ".typed"))}
+    needed = sources | {"setup.py", "pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md"}
+    assert not needed - names, f"missing from the sdist: {sorted(needed - names)}"
+    junk = [n for n in names if n.endswith((".c", ".so", ".pyc")) or "__pycache__" in n
+            or n.startswith(("build/", "tests/", "examples/", ".venv"))]
+    assert not junk, f"not for an sdist: {sorted(junk)}"

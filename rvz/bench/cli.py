@@ -19,6 +19,7 @@ import argparse
 import datetime
 import importlib
 import json
+import math
 import os
 import signal
 import sys
@@ -26,6 +27,8 @@ import time
 from typing import Any, TextIO, cast
 
 import rvz
+from rvz import _impl, cluster
+from rvz.errors import ConfigError
 from rvz.poll import check_budget
 
 from . import control, report
@@ -184,6 +187,13 @@ class Options:
             raise UsageError(str(exc)) from None
         if not self.sizes:
             raise UsageError("--sizes is empty")
+        if command == "rendezvous" and len(self.sizes) > 1:  # it would measure the first only
+            raise UsageError("rendezvous measures one size: give --sizes a single value")
+        limit = _impl.codec.DEFAULT_MAX_PAYLOAD  # the workers' nodes keep the default max_payload
+        for size in self.sizes:
+            if size > limit:
+                raise UsageError(f"--sizes: {size_label(size)} is above {size_label(limit)}, the largest "
+                                 "message an rvz node accepts by default")
         self.modes = MODES[args.mode]
         self.loop = args.loop if args.loop != "auto" else _auto_loop_name()
         self.impl = args.impl or rvz.implementation()
@@ -194,9 +204,10 @@ class Options:
             self.duration = ALL_DURATION if command == "all" else 1.0
         if self.iters is not None and self.iters < 1:
             raise UsageError("--iters must be at least 1")
-        if self.duration is not None and self.duration <= 0:
-            raise UsageError("--duration must be positive")
-        self.repeat: int = args.repeat or (ALL_REPEAT if command == "all" else 1)
+        if self.duration is not None and not (0 < self.duration < math.inf):  # NaN fails too
+            raise UsageError("--duration must be a positive, finite number of seconds")
+        self.repeat: int = (args.repeat if args.repeat is not None
+                            else ALL_REPEAT if command == "all" else 1)
         if self.repeat < 1:
             raise UsageError("--repeat must be at least 1")
         if args.concurrency is not None and args.concurrency < 1:
@@ -220,6 +231,15 @@ class Options:
         self.compare_impl = args.compare_impl or command == "all"
         if args.client and not args.addr:
             raise UsageError("--client needs --addr HOST:PORT of the server")
+        if args.client:
+            check_addr(args.addr)
+        if args.json:
+            check_writable(args.json, "--json")
+        if args.profile:
+            try:
+                os.makedirs(args.profile, exist_ok=True)
+            except OSError as exc:
+                raise UsageError(f"--profile {args.profile}: {exc.strerror or exc}") from None
         self.remote: str | None = args.addr if args.client else None
 
     def stream_concurrency(self, size: int) -> int:
@@ -827,7 +847,15 @@ def main(argv: list[str] | None = None) -> int:
             print("rvz-bench: --server needs --addr HOST:PORT to listen on", file=err)
             return 2
         try:
+            check_addr(args.addr)
+        except UsageError as exc:
+            print(f"rvz-bench: {exc}", file=err)
+            return 2
+        try:
             return control.serve(args.addr, args.once, lambda text: print(text, file=err, flush=True))
+        except WorkerError as exc:
+            print(f"rvz-bench: {exc}", file=err)
+            return 1
         except KeyboardInterrupt:
             return 130
     try:
@@ -858,9 +886,13 @@ def main(argv: list[str] | None = None) -> int:
         bench.close(interrupted=not finished)
     print(render(results, targets=args.targets), file=sys.stdout, flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-            f.write("\n")
+        try:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+                f.write("\n")
+        except OSError as exc:
+            print(f"rvz-bench: --json {args.json} not written: {exc}", file=err)
+            return 1
     if args.plot:
         try:
             drawn = report.plot(results, args.plot)
@@ -891,6 +923,25 @@ def command_first(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]
             i += 1  # skip the option's value (``--order all`` is not the command)
         i += 1
     return ["all", *argv]
+
+
+def check_addr(addr: str) -> None:
+    """``--addr`` must be HOST:PORT (the control connection's address)."""
+    try:
+        cluster.split_address(addr)
+    except ConfigError as exc:
+        raise UsageError(f"--addr: {exc}") from None
+
+
+def check_writable(path: str, option: str) -> None:
+    """Fail before the run, not after it, when ``path`` cannot be written."""
+    if os.path.isdir(path):
+        raise UsageError(f"{option} {path}: is a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"{option} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"{option} {path}: not writable")
 
 
 def threading_is_main() -> bool:

@@ -196,7 +196,11 @@ class RemoteWorker(WorkerLink):
 
     def __init__(self, name: str, address: str, impl: str, timeout: float = 30.0) -> None:
         host, port = cluster.split_address(address)
-        self.sock = socket.create_connection((host, port), timeout=timeout)
+        try:
+            self.sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise WorkerError(f"cannot reach the rvz-bench --server at {address}: "
+                              f"{exc.strerror or exc}") from None
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         rfile = self.sock.makefile("rb")
@@ -257,19 +261,23 @@ def _pump(src: IO[bytes], dst: IO[bytes]) -> None:
         pass
 
 
-def serve_one(conn: socket.socket, log: Any) -> None:
-    """Serve one client: start a worker of the implementation it asks for, relay lines."""
+def serve_one(conn: socket.socket, log: Any) -> bool:
+    """Serve one client: start a worker of the implementation it asks for, relay lines.
+    False if the connection was not an rvz-bench client (it got an error line)."""
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     rfile = conn.makefile("rb")
     wfile = conn.makefile("wb")
     first = rfile.readline()
     if not first:
-        return
-    request = json.loads(first)
-    if request.get("op") != "spawn":
+        return False
+    try:
+        request = json.loads(first)
+    except ValueError:  # not a client of ours: it must not stop the server
+        request = None
+    if not isinstance(request, dict) or request.get("op") != "spawn":
         wfile.write(json.dumps({"ok": False, "error": "expected a spawn request"}).encode() + b"\n")
         wfile.flush()
-        return
+        return False
     impl = str(request.get("impl", "compiled"))
     log(f"rvz-bench server: client {conn.getpeername()} asks for a {impl} worker")
     proc = spawn_worker(impl)
@@ -284,6 +292,7 @@ def serve_one(conn: socket.socket, log: Any) -> None:
     finally:
         stop_process(proc)
         log("rvz-bench server: client done")
+    return True
 
 
 def serve(address: str, once: bool, log: Any) -> int:
@@ -291,12 +300,20 @@ def serve(address: str, once: bool, log: Any) -> int:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, port))
-        listener.listen(4)
+        try:
+            listener.bind((host, port))
+            listener.listen(4)
+        except OSError as exc:
+            raise WorkerError(f"--server cannot listen on {address}: {exc.strerror or exc}") from None
         log(f"rvz-bench server: listening on {address} (Ctrl-C to stop)")
         while True:
             conn, _ = listener.accept()
+            served = True
             with conn:
-                serve_one(conn, log)
-            if once:
+                try:
+                    # --once counts clients, not connections of something else (a probe)
+                    served = serve_one(conn, log)
+                except OSError as exc:  # a client that vanished must not stop the server
+                    log(f"rvz-bench server: client lost ({exc})")
+            if once and served:
                 return 0

@@ -20,7 +20,7 @@ def parse_size(text: str) -> int:
             break
     try:
         n = int(float(s) * factor)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: "inf", "1e400"
         raise ValueError(f"size {text!r} is not a number with an optional K, M or G") from None
     if n < 1:
         raise ValueError(f"size {text!r}: messages carry at least 1 byte")

@@ -17,4 +17,5 @@ async def main() -> None:
     counts: list[int] = await node.recv_many([KEY])  # E: assignment
     local: int = await rvz.Rendezvous().recv(KEY)  # E: assignment
     rvz.run(main(), loop="uv")  # E: arg-type
+    print(node.stats()["wiats"])  # E: typeddict-item
     print(count, counts, local)
