@@ -87,7 +87,7 @@ async def train_worker(cluster: dict[str, list[str]], w: int, spec: JobSpec) -> 
             error = exc
         try:
             await asyncio.wait_for(ps.close(), spec.train.timeout)
-        except (rvz.RvzError, TimeoutError) as exc:
+        except (rvz.RvzError, TimeoutError, asyncio.TimeoutError) as exc:  # (two classes before 3.11)
             # After a failure, a lost shard fails the close too: that is a consequence, and
             # the failure that names the step stays the error reported.
             if error is None:

@@ -213,7 +213,7 @@ class Worker:
         for clock in sorted(set(self.inflight.values())):
             try:
                 await asyncio.wait_for(self.ps.abort_step(clock), self.cfg.timeout)
-            except (rvz.RvzError, TimeoutError):
+            except (rvz.RvzError, TimeoutError, asyncio.TimeoutError):  # (two classes before 3.11)
                 pass
         self.inflight.clear()
 

@@ -162,7 +162,7 @@ class PSClient:
             assert fut is not None
             try:
                 hello = await asyncio.wait_for(asyncio.shield(fut), self.restart_timeout)
-            except TimeoutError:
+            except (TimeoutError, asyncio.TimeoutError):  # (two classes before 3.11)
                 raise rvz.PeerLost(f"PS shard {shard} did not come back within "
                                    f"{self.restart_timeout} s{FRESH_HINT}") from None
             epoch = int(hello[0])
