@@ -756,7 +756,7 @@ class Node(_NodeCalls):
         """The rest of a send that could not complete at once (see ``Core.send``)."""
         said = timeout if total is None else total
         if isinstance(pending, tuple):  # Recv-Driven: wait for room under hold_limit
-            _, route, value, nbytes, peer = pending  # (its table: looked up below)
+            route, value, nbytes, peer = pending
             core = self._core
             assert self._loop is not None
             end = None if timeout is None else self._loop.time() + timeout

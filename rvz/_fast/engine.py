@@ -1051,8 +1051,9 @@ class Core:
 
         Returns None when the value is queued, on the wire or in a table; a future when the
         push waits in its peer's queue (for the link, credit or the socket); or a
-        ``(table, route, value, nbytes, peer)`` tuple when a Recv-Driven value must first
-        wait for room under ``hold_limit`` (``Node`` waits, then calls ``hold``).
+        ``(route, value, nbytes, peer)`` tuple when a Recv-Driven value must first wait for
+        room under ``hold_limit`` (``Node`` waits, then calls ``hold`` with the step's table
+        as it is then).
         """
         self.enter(timeout)
         route = self.own_route(key, True)
@@ -1071,7 +1072,7 @@ class Core:
         # out or is cancelled did not send (one value alone may exceed the limit).
         if self.hold_full(table, route, nbytes):
             self.waits_producer += 1
-            return (table, route, value, nbytes, peer)
+            return (route, value, nbytes, peer)
         self.hold(table, step, route, value, nbytes)
         return None
 

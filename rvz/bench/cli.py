@@ -354,8 +354,7 @@ class Bench:
         for role, link in (("a", a), ("b", b)):
             side = dict(case, role=role, bind_host=link.host, transport=self.opts.transport,
                         loop=self.opts.loop, busy_poll=self.opts.busy_poll)
-            if self.opts.args.profile:
-                os.makedirs(self.opts.args.profile, exist_ok=True)
+            if self.opts.args.profile:  # (Options made the directory)
                 name = f"{self.case_no:02d}-{case['kind']}-{case['impl']}-{case.get('mode', '')}-" \
                        f"{size_label(int(case.get('size', 0)))}-{role}.prof"
                 side["profile"] = os.path.abspath(os.path.join(self.opts.args.profile, name))
