@@ -461,6 +461,8 @@ class Node(_NodeCalls):
                 "parked_requests": sum(len(c.parked) for c in conns),
                 "deferred_answers": sum(len(c.deferred) for c in conns),
                 "outstanding_requests": outstanding.get(peer, 0),
+                "held_back_requests": sum(1 for r in peer.held_back
+                                          if core.requests.get(r.id) is r),
                 "held_values": held.get(peer, 0),
             }
         steps: dict[int, StepStats] = {}
@@ -503,7 +505,8 @@ class Node(_NodeCalls):
         conn.nonce = os.urandom(16)
         fields = {"v": _codec.VERSION, "job": self.job, "task": self.task,
                   "inc": self.incarnation, "order": sys.byteorder, "mode": self.mode,
-                  "n": conn.nonce, "win": self.push_window, "auth": self._secret is not None}
+                  "n": conn.nonce, "win": self.push_window, "park": self.max_parked,
+                  "auth": self._secret is not None}
         if self._onesided is not None:
             fields.update(self._onesided.offer(conn))  # one-sided endpoints it may use
         return fields
@@ -558,6 +561,9 @@ class Node(_NodeCalls):
         conn.parked.clear()
         if conn.deferred:
             core.undefer(conn)
+        if peer.asking:  # what it parked of ours on that connection it parks no more
+            for request_id in [i for i, c in peer.asking.items() if c is conn]:
+                core.asked_no_more(peer, request_id)
         if self._state == "closed" or conn.closed_here or isinstance(conn.close_reason, PeerLost):
             return  # our own close, or the loss was already handled by _peer_lost
         if conn.bye_received:
@@ -938,8 +944,9 @@ class Node(_NodeCalls):
         conn = await self._link(first.peer, first.key)
         core = self._core
         live = [r for r in requests if r.id in core.requests]  # not cancelled meanwhile
-        if live and not core.send_asks(first.peer, live):
-            core.send_requests(conn, live)
+        if live:
+            # (On a connection that closed meanwhile nothing goes: the loss fails them.)
+            core.send_asks(first.peer, live, conn)
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -1025,6 +1032,8 @@ class Node(_NodeCalls):
         if peer.queue:
             assert self._loop is not None
             self._loop.call_soon(self._core.pump, peer)
+        if peer.held_back:
+            self._core.send_held_back(peer)
 
     def _peer_lost(self, peer: Any, err: RvzError, keep: Connection | None = None,
                    level: int | None = None) -> None:
@@ -1046,6 +1055,11 @@ class Node(_NodeCalls):
         peer.inbound = {c for c in peer.inbound if c is keep}
         if peer.link is not keep:
             peer.link = None
+        # It parks none of our requests any more, but those on ``keep``; the held-back ones
+        # fail below with the recvs behind them (unless a new incarnation can serve them).
+        peer.asking = {i: c for i, c in peer.asking.items() if c is keep}
+        if keep is None:
+            peer.held_back.clear()
         # Pushes on the lost connection may be lost too: the credit they took comes back.
         # What we owe the peer (consumed, not yet credited) is kept and goes on the next
         # connection, so our count of what it sent us (peer.unreturned) stays right.
@@ -1276,6 +1290,7 @@ class Node(_NodeCalls):
             incarnation = int(fields["inc"])
             order = fields.get("order", "little")
             window = int(fields.get("win", self.push_window))  # its push_window option
+            parks = int(fields.get("park", _engine.DEFAULT_PARKS))  # its max_parked option
             nonce = fields.get("n", b"")
         except (KeyError, TypeError, ValueError, OverflowError):
             raise ProtocolError(f"HELLO is missing fields or has malformed ones: {fields!r}") from None
@@ -1283,7 +1298,8 @@ class Node(_NodeCalls):
             raise ProtocolError(f"peer speaks protocol version {version}, we speak {_codec.VERSION}")
         if order != sys.byteorder:
             raise ProtocolError(f"peer is {order}-endian, this node is {sys.byteorder}-endian")
-        if not 0 <= incarnation < 1 << 64 or window < 0 or not isinstance(nonce, bytes):
+        if (not 0 <= incarnation < 1 << 64 or window < 0 or not 0 <= parks < 1 << 63
+                or not isinstance(nonce, bytes)):
             raise ProtocolError(f"HELLO has out-of-range fields: {fields!r}")
         core = self._core
         if task_id == self.id:
@@ -1384,6 +1400,7 @@ class Node(_NodeCalls):
             peer.credit += window - peer.window
             peer.window = window
         peer.incarnation = incarnation
+        peer.parks = int(fields.get("park", _engine.DEFAULT_PARKS))  # checked by _on_hello
         peer.mode = _engine.canonical_mode(str(fields.get("mode", "")))
         conn.ready = True
         if peer.link is None or peer.link.closed:
@@ -1420,6 +1437,7 @@ class Node(_NodeCalls):
         if not isinstance(request_id, int):  # int("x") would raise into the event loop
             raise ProtocolError(f"{self._peer_name(conn)} sent an ERROR frame whose request id "
                                 f"is not a number: {fields!r}")
+        core.asked_no_more(conn.peer, request_id)
         request = core.requests.get(request_id)
         if request is None or request.peer is not conn.peer:
             return  # a stray answer, or about a request we did not send to this peer

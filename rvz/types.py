@@ -61,6 +61,7 @@ class PeerStats(TypedDict):
     parked_requests: int
     deferred_answers: int
     outstanding_requests: int
+    held_back_requests: int
     held_values: int
 
 

@@ -192,6 +192,10 @@ GARBAGE = {
                                                     "task": 3, "inc": 1}),
     "hello-bad-types": _impl.codec.encode_hello({"v": _impl.codec.VERSION, "job": "raw",
                                                  "task": [1], "inc": "x"}),
+    "hello-negative-max-parked": _impl.codec.encode_hello({"v": _impl.codec.VERSION, "job": "raw",
+                                                           "task": 0, "inc": 1, "park": -1}),
+    "hello-max-parked-not-a-number": _impl.codec.encode_hello(
+        {"v": _impl.codec.VERSION, "job": "raw", "task": 0, "inc": 1, "park": "x"}),
     "malformed-key": RAW_HELLO + bad_data_frame("not;a;key"),
     "key-without-task": RAW_HELLO + bad_data_frame("/device:CPU:0;0;/job:ps/task:0;x;0:0"),
     "misrouted-key": RAW_HELLO + bad_data_frame(str(key("x"))),  # claims to come from worker

@@ -1067,3 +1067,89 @@ async def test_the_sends_of_one_iteration_are_packed_into_data_many_frames(clust
                 expected = [i for i, (kk, s) in enumerate(plan) if kk is k and s == step]
                 got = await p.recv_many([k] * len(expected), step=step, timeout=5)
                 assert [int(x[0]) for x in got] == expected
+
+
+def peer_stats(node: rvz.Node, other: rvz.Node) -> dict[str, Any]:
+    return dict(node.stats()["peers"][other.name])
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.loop_timeout(30)
+async def test_more_recvs_than_the_producer_parks_wait_their_turn_and_all_arrive(cluster, transport) -> None:  # type: ignore[no-untyped-def]
+    # The producer parks at most 8 requests per connection (max_parked, said in its HELLO)
+    # and closes a connection that sends more.  A consumer waiting for 80 values it has not
+    # sent yet (a recv_many of 50 keys and 30 recvs) sends 8 requests and holds the rest
+    # back; each answer lets one more go.  Every value arrives, in order; nothing is lost.
+    kw: dict[str, Any] = {}
+    if transport == "shm":
+        kw = {"transport": provider_or_skip("shm")}
+    async with pair(cluster, "recv", worker={"max_parked": 8}, **kw) as (w, p):
+        await w.send(key("linked"), array(0))
+        await p.recv(key("linked"), timeout=10)
+        keys = [key(f"batch{i}") for i in range(50)]
+        batch = asyncio.ensure_future(p.recv_many(keys, timeout=20))
+        singles = [asyncio.ensure_future(p.recv(key("single"), timeout=20)) for _ in range(30)]
+        await eventually(lambda: peer_stats(p, w)["outstanding_requests"] == 80,
+                         "the consumer asks for all 80 values")
+        await eventually(lambda: peer_stats(w, p)["parked_requests"] == 8,
+                         "the producer parks 8 requests")
+        assert peer_stats(p, w)["held_back_requests"] == 72
+        await settle()
+        assert peer_stats(w, p)["parked_requests"] == 8   # and never more
+        for i in range(50):
+            await w.send(keys[i], np.full(4, i))
+        for i in range(30):
+            await w.send(key("single"), np.full(4, 100 + i))
+        assert [int(v[0]) for v in await batch] == list(range(50))
+        assert [int((await s)[0]) for s in singles] == [100 + i for i in range(30)]
+        stats = peer_stats(p, w)
+        assert stats["held_back_requests"] == 0 and stats["outstanding_requests"] == 0
+        assert stats["state"] == "connected"
+
+
+@pytest.mark.loop_timeout(30)
+async def test_held_back_recvs_that_time_out_do_not_pile_up(cluster) -> None:  # type: ignore[no-untyped-def]
+    # Recvs that keep timing out behind a producer that parks no more leave their requests
+    # in the held-back queue only until it is swept; a request that then fits still goes.
+    async with pair(cluster, "recv", worker={"max_parked": 2}) as (w, p):
+        await w.send(key("linked"), array(0))
+        await p.recv(key("linked"), timeout=10)
+        parked = [asyncio.ensure_future(p.recv(key(f"parked{i}"), timeout=20)) for i in range(2)]
+        await eventually(lambda: peer_stats(w, p)["parked_requests"] == 2, "two parked")
+        peer = p._peers[w.id]
+        for _ in range(3000):
+            with pytest.raises(TimeoutError):
+                await p.recv(key("never"), timeout=0.0001)
+        # The producer was never sent a third request (it would have closed the connection,
+        # and the two parked recvs would have failed with PeerLost).
+        assert not any(f.done() for f in parked)
+        assert peer_stats(w, p)["parked_requests"] == 2
+        assert len(peer.held_back) <= 1024 + 1, len(peer.held_back)
+        assert peer_stats(p, w)["held_back_requests"] == 0
+        late = asyncio.ensure_future(p.recv(key("late"), timeout=20))
+        await w.send(key("parked0"), array(1))         # room for one: "late" is asked for
+        assert int((await parked[0])[0]) == 1
+        await w.send(key("late"), array(2))
+        assert int((await late)[0]) == 2
+        await w.send(key("parked1"), array(3))
+        assert int((await parked[1])[0]) == 3
+        assert not peer.held_back and not peer.asking
+
+
+@pytest.mark.loop_timeout(30)
+async def test_a_producer_that_parks_nothing_is_not_asked_and_pushes_at_claim_timeout(cluster) -> None:  # type: ignore[no-untyped-def]
+    # max_parked=0: the consumer never sends that producer a request (it would close the
+    # connection); its held values reach the recvs at claim_timeout, pushed.
+    async with pair(cluster, "recv", worker={"max_parked": 0}) as (w, p):
+        await w.send(key("linked"), array(0))  # held, then pushed: nothing was asked
+        await p.recv(key("linked"), timeout=10)
+        got = asyncio.ensure_future(p.recv_many([key("a"), key("b")], timeout=20))
+        one = asyncio.ensure_future(p.recv(key("c"), timeout=20))
+        await eventually(lambda: peer_stats(p, w)["held_back_requests"] == 3, "3 held back")
+        await w.send(key("a"), array(1))
+        await w.send(key("b"), array(2))
+        await w.send(key("c"), array(3))
+        assert [int(v[0]) for v in await got] == [1, 2]
+        assert int((await one)[0]) == 3
+        assert peer_stats(w, p)["parked_requests"] == 0
+        assert peer_stats(p, w)["state"] == "connected"

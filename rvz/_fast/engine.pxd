@@ -15,6 +15,7 @@ cdef bint COMPILED
 cdef str RECV, SEND
 # The engine's sizes, as C values: each message's accounting does arithmetic with them.
 cdef Py_ssize_t MESSAGE_COST, HOLD_LOW_WATER, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY
+cdef Py_ssize_t HELD_BACK_SWEEP
 cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, MAX_KEY, LARGE_READ, COPY_WRITE_MAX
 cdef long long ALONE_NS
 cdef object _NO_STEP
@@ -69,6 +70,10 @@ cdef class Peer:
     cdef public Py_ssize_t window
     cdef public Py_ssize_t unreturned
     cdef public Py_ssize_t answered
+    cdef public Py_ssize_t parks
+    cdef public dict asking
+    cdef public object held_back
+    cdef public Py_ssize_t held_back_mark
     cdef object __weakref__
 
     cpdef list live_connections(self)
@@ -268,8 +273,16 @@ cdef class Core:
     cpdef drop_outstanding(self, object step)
     @cython.locals(request=Request, conn=Wire)
     cpdef request(self, Peer peer, object step, Route route)
-    @cython.locals(request=Request, other=Wire, conn=Wire, rest=list)
-    cpdef bint send_asks(self, Peer peer, list requests) except -1
+    @cython.locals(link=Wire)
+    cpdef bint send_asks(self, Peer peer, list requests, object conn=*) except -1
+    @cython.locals(held=object, kept=list)
+    cpdef hold_back(self, Peer peer, list requests)
+    @cython.locals(conn=Wire, go=list, room=Py_ssize_t, start=Py_ssize_t, i=Py_ssize_t,
+                   request=Request)
+    cpdef send_held_back(self, Peer peer)
+    @cython.locals(request=Request, other=Wire, rest=list)
+    cpdef send_on(self, Peer peer, Wire conn, list requests)
+    cpdef asked_no_more(self, Peer peer, object request_id)
     @cython.locals(conn=Wire)
     cpdef object request_link(self, Peer peer, object request=*)
     @cython.locals(keys=dict, first=Request, earlier=Wire)

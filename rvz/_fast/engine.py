@@ -90,6 +90,11 @@ MESSAGE_COST = 64
 # every value taken (each wake-up of every waiting task, most of which find no room, cost
 # more than the value it waited for).
 HOLD_LOW_WATER = 8
+# What a peer that does not say its max_parked in HELLO parks (that option's default; a
+# Python global, which the node reads too).
+DEFAULT_PARKS = 65536
+# The length of a peer's held-back requests above which the cancelled ones are swept out.
+HELD_BACK_SWEEP = 1024
 # A payload up to this size is copied into the coalescing buffer; above it, it is written
 # as a separate view.  Copying 16 KiB costs less than a second write call.
 COALESCE_MAX = 16384
@@ -241,7 +246,7 @@ class Peer:
     __slots__ = ("id", "name", "address", "out", "dialling", "inbound", "incarnation", "mode",
                  "link", "credit", "asked", "queue", "owed", "owed_scheduled", "owe_now",
                  "stuck", "pushes_on", "joined_step", "window", "unreturned", "answered",
-                 "__weakref__")
+                 "parks", "asking", "held_back", "held_back_mark", "__weakref__")
 
     def __init__(self, task_id: tuple, address: str, window: int) -> None:
         self.id = task_id
@@ -281,6 +286,15 @@ class Peer:
         # where our requests go (``request_link``).
         self.pushes_on: Any = None
         self.joined_step: Any = None                # the step it was last added to (a cache)
+        # As its consumer: it parks at most ``parks`` of our requests (its max_parked, from
+        # its HELLO) and closes the connection past that.  ``asking`` maps each request of
+        # ours it may hold parked (sent, neither answered nor cancelled) to its connection;
+        # the requests past the limit wait here, in ``held_back``, and go as answers come
+        # (``send_held_back``): a recv_many of more keys than it parks is not a violation.
+        self.parks = DEFAULT_PARKS
+        self.asking: dict = {}
+        self.held_back: deque = deque()
+        self.held_back_mark = HELD_BACK_SWEEP      # its length that makes ``hold_back`` sweep it
 
     def live_connections(self) -> list:
         conns = [c for c in self.inbound if not c.closed]
@@ -1418,19 +1432,74 @@ class Core:
         """Recv-Driven: ask ``peer`` for the next value of ``route``."""
         request = self.new_request(peer, step, route)
         conn = self.request_link(peer, request)
-        if conn is not None and conn.ready and not conn.closed:
+        if conn is None or not conn.ready or conn.closed:
+            self.shell._request_when_linked([request])
+        elif peer.held_back or len(peer.asking) >= peer.parks:
+            self.hold_back(peer, [request])  # it parks no more: sent as answers come
+        else:
             self.send_request(conn, request)
             conn.requests_queued()
-        else:
-            self.shell._request_when_linked([request])
 
-    def send_asks(self, peer: Peer, requests: list) -> bool:
-        """Send new requests of one step to ``peer`` (a ``recv_many``'s), on ``request_link``:
-        one frame for those that go on it.  False, sending nothing, when no connection to
-        ``peer`` is ready yet (the node sends them once it is linked)."""
+    def send_asks(self, peer: Peer, requests: list, conn: Any = None) -> bool:
+        """Send new requests of one step to ``peer`` (a ``recv_many``'s), on ``request_link``
+        (else on ``conn``, if given and ready): one frame for those that go on it.  Those
+        past what ``peer`` parks wait in ``held_back``.  False, sending nothing, when no
+        connection to ``peer`` is ready yet (the node sends them once it is linked)."""
+        link = self.request_link(peer)
+        if link is None or not link.ready or link.closed:
+            if conn is None or not conn.ready or conn.closed:
+                return False
+            link = conn
+        if peer.held_back or len(peer.asking) + len(requests) > peer.parks:
+            self.hold_back(peer, requests)
+        else:
+            self.send_on(peer, link, requests)
+        return True
+
+    def hold_back(self, peer: Peer, requests: list) -> None:
+        """Queue requests behind those already held back, then send what fits.
+
+        A held-back request that is cancelled (its recv timed out) stays in the queue until
+        its turn; a queue grown past twice its live requests is swept, so recvs that keep
+        timing out behind a producer that parks no more cannot grow it without bound."""
+        held = peer.held_back
+        held.extend(requests)
+        if len(held) > peer.held_back_mark:
+            live = self.requests
+            kept = [r for r in held if live.get(r.id) is r]
+            held.clear()
+            held.extend(kept)
+            peer.held_back_mark = max(HELD_BACK_SWEEP, 2 * len(kept))
+        self.send_held_back(peer)
+
+    def send_held_back(self, peer: Peer) -> None:
+        """Answers or cancels made room among the requests ``peer`` parks: send the held-back
+        ones that fit (those cancelled or failed meanwhile are dropped).  Their order does
+        not matter: every request of a key asks for its next value, and the table hands
+        values to the key's recvs in the order they began."""
+        held = peer.held_back
         conn = self.request_link(peer)
         if conn is None or not conn.ready or conn.closed:
-            return False
+            return  # the next link sends them (``Node._link_ready``)
+        requests = self.requests
+        go: list = []
+        room = peer.parks - len(peer.asking)
+        while held and len(go) < room:
+            request = held.popleft()
+            if requests.get(request.id) is request:
+                go.append(request)
+        # One REQUESTS frame per run of one step (send_requests takes one step at a time).
+        start = 0
+        for i in range(1, len(go) + 1):
+            if i == len(go) or go[i].step != go[start].step:
+                self.send_on(peer, conn, go[start:i])
+                start = i
+
+    def send_on(self, peer: Peer, conn: Wire, requests: list) -> None:
+        """Send requests of one step: on ``conn``, or where an earlier request of their key
+        went (``key_link``); one frame for those that go on ``conn``."""
+        if not requests:
+            return
         rest = []
         for request in requests:
             other = self.key_link(request, conn)
@@ -1441,7 +1510,6 @@ class Core:
                 other.requests_queued()
         if rest:
             self.send_requests(conn, rest)
-        return True
 
     def request_link(self, peer: Peer, request: Any = None) -> Any:
         """The connection our requests to ``peer`` go on: the one it pushes on (where its
@@ -1529,6 +1597,7 @@ class Core:
         """``request`` goes out on ``conn``: a CANCEL must follow it there, and a one-sided
         connection offers the destination of its answer first."""
         request.conn = conn
+        request.peer.asking[request.id] = conn
         if conn.dataplane is not None:
             conn.dataplane.on_request(request.step, request.id, request.key)
 
@@ -1549,6 +1618,12 @@ class Core:
             pass
         if not pending:
             self._drop_key(step, keys, key)
+
+    def asked_no_more(self, peer: Peer, request_id: Any) -> None:
+        """``peer`` parks our request ``request_id`` no more (answered, failed or
+        cancelled): a held-back request may take its place."""
+        if peer.asking.pop(request_id, None) is not None and peer.held_back:
+            self.send_held_back(peer)
 
     def _drop_key(self, step: Any, keys: dict, key: str) -> None:
         """``key`` has no outstanding request left in ``step``.  The step's map stays while
@@ -1589,6 +1664,7 @@ class Core:
                 conn = request.conn
                 if conn is not None and not conn.closed:
                     conn.write_frame(encode_cancel(request.id))
+                    self.asked_no_more(request.peer, request.id)
                     self.cancelled[request.id] = True
                     self.cancel_order.append(request.id)
                     if len(self.cancel_order) > 65536:
@@ -1821,6 +1897,7 @@ class Core:
         asked = False
         route = None
         if request_id:
+            self.asked_no_more(peer, request_id)
             request = self.requests.pop(request_id, None)
             if request is not None:
                 asked = True
