@@ -1222,7 +1222,12 @@ class Node(_NodeCalls):
                 seen[step] = (mark, now)
             elif now - last[1] >= self.step_idle:
                 message = f"step {step} expired after {self.step_idle}s without activity"
-                log.info("%s: %s", self.name, message)
+                keys, values, _, recvs = table.counts()
+                # What it held is lost (values never received, recvs that now fail): worth
+                # a warning, not the INFO line of a step that only kept its table.
+                level = logging.WARNING if values or recvs else logging.INFO
+                log.log(level, "%s: %s; dropped %d value(s) of %d key(s), failed %d recv(s)",
+                        self.name, message, values, keys, recvs)
                 self._drop_table(step, message, None)
 
     def _push_held(self) -> list[Any]:

@@ -10,6 +10,7 @@ The cluster: worker:0 (a real node), worker:1 (the identity the raw client uses)
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from typing import Any
 
@@ -490,13 +491,18 @@ def test_steps_made_by_a_peer_are_capped_and_expire_when_idle(run) -> None:  # t
     run(body(), timeout=50)
 
 
-def test_a_step_idle_for_step_idle_seconds_fails_its_waiters(run) -> None:  # type: ignore[no-untyped-def]
+def test_a_step_idle_for_step_idle_seconds_fails_its_waiters(run, caplog) -> None:  # type: ignore[no-untyped-def]
     async def body() -> None:
         cluster = three_tasks()
         async with pair(cluster, "send", ps={"step_idle": 0.3}) as (w, p):
-            with pytest.raises(rvz.Aborted) as info:
-                await p.recv(key("never"), step=77, timeout=10)
+            with caplog.at_level(logging.INFO, logger="rvz"):
+                with pytest.raises(rvz.Aborted) as info:
+                    await p.recv(key("never"), step=77, timeout=10)
             assert "77" in str(info.value), str(info.value)
+            # A recv failed: a warning that says so, not an INFO line.
+            expired = [r for r in caplog.records if "step 77 expired" in r.getMessage()]
+            assert [(r.levelno, r.getMessage().split("; ")[1]) for r in expired] == [
+                (logging.WARNING, "dropped 0 value(s) of 0 key(s), failed 1 recv(s)")]
             await w.send(key("later"), np.arange(2))
             assert (await p.recv(key("later"), timeout=5)).tolist() == [0, 1]
 
