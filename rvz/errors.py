@@ -72,7 +72,8 @@ class TransportError(RvzError):
 
 class AuthError(RvzError):
     """A peer could not prove it holds the cluster's secret, or one side has a secret and
-    the other none (names the peer, never the secret)."""
+    the other none (names the peer, never the secret); or a peer refused this process
+    because another process runs as the same task (it replaced this one's incarnation)."""
 
 
 class RemoteError(RvzError):

@@ -176,6 +176,14 @@ class Node(_NodeCalls):
             check_budget(busy_poll)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if onesided is not None:
+            # Checked here, as every other option is: an unknown name or a bad value used to
+            # pass until start() (a plain ValueError there), or for ever with transport="tcp".
+            from .onesided.engine import Options
+            try:
+                Options(onesided)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"onesided: {exc}") from None
         index = _keys.as_index(task)
         if index is None:  # "0", 0.0 and True too
             raise ConfigError(f"task must be an int, not {task!r}")

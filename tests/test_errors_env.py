@@ -66,6 +66,26 @@ def test_node_with_a_wrong_job_is_refused_at_construction() -> None:
         rvz.Node(cluster, job="ps", task=5)
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("onesided, words", [
+    ({"slot_budgt": 1}, ["slot_budgt", "unknown"]),
+    ({"cqs": 0}, ["cqs"]),
+    ({"max_slots": "many"}, ["many"]),
+    (["tcp_max"], ["onesided"]),
+])
+def test_bad_onesided_options_are_refused_at_construction(transport: str, onesided: Any,
+                                                           words: list[str]) -> None:
+    # They passed Node(): with transport="shm" start() failed with a plain ValueError, and
+    # with transport="tcp" a misspelt option was never noticed.
+    cluster = rvz.ClusterSpec.loopback({"worker": 1})
+    with pytest.raises(rvz.ConfigError) as info:
+        rvz.Node(cluster, "worker", 0, transport=transport, onesided=onesided)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+    node = rvz.Node(cluster, "worker", 0, transport=transport, onesided={"slot_budget": 1 << 20})
+    assert node.state == "new"
+
+
 @pytest.mark.parametrize("jobs, words", [
     ({"worker": ["localhost"]}, ["/job:worker/task:0", "'localhost'", "host:port"]),
     ({"worker": ["h:99999"]}, ["port 99999"]),

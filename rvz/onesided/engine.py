@@ -66,7 +66,7 @@ from .provider import FAILED, RECV_MSG, RECV_WRITE, SEND_DONE, Provider
 if TYPE_CHECKING:
     from ..connection import Connection
 
-log = logging.getLogger("rvz")
+log = logging.getLogger(__name__)
 
 _codec = _impl.codec
 DTYPES = _codec.DTYPES

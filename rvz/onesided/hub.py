@@ -28,7 +28,7 @@ from .engine import Channel, Engine, Host, Options
 if TYPE_CHECKING:
     from ..connection import Connection
 
-log = logging.getLogger("rvz")
+log = logging.getLogger(__name__)
 
 TRANSPORTS = ("tcp", "shm", "verbs", "auto")
 ONESIDED = ("shm", "verbs")
