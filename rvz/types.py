@@ -25,8 +25,9 @@ Value: TypeAlias = npt.NDArray[Any] | bytes
 """A value rvz moves: a numpy array of a numeric or bool dtype (any shape), or ``bytes``.
 ``recv`` returns one of these."""
 
-SendValue: TypeAlias = Value | np.generic
-"""What ``send`` accepts: a ``Value``, or a numpy scalar (``arr.sum()``), sent as a 0-d array."""
+SendValue: TypeAlias = Value | bytearray | memoryview | np.generic
+"""What ``send`` accepts: a ``Value``; a ``bytearray`` or ``memoryview``, sent as its bytes
+(it arrives as ``bytes``); or a numpy scalar (``arr.sum()``), sent as a 0-d array."""
 
 KeyLike: TypeAlias = Key | str
 """Anything ``send``/``recv`` accept as a key: a ``rvz.Key`` or its string form."""
