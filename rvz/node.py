@@ -107,9 +107,9 @@ def _log_unclaimed_failure(done: asyncio.Future[None]) -> None:
         log.warning("an unclaimed value could not be pushed: %s", done.exception())
 
 
-def _release_held(core: Any, nbytes: int, done: asyncio.Future[None]) -> None:
+def _release_held(core: Any, peer: Any, nbytes: int, done: asyncio.Future[None]) -> None:
     """A held value pushed to its consumer left the push queue (``Node._push_oldest``)."""
-    core.released_held(nbytes)
+    core.released_held(peer, nbytes)
 
 
 def _close_server(creating: asyncio.Future[Any]) -> None:
@@ -131,8 +131,10 @@ class Node(_NodeCalls):
     a peer that sends nothing (not even its ``heartbeat`` pings) for ``peer_timeout`` seconds
     is lost.  ``push_window`` bytes may be pushed to one consumer before it consumes them;
     ``hold_limit`` bytes of Recv-Driven values may wait for their consumers before ``send``
-    waits (both count 64 bytes more per message).  ``linger`` bounds how long ``close()``
-    keeps serving held values.
+    waits (both count 64 bytes more per message); of the values held for consumers that are
+    not connected (lost), ``lost_hold_limit`` bytes (default: ``hold_limit``) do not count
+    for the sends to the others, so one lost consumer does not stall the live ones.
+    ``linger`` bounds how long ``close()`` keeps serving held values.
     Up to ``recv_pool`` bytes of memory for large received arrays are kept and used again once
     every array on a block is gone (0: allocate each array anew).
     ``busy_poll`` > 0 keeps the event loop polling instead of sleeping while a recv waits on
@@ -145,7 +147,8 @@ class Node(_NodeCalls):
                  connect_timeout: float = 10.0, heartbeat: float = 1.0,
                  peer_timeout: float = 10.0, linger: float = 5.0,
                  push_window: int = 64 << 20, hold_limit: int = 256 << 20,
-                 claim_timeout: float | None = 2.0, incarnation: int | None = None,
+                 lost_hold_limit: int | None = None, claim_timeout: float | None = 2.0,
+                 incarnation: int | None = None,
                  max_payload: int = _codec.DEFAULT_MAX_PAYLOAD, recv_pool: int = 256 << 20,
                  onesided: dict[str, Any] | None = None, secret: str | bytes | None = None,
                  ssl: _ssl.SSLContext | tuple[_ssl.SSLContext, _ssl.SSLContext] | None = None,
@@ -163,7 +166,8 @@ class Node(_NodeCalls):
                             ("max_payload", max_payload), ("recv_pool", recv_pool),
                             ("max_parked", max_parked), ("max_steps", max_steps),
                             ("max_unidentified", max_unidentified),
-                            ("answer_backlog", answer_backlog)):
+                            ("answer_backlog", answer_backlog),
+                            ("lost_hold_limit", 0 if lost_hold_limit is None else lost_hold_limit)):
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a number of bytes >= 0, not {value!r}")
         for name, seconds in (("connect_timeout", connect_timeout), ("linger", linger),
@@ -229,6 +233,7 @@ class Node(_NodeCalls):
         self.linger = linger
         self.push_window = push_window
         self.hold_limit = hold_limit
+        self.lost_hold_limit = hold_limit if lost_hold_limit is None else lost_hold_limit
         self.claim_timeout = claim_timeout
         self.max_payload = max_payload
         self.busy_poll = busy_poll
@@ -245,7 +250,7 @@ class Node(_NodeCalls):
         # The protocol engine: tables, routes, requests, credit (see rvz/_fast/engine.py).
         self._core = _engine.Core(self, self.cluster, self.id, self.name, mode, None,
                                   push_window, hold_limit, claim_timeout, max_parked,
-                                  max_steps, answer_backlog)
+                                  max_steps, answer_backlog, self.lost_hold_limit)
         self._idle_since: dict[int, tuple[Any, float]] = {}  # step -> (activity mark, since)
         self._dead_order: deque[int] = deque()  # core.dead_steps' keys, oldest first
         # step -> (table, stamp, puts) of the tables the last tick found empty
@@ -572,6 +577,9 @@ class Node(_NodeCalls):
         if peer.asking:  # what it parked of ours on that connection it parks no more
             for request_id in [i for i, c in peer.asking.items() if c is conn]:
                 core.asked_no_more(peer, request_id)
+        # No ready connection to it left: what we hold for it counts apart.  (Its dialled
+        # connection reaches ``peer.out`` only once the dial returns: asked of the node.)
+        core.regroup(peer, not any(c.peer is peer and c.ready and not c.closed for c in self._conns))
         if self._state == "closed" or conn.closed_here or isinstance(conn.close_reason, PeerLost):
             return  # our own close, or the loss was already handled by _peer_lost
         if conn.bye_received:
@@ -774,7 +782,7 @@ class Node(_NodeCalls):
             core = self._core
             assert self._loop is not None
             end = None if timeout is None else self._loop.time() + timeout
-            mine = core.reserve_hold(nbytes)
+            mine = core.reserve_hold(peer, nbytes)
             try:
                 # The step's table is looked up again after every wait: an empty one is
                 # dropped at a heartbeat, and the request of the consumer that then asks
@@ -800,7 +808,7 @@ class Node(_NodeCalls):
                 core.wake_holders()  # the sends behind it look again (once ``finally`` ran)
                 raise
             finally:
-                core.hold_reserved -= mine
+                core.unreserve_hold(peer, mine)
             core.hold(core.table(step), step, route, value, nbytes)
             return
         # A Send-Driven push waiting in its peer's queue (for the link, credit or socket).
@@ -1273,7 +1281,7 @@ class Node(_NodeCalls):
             # request, or failed).  Released here, a consumer that took none of them let the
             # sends behind hold hold_limit again every claim_timeout: the queue grew
             # without bound.
-            done.add_done_callback(functools.partial(_release_held, core, nbytes))
+            done.add_done_callback(functools.partial(_release_held, core, route.peer, nbytes))
             done.add_done_callback(on_done)
             dones.append(done)
         return dones
@@ -1416,6 +1424,7 @@ class Node(_NodeCalls):
         peer.parks = int(fields.get("park", _engine.DEFAULT_PARKS))  # checked by _on_hello
         peer.mode = _engine.canonical_mode(str(fields.get("mode", "")))
         conn.ready = True
+        self._core.regroup(peer, False)  # back (or new): what we hold for it counts in full
         if peer.link is None or peer.link.closed:
             # The first ready connection either side dialled carries our traffic: a push
             # to a consumer that dialled us need not wait for a dial of our own.
@@ -1555,7 +1564,7 @@ class Node(_NodeCalls):
         for key, value in table.abort(message, cause, kind):
             route = core.route(key)
             if route.src == self.id and route.dst != self.id:
-                core.released_held(nbytes_of(value))
+                core.released_held(route.peer, nbytes_of(value))
             elif route.src != self.id:
                 core.consumed(route.src, value)
 

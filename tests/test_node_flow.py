@@ -168,12 +168,14 @@ async def test_a_send_waiting_for_hold_room_fails_when_its_consumer_is_gone() ->
     """Room under hold_limit comes only when consumers fetch.  A send waiting for it whose
     consumer died waited for ever; now it dials the consumer, as a Send-Driven recv does
     its producer, and fails with PeerLost once that cannot be reached (connect_timeout).
-    The dead consumer's values stay held (for its next incarnation): a send to another
-    consumer that times out says who fills the limit."""
+    The dead consumer's values stay held (for its next incarnation): with lost_hold_limit=0
+    they count in full for the other consumers too, and a send to another consumer that
+    times out says who fills the limit."""
     cluster = rvz.ClusterSpec.loopback({"worker": 1, "ps": 2})
     opts = {**FAST, "hold_limit": MIB, "claim_timeout": None, "connect_timeout": 1.0,
             "peer_timeout": 1.0}
-    async with rvz.Node(cluster, "worker", 0, "recv", **opts) as w, \
+    opts_w = {**opts, "lost_hold_limit": 0}
+    async with rvz.Node(cluster, "worker", 0, "recv", **opts_w) as w, \
             rvz.Node(cluster, "ps", 0, "recv", **opts) as p0, \
             rvz.Node(cluster, "ps", 1, "recv", **opts) as p1:
         await _linked(w, p0)
@@ -193,6 +195,146 @@ async def test_a_send_waiting_for_hold_room_fails_when_its_consumer_is_gone() ->
                                                rf"{held} values"):
             await w.send(other, array(0), timeout=0.3)
         assert w.stats()["peers"][p1.name]["held_values"] == 0
+
+
+def _to(node: rvz.Node, name: str) -> rvz.Key:
+    """A key from worker:0 to ``node`` (a task of job ps)."""
+    return key(name, dst=node.name + "/device:CPU:0")
+
+
+def check_held_counts(node: rvz.Node) -> None:
+    """The node's held counts are the sums of its consumers', those of the lost apart."""
+    core, peers = node._core, node._peers.values()
+    assert core.held_bytes == sum(p.held_bytes for p in peers)
+    assert core.held_count == sum(p.held_count for p in peers)
+    assert core.hold_reserved == sum(p.hold_reserved for p in peers)
+    assert core.lost_bytes == sum(p.held_bytes for p in peers if p.lost)
+    assert core.lost_count == sum(p.held_count for p in peers if p.lost)
+    assert core.lost_reserved == sum(p.hold_reserved for p in peers if p.lost)
+
+
+# Three tasks for the lost-consumer tests: the producer worker:0, consumers ps:0 and ps:1.
+LOST_OPTS = {**FAST, "hold_limit": MIB, "claim_timeout": None, "connect_timeout": 1.0,
+             "peer_timeout": 1.0}
+FITS = MIB // (SIZE + 64)   # values of SIZE held at once under hold_limit (64 B each count)
+
+
+@pytest.mark.loop_timeout(40)
+async def test_a_lost_consumers_held_values_do_not_stall_the_sends_to_the_others() -> None:
+    """ps:0 dies with hold_limit full of its values.  They stay held for its next
+    incarnation, and they counted against the limit for every consumer: each Recv-Driven
+    send to ps:1, alive and taking its values, waited for room only ps:0 could make, until
+    its timeout.  A lost consumer's values now count apart, up to lost_hold_limit (here
+    its default, hold_limit): the sends to ps:1 go, one already waiting too; those to
+    ps:0 still wait and fail with PeerLost; its next incarnation gets its values in order,
+    and they count in full again."""
+    cluster = rvz.ClusterSpec.loopback({"worker": 1, "ps": 2})
+    async with rvz.Node(cluster, "worker", 0, "recv", **LOST_OPTS) as w, \
+            rvz.Node(cluster, "ps", 1, "recv", **LOST_OPTS) as p1:
+        p0 = await rvz.Node(cluster, "ps", 0, "recv", **LOST_OPTS).start()
+        mine, other = key("orphaned"), _to(p1, "other")
+        try:
+            await _linked(w, p0)
+            await w.send(_to(p1, "hello"), np.arange(1))
+            assert int((await p1.recv(_to(p1, "hello"), timeout=5))[0]) == 0
+            waiting = await pending(send_count(w, mine), 0.3)    # ps:0 takes none
+            assert w.stats()["peers"][p0.name]["held_values"] == FITS
+            # While ps:0 is connected, its values share the limit with everyone's.
+            blocked = await pending(w.send(other, array(100)), 0.2)
+            p0.abort()
+            await asyncio.wait_for(blocked, 5)   # ps:0 is lost: room for ps:1
+            assert w._core.lost_count == FITS
+            check_held_counts(w)
+            with pytest.raises(rvz.PeerLost, match=r"ps/replica:0/task:0"):
+                await asyncio.wait_for(waiting, 10)
+            # ps:1's own values count as ever: its sends hold up to the limit, then wait.
+            more = await pending(send_count(w, other), 0.3)
+            assert w.stats()["peers"][p1.name]["held_values"] == FITS
+            assert w.stats()["peers"][p0.name]["held_values"] == FITS   # nothing dropped
+            assert w._held_bytes + 64 * w._held_count <= 2 * MIB   # hold + lost_hold_limit
+            check_held_counts(w)
+            for i in [100, *range(COUNT)]:
+                assert int((await p1.recv(other, timeout=5))[0]) == i
+            await asyncio.wait_for(more, 10)
+            with pytest.raises(rvz.PeerLost):   # the limit is full for ps:0 itself
+                await asyncio.wait_for(w.send(mine, array(99)), 10)
+        finally:
+            p0.abort()
+        async with rvz.Node(cluster, "ps", 0, "recv", **LOST_OPTS) as p0:
+            assert int((await p0.recv(mine, timeout=5))[0]) == 0   # its values, oldest first
+            # Connected again, the two it has not taken count in full: one value for ps:1
+            # fits beside them, a second waits until ps:0 takes its own.
+            await asyncio.wait_for(w.send(other, array(0)), 5)
+            later = await pending(w.send(other, array(1)), 0.2)
+            assert w._core.lost_count == 0
+            check_held_counts(w)
+            for i in range(1, FITS):
+                assert int((await p0.recv(mine, timeout=5))[0]) == i
+            await asyncio.wait_for(later, 5)
+            for i in range(2):
+                assert int((await p1.recv(other, timeout=5))[0]) == i
+            assert w._held_count == 0
+            check_held_counts(w)
+
+
+@pytest.mark.loop_timeout(30)
+async def test_a_consumer_that_never_came_up_does_not_stall_the_sends_to_the_others() -> None:
+    """Values held for a consumer never connected count apart too: the limit full of them,
+    a send to it fails with PeerLost (it cannot be reached), one to a live consumer goes,
+    and the consumer that comes up late gets them all, in order."""
+    cluster = rvz.ClusterSpec.loopback({"worker": 1, "ps": 2})
+    async with rvz.Node(cluster, "worker", 0, "recv", **LOST_OPTS) as w, \
+            rvz.Node(cluster, "ps", 1, "recv", **LOST_OPTS) as p1:
+        mine, other = key("early"), _to(p1, "other")
+        for i in range(FITS):
+            await asyncio.wait_for(w.send(mine, array(i)), 5)   # held for ps:0, not up yet
+        with pytest.raises(rvz.PeerLost, match=r"ps/replica:0/task:0"):
+            await asyncio.wait_for(w.send(mine, array(FITS)), 10)
+        # (Not connected yet either, ps:1 counts everything at first: its send dials it,
+        # and once linked, ps:0's values count apart.)
+        await asyncio.wait_for(w.send(other, array(7)), 5)
+        assert int((await p1.recv(other, timeout=5))[0]) == 7
+        async with rvz.Node(cluster, "ps", 0, "recv", **LOST_OPTS) as p0:
+            for i in range(FITS):
+                assert int((await p0.recv(mine, timeout=5))[0]) == i
+        assert w._held_count == 0
+
+
+@pytest.mark.loop_timeout(30)
+async def test_values_held_for_lost_consumers_count_against_hold_limit_beyond_lost_hold_limit() -> None:
+    """What lost consumers hold beyond lost_hold_limit counts for the live ones: memory
+    held stays under hold_limit + lost_hold_limit, and a live consumer's sends wait at
+    the rest of the limit (then go as it takes its values, in order)."""
+    cluster = rvz.ClusterSpec.loopback({"worker": 1, "ps": 2})
+    lost_limit = MIB // 2
+    async with rvz.Node(cluster, "worker", 0, "recv", **LOST_OPTS,
+                        lost_hold_limit=lost_limit) as w, \
+            rvz.Node(cluster, "ps", 1, "recv", **LOST_OPTS) as p1:
+        p0 = await rvz.Node(cluster, "ps", 0, "recv", **LOST_OPTS).start()
+        mine, other = key("orphaned"), _to(p1, "other")
+        try:
+            await _linked(w, p0)
+            waiting = await pending(send_count(w, mine), 0.3)
+        finally:
+            p0.abort()
+        with pytest.raises(rvz.PeerLost):
+            await asyncio.wait_for(waiting, 10)
+        beyond = FITS * (SIZE + 64) - lost_limit          # what counts of ps:0's values
+        more = await pending(send_count(w, other), 0.3)
+        assert w.stats()["peers"][p1.name]["held_values"] == (MIB - beyond) // (SIZE + 64)
+        assert w._held_bytes + 64 * w._held_count <= MIB + lost_limit
+        check_held_counts(w)
+        for i in range(COUNT):
+            assert int((await p1.recv(other, timeout=5))[0]) == i
+        await asyncio.wait_for(more, 10)
+
+
+def test_lost_hold_limit_defaults_to_hold_limit_and_takes_bytes_only(cluster) -> None:  # type: ignore[no-untyped-def]
+    assert rvz.Node(cluster, "worker", 0, hold_limit=1000).lost_hold_limit == 1000
+    assert rvz.Node(cluster, "worker", 0, lost_hold_limit=0).lost_hold_limit == 0
+    for bad in (-1, 1.5, "1"):
+        with pytest.raises(rvz.ConfigError, match="lost_hold_limit"):
+            rvz.Node(cluster, "worker", 0, lost_hold_limit=bad)
 
 
 @pytest.mark.loop_timeout(30)

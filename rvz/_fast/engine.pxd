@@ -74,6 +74,10 @@ cdef class Peer:
     cdef public dict asking
     cdef public object held_back
     cdef public Py_ssize_t held_back_mark
+    cdef public bint lost
+    cdef public Py_ssize_t held_bytes
+    cdef public Py_ssize_t held_count
+    cdef public Py_ssize_t hold_reserved
     cdef object __weakref__
 
     cpdef list live_connections(self)
@@ -186,6 +190,7 @@ cdef class Core:
     cdef public bint closed
     cdef public Py_ssize_t push_window
     cdef public Py_ssize_t hold_limit
+    cdef public Py_ssize_t lost_hold_limit
     cdef public object claim_timeout
     cdef public dict peers
     cdef public dict tables
@@ -205,6 +210,9 @@ cdef class Core:
     cdef public Py_ssize_t held_count
     cdef public object hold_waiters
     cdef public Py_ssize_t hold_reserved
+    cdef public Py_ssize_t lost_bytes
+    cdef public Py_ssize_t lost_count
+    cdef public Py_ssize_t lost_reserved
     cdef public dict claims
     cdef public dict put_off
     cdef public Py_ssize_t max_parked
@@ -232,7 +240,7 @@ cdef class Core:
     @cython.locals(route=Route, table=Table, peer=Peer)
     cpdef enter(self, object timeout)
     cpdef object send(self, object key, object value, object mode, object step, object timeout)
-    @cython.locals(others=Py_ssize_t)
+    @cython.locals(others=Py_ssize_t, count=Py_ssize_t, cost=Py_ssize_t, lost=Py_ssize_t)
     cpdef bint hold_full(self, Table table, Route route, Py_ssize_t nbytes,
                          Py_ssize_t mine=*) except -1
     @cython.locals(claimed=tuple, deadlines=object)
@@ -255,10 +263,17 @@ cdef class Core:
     @cython.locals(peer=Peer, link=Wire, code=int, shape=tuple, nbytes=Py_ssize_t)
     cpdef answer(self, Wire conn, object step, object request_id, Route route, object value)
     cpdef answer_deferred(self, Wire conn)
+    @cython.locals(route=Route)
     cpdef undefer(self, Wire conn)
     cpdef Py_ssize_t held_cost(self)
-    cpdef released_held(self, Py_ssize_t nbytes)
-    cpdef Py_ssize_t reserve_hold(self, Py_ssize_t nbytes) except -1
+    cpdef count_held(self, Peer peer, Py_ssize_t nbytes)
+    cpdef released_held(self, Peer peer, Py_ssize_t nbytes)
+    @cython.locals(lost=Py_ssize_t)
+    cpdef Py_ssize_t live_cost(self)
+    cpdef Py_ssize_t reserve_hold(self, Peer peer, Py_ssize_t nbytes) except -1
+    cpdef unreserve_hold(self, Peer peer, Py_ssize_t cost)
+    @cython.locals(sign=Py_ssize_t)
+    cpdef regroup(self, Peer peer, bint lost)
     cpdef wake_holders(self)
     @cython.locals(route=Route, table=Table, peer=Peer)
     cpdef object recv(self, object key, object step, object mode, object timeout)

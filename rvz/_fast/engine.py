@@ -246,7 +246,8 @@ class Peer:
     __slots__ = ("id", "name", "address", "out", "dialling", "inbound", "incarnation", "mode",
                  "link", "credit", "asked", "queue", "owed", "owed_scheduled", "owe_now",
                  "stuck", "pushes_on", "joined_step", "window", "unreturned", "answered",
-                 "parks", "asking", "held_back", "held_back_mark", "__weakref__")
+                 "parks", "asking", "held_back", "held_back_mark", "lost", "held_bytes",
+                 "held_count", "hold_reserved", "__weakref__")
 
     def __init__(self, task_id: tuple, address: str, window: int) -> None:
         self.id = task_id
@@ -295,6 +296,16 @@ class Peer:
         self.asking: dict = {}
         self.held_back: deque = deque()
         self.held_back_mark = HELD_BACK_SWEEP      # its length that makes ``hold_back`` sweep it
+        # As its producer: the Recv-Driven values we hold for it (payload bytes, count) and
+        # the room our sends waiting to hold more for it reserved (``Core.reserve_hold``).
+        # While it is ``lost`` (no ready connection: never connected yet, or every
+        # connection closed) they are counted apart as well, in ``Core.lost_*``
+        # (``Core.regroup``): they hold back the sends to other consumers only beyond
+        # ``lost_hold_limit``.
+        self.lost = True
+        self.held_bytes = 0
+        self.held_count = 0
+        self.hold_reserved = 0
 
     def live_connections(self) -> list:
         conns = [c for c in self.inbound if not c.closed]
@@ -802,7 +813,7 @@ class Core:
     def __init__(self, shell: Any, cluster: Any, task_id: tuple, name: str, mode: str,
                  loop: Any, push_window: int, hold_limit: int, claim_timeout: Any,
                  max_parked: int = 65536, max_steps: int = 65536,
-                 answer_backlog: int = 32 << 20) -> None:
+                 answer_backlog: int = 32 << 20, lost_hold_limit: Any = None) -> None:
         self.shell = shell                 # the rvz.node.Node that owns this core
         self.cluster = cluster
         self.id = task_id
@@ -813,6 +824,9 @@ class Core:
         self.closed = False                # nothing is served any more
         self.push_window = push_window
         self.hold_limit = hold_limit
+        # Of the values held for lost consumers (``Peer.lost``), this much does not count
+        # against hold_limit for the sends to the others (None: as much as hold_limit).
+        self.lost_hold_limit = hold_limit if lost_hold_limit is None else lost_hold_limit
         self.claim_timeout = claim_timeout
         self.peers: dict = {}              # (job, task) -> Peer
         self.tables: dict = {}             # step -> Table: where a key is matched
@@ -839,6 +853,10 @@ class Core:
         self.held_count = 0
         self.hold_waiters: deque = deque()
         self.hold_reserved = 0             # room (bytes + MESSAGE_COST) waiting sends reserved
+        # Of the three above, the part of the consumers that are lost (``regroup``).
+        self.lost_bytes = 0
+        self.lost_count = 0
+        self.lost_reserved = 0
         # (step, key) -> the deadlines of its held values, in the order they were held:
         # the claims ``due_claims`` looks at.  Values are taken oldest first, so the last
         # ``table.queued(key)`` are the claims of the values still held.
@@ -1100,18 +1118,37 @@ class Core:
         the others' reservations, or nothing is held (a value larger than the limit goes
         alone), so two waiting sends never wait for each other; a value its consumer
         already asked for goes at once (a parked request takes it, nothing is held).
+
+        For a consumer that is connected, what is held for lost ones counts only beyond
+        ``lost_hold_limit``, and their waiting sends' reservations not at all (those dial
+        and fail, or go once it is back): a consumer that died with the limit full of its
+        values does not stall the traffic to the live ones, and everything held stays
+        under ``hold_limit + lost_hold_limit``.  A send to a lost consumer counts
+        everything, as before (it waits, dials, fails with PeerLost).
         """
         others = self.hold_reserved - mine
-        return bool((self.held_count or (others and not mine))
-                    and self.held_cost() + others + nbytes + MESSAGE_COST > self.hold_limit
+        if not (self.lost_count or self.lost_reserved) or route.peer.lost:
+            return bool((self.held_count or (others and not mine))
+                        and self.held_cost() + others + nbytes + MESSAGE_COST > self.hold_limit
+                        and not table.waiting(route.text))
+        others -= self.lost_reserved
+        count = self.held_count
+        cost = self.held_cost()
+        lost = self.lost_bytes + MESSAGE_COST * self.lost_count
+        if lost <= self.lost_hold_limit:
+            cost -= lost
+            count -= self.lost_count
+        else:
+            cost -= self.lost_hold_limit
+        return bool((count or (others and not mine))
+                    and cost + others + nbytes + MESSAGE_COST > self.hold_limit
                     and not table.waiting(route.text))
 
     def hold(self, table: Table, step: Any, route: Route, value: Any, nbytes: int) -> None:
         """Keep a Recv-Driven value for its consumer (or hand it to its parked request)."""
         if table.put(route.text, value):
             return
-        self.held_bytes += nbytes
-        self.held_count += 1
+        self.count_held(route.peer, nbytes)
         if self.claim_timeout is not None:
             claimed = (step, route.text)
             deadlines = self.claims.get(claimed)
@@ -1290,8 +1327,7 @@ class Core:
             table = self.table(step)
             if not table.put_front(route.text, value):
                 if table.queued(route.text):
-                    self.held_bytes += nbytes_of(value)
-                    self.held_count += 1
+                    self.count_held(route.peer, nbytes_of(value))
 
     def answer_deferred(self, conn: Wire) -> None:
         """The connection drained: answer what waited for it, in order."""
@@ -1310,21 +1346,70 @@ class Core:
         MESSAGE_COST for each."""
         return self.held_bytes + MESSAGE_COST * self.held_count
 
-    def released_held(self, nbytes: int) -> None:
+    def count_held(self, peer: Peer, nbytes: int) -> None:
+        """A value of ``nbytes`` is held for ``peer`` (``released_held`` undoes it)."""
+        self.held_bytes += nbytes
+        self.held_count += 1
+        peer.held_bytes += nbytes
+        peer.held_count += 1
+        if peer.lost:
+            self.lost_bytes += nbytes
+            self.lost_count += 1
+
+    def released_held(self, peer: Peer, nbytes: int) -> None:
+        """A value held for ``peer`` left (taken, pushed, or its step dropped)."""
         self.held_bytes -= nbytes
         self.held_count -= 1
+        peer.held_bytes -= nbytes
+        peer.held_count -= 1
+        if peer.lost:
+            self.lost_bytes -= nbytes
+            self.lost_count -= 1
         # Below the low-water mark (or empty: a value larger than the limit goes alone), the
-        # waiting producers look again; those that still find no room wait again.
-        if self.hold_waiters and (self.held_count == 0 or self.held_cost()
+        # waiting producers look again; those that still find no room wait again.  The
+        # mark is of what a send to a connected consumer counts (``hold_full``): the sends
+        # waiting are theirs (a send to a lost one dials it), and a look at the larger
+        # total would never wake them while lost consumers hold most of it.
+        if self.hold_waiters and (self.held_count == self.lost_count or self.live_cost()
                                   <= self.hold_limit - self.hold_limit // HOLD_LOW_WATER):
             self.wake_holders()
 
-    def reserve_hold(self, nbytes: int) -> int:
-        """A send of ``nbytes`` starts waiting for room under hold_limit: it keeps its turn
-        (``hold_full``).  Returns the room it reserved."""
+    def live_cost(self) -> int:
+        """What the held values count against ``hold_limit`` for a send to a connected
+        consumer: all but what lost consumers hold within ``lost_hold_limit``."""
+        lost = self.lost_bytes + MESSAGE_COST * self.lost_count
+        return self.held_cost() - (lost if lost <= self.lost_hold_limit else self.lost_hold_limit)
+
+    def reserve_hold(self, peer: Peer, nbytes: int) -> int:
+        """A send of ``nbytes`` to ``peer`` starts waiting for room under hold_limit: it
+        keeps its turn (``hold_full``).  Returns the room it reserved (``unreserve_hold``
+        gives it back)."""
         cost = nbytes + MESSAGE_COST
         self.hold_reserved += cost
+        peer.hold_reserved += cost
+        if peer.lost:
+            self.lost_reserved += cost
         return cost
+
+    def unreserve_hold(self, peer: Peer, cost: int) -> None:
+        self.hold_reserved -= cost
+        peer.hold_reserved -= cost
+        if peer.lost:
+            self.lost_reserved -= cost
+
+    def regroup(self, peer: Peer, lost: bool) -> None:
+        """``peer`` is ``lost`` (the node saw its last ready connection close) or not (one
+        became ready): its held values and reservations move to the lost consumers' count
+        or back (``hold_full``).  A consumer that comes back counts in full again."""
+        if lost == peer.lost:
+            return
+        peer.lost = lost
+        sign = 1 if lost else -1
+        self.lost_bytes += sign * peer.held_bytes
+        self.lost_count += sign * peer.held_count
+        self.lost_reserved += sign * peer.hold_reserved
+        if self.hold_waiters:  # lost: room for the others; back: its own sends count less
+            self.wake_holders()
 
     def wake_holders(self) -> None:
         """Let every send waiting for room under hold_limit look again (``hold_full``)."""
@@ -2021,7 +2106,7 @@ class Core:
                 self.wake_holders()
         else:
             if held:
-                self.released_held(nbytes_of(value))
+                self.released_held(peer, nbytes_of(value))
             self.answer(conn, step, request_id, route, value)
 
     def check_backlog(self, conn: Wire, peer: Peer) -> None:
