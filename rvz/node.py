@@ -812,7 +812,7 @@ class Node(_NodeCalls):
             core.hold(core.table(step), step, route, value, nbytes)
             return
         # A Send-Driven push waiting in its peer's queue (for the link, credit or socket).
-        # A cancelled or timed-out push is cancelled in the queue too: the pump skips it.
+        # A cancelled or timed-out push is cancelled, and leaves the queue at once.
         done = pending
         if done.done():
             return done.result()
@@ -821,19 +821,17 @@ class Node(_NodeCalls):
                 await done
             else:
                 await asyncio.wait_for(done, timeout)
-        except asyncio.TimeoutError:
-            item = self._queued_item(done)
-            what = f"send of {item}" if item else "send"
+        except BaseException as exc:
+            # Left in the queue behind a push that still waits (a send without a timeout,
+            # say), each abandoned push would keep its value there until that one went:
+            # a producer retrying on a timeout grew the queue by one value a try.
+            dropped = self._core.drop_push(done) if done.cancelled() else None
+            if not isinstance(exc, asyncio.TimeoutError):
+                raise
+            what = (f"send of {dropped[1][2].text} to {dropped[0].name}"
+                    if dropped is not None else "send")
             raise TimeoutError(f"{what} timed out after {said}s "
                                "(connection, push window or socket)") from None
-
-    def _queued_item(self, done: Any) -> str | None:
-        """``"key to peer"`` of the queued push behind ``done``, for an error message."""
-        for peer in self._core.peers.values():
-            for item in peer.queue:
-                if item[0] is done:
-                    return f"{item[2].text} to {peer.name}"
-        return None
 
     def _start_link(self, peer: Any) -> None:
         """Make sure a connection to ``peer`` is on its way (without waiting for it)."""

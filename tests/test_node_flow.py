@@ -103,6 +103,39 @@ async def test_send_driven_backpressure_bounds_memory_and_loses_nothing(cluster)
 
 
 @pytest.mark.loop_timeout(30)
+async def test_abandoned_pushes_leave_the_queue_behind_one_that_waits(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Sends that time out or are cancelled while an earlier push waits for credit take
+    their values out of the peer's queue at once: a producer retrying on a timeout behind a
+    send without one grew the queue (and kept every value) by one a try."""
+    async with pair(cluster, "send", push_window=MIB, claim_timeout=None) as (w, p):
+        k = key("stalled")
+        waiting = await stalled_push(w, p, k)   # holds the head of the queue, no timeout
+        queue = w._peers[("ps", 0)].queue
+        try:
+            assert len(queue) == 1
+            for i in range(50):
+                with pytest.raises(TimeoutError, match="send of .*retry.* to /job:ps"):
+                    await w.send(key("retry"), array(i), timeout=0)
+                given_up = asyncio.ensure_future(w.send(key("retry"), array(i)))
+                await settle(2)
+                given_up.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await given_up
+            left = len(queue)
+            assert left == 1, f"{left} pushes queued, one waits"
+            # Nothing abandoned arrives: the values the window held, then the one that waited.
+            fits = MIB // (SIZE + 64)
+            got = [int((await p.recv(k, timeout=10))[0]) for _ in range(fits + 1)]
+            assert got == list(range(fits + 1)), got
+            await waiting
+            with pytest.raises(TimeoutError):
+                await p.recv(key("retry"), timeout=0.2)
+            assert not queue
+        finally:
+            waiting.cancel()   # (done already, unless the test failed)
+
+
+@pytest.mark.loop_timeout(30)
 async def test_recv_driven_hold_limit_slows_the_producer(cluster) -> None:  # type: ignore[no-untyped-def]
     async with pair(cluster, "recv", hold_limit=MIB, claim_timeout=None) as (w, p):
         k = key("held_flood")

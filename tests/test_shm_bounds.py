@@ -219,6 +219,33 @@ def test_idle_keys_give_their_slots_and_regions_back(run: Any) -> None:
     run(main(), timeout=30)
 
 
+def test_keys_used_once_leave_no_slot_bookkeeping_behind(run: Any) -> None:
+    """A key whose last slot was written and not granted again (the budget went to the next
+    key) is forgotten: the consumer kept its last use, one entry per key ever pushed."""
+    shm_or_skip()
+
+    async def main() -> None:
+        spec = cluster()
+        # Room for one slot of one 8 KiB value: every new key takes it from the last one.
+        bad, good, victim = nodes(spec, {"max_slots": 1, "slot_budget": 12_000})
+        async with victim, bad, good:
+            v = np.arange(8192, dtype=np.uint8)
+            for i in range(40):
+                keys = [key(f"a{i}", 1), key(f"b{i}", 1)]
+                await asyncio.gather(*(good.send(k, v, timeout=10) for k in keys))
+                for k in keys:
+                    assert (await victim.recv(k, timeout=10)).nbytes == v.nbytes
+            ch = channel_to(victim, "/job:worker/replica:0/task:1")
+            for _ in range(100):   # the last refill and revoke settle within a few passes
+                if not ch.refill and not ch.revoking:
+                    break
+                await asyncio.sleep(0.01)
+            assert set(ch.last_use) <= set(ch.slot_imms), (len(ch.last_use), len(ch.slot_imms))
+            assert len(ch.slot_imms) <= 1
+
+    run(main(), timeout=30)
+
+
 @pytest.mark.parametrize("mode", ["send", "recv"])
 def test_values_larger_than_the_slot_budget_arrive_in_order(run: Any, mode: str) -> None:
     shm_or_skip()

@@ -258,6 +258,8 @@ cdef class Core:
                       tuple shape, Py_ssize_t nbytes)
     cpdef object queue_push(self, Peer peer, object step, Route route, object value, int code,
                             tuple shape, Py_ssize_t nbytes)
+    @cython.locals(peer=Peer, i=Py_ssize_t)
+    cpdef object drop_push(self, object done)
     @cython.locals(conn=Wire)
     cpdef pump(self, Peer peer)
     @cython.locals(peer=Peer, link=Wire, code=int, shape=tuple, nbytes=Py_ssize_t)

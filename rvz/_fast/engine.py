@@ -1255,6 +1255,24 @@ class Core:
         self.pump(peer)
         return done
 
+    def drop_push(self, done: Any) -> Any:
+        """Take the queued push behind ``done``, which its send gave up (timed out or was
+        cancelled), out of its peer's queue; returns ``(peer, item)``, or None when it is
+        not queued (any more).  Done pushes are otherwise dropped only when they reach the
+        queue's head.  One that was at the head may have held back the ones behind it
+        (waiting for credit it alone needed): they are pumped."""
+        for peer in self.peers.values():
+            queue = peer.queue
+            i = 0
+            for item in queue:
+                if item[0] is done:
+                    del queue[i]
+                    if i == 0 and queue:
+                        self.pump(peer)
+                    return (peer, item)
+                i += 1
+        return None
+
     def pump(self, peer: Peer) -> None:
         """Write queued pushes while the link, credit and socket allow; else arrange a wake-up."""
         queue = peer.queue

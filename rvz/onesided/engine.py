@@ -311,7 +311,8 @@ class Channel:
         self._refill_scheduled = False
         self.wanted: dict[str, int] = {}               # key -> slot size, waiting for budget
         self.owed: dict[str, int] = {}                 # key -> slot size, waiting on its own slots
-        self.last_use: dict[str, float] = {}           # key -> when its slots last moved
+        # key -> when its slots last moved; only keys holding granted slots (``_release_slot``)
+        self.last_use: dict[str, float] = {}
         self.revoking: dict[str, set[int]] = {}        # key -> its slots asked back
         # Slots the producer filled when we asked for them back (it gave back the others):
         # their writes are on their way, so they are not asked for again (``_revoke``).
@@ -760,13 +761,15 @@ class Channel:
         if target is None or target.kind != SLOT or target.key != key:
             return
         del self.targets[imm]
-        if self._release_slot(imm, key, target.block.size):
-            self.last_use.pop(key, None)
+        self._release_slot(imm, key, target.block.size)
         self.arena.free(target.block)
 
     def _release_slot(self, imm: int, key: str, size: int) -> bool:
         """Slot ``imm`` of ``key``, already out of ``targets``, is granted no more (given
-        back, or its write seen); True if it was the key's last."""
+        back, or its write seen); True if it was the key's last.  A key with no slot left
+        leaves ``last_use`` too: nothing of it is there to revoke, and a key used once (a
+        sparse embedding id) whose last slot was written and not granted again (no room
+        for the refill) would otherwise stay there for good, walked every second."""
         self.filled.discard(imm)
         self.granted -= size
         imms = self.slot_imms.get(key)
@@ -776,6 +779,7 @@ class Channel:
         if imms:
             return False
         del self.slot_imms[key]
+        self.last_use.pop(key, None)
         return True
 
     def _serve(self) -> None:
@@ -1018,8 +1022,8 @@ class Channel:
         block = target.block
         key = target.key
         if target.kind == SLOT:
-            self._release_slot(imm, key, block.size)
-            self.last_use[key] = self.engine.loop.time()
+            if not self._release_slot(imm, key, block.size):
+                self.last_use[key] = self.engine.loop.time()  # (its refill's grant sets it)
             self._schedule_refill(key, block.size)
             try:
                 event = self._on_slot(block, key, nbytes)
