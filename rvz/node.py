@@ -43,6 +43,7 @@ import os
 import ssl as _ssl
 import sys
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from threading import get_ident
@@ -122,6 +123,83 @@ def _observe(future: asyncio.Future[Any]) -> None:
     """Mark a finished future's exception as seen (its failure is reported elsewhere)."""
     if not future.cancelled():
         future.exception()
+
+
+async def _wait_for(aw: Awaitable[Any], timeout: float | None) -> Any:
+    """``asyncio.wait_for(aw, timeout)``, except that a cancellation of the caller is never lost.
+
+    Before Python 3.12, ``wait_for`` returns the result of an awaitable that finished in the
+    loop iteration in which its caller was cancelled, and the cancellation is gone: the task
+    runs on (a ``TaskGroup`` whose sibling failed waits for it; an ``asyncio.timeout`` that
+    expired does not fire).  Here the cancellation wins, as it does when ``aw`` is awaited
+    without a timeout.  The timeout raises ``asyncio.TimeoutError`` and cancels ``aw``."""
+    if timeout is None:
+        return await aw
+    loop = asyncio.get_running_loop()
+    fut = asyncio.ensure_future(aw)
+    task = asyncio.current_task()
+    # Cancellations requested of the caller so far (Python 3.11+; before, a cancellation
+    # that comes as the time runs out is taken for the timeout).
+    counted = getattr(task, "cancelling", None)
+    before = counted() if counted is not None else 0
+    expired = False
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        fut.cancel()
+
+    handle = loop.call_later(timeout, expire)
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        if expired and (counted is None or counted() <= before):
+            raise asyncio.TimeoutError() from None
+        raise
+    finally:
+        handle.cancel()
+
+
+class _Inherited:
+    """A connection's transport in a child forked from the process that made it: the socket
+    and the event loop's registration of it are the parent's, so nothing is written to the
+    socket, and it is neither closed nor unwatched through the inherited loop (unwatching
+    would unwatch it for the parent too).  The child's copy of the descriptor closes with
+    the child."""
+
+    def is_closing(self) -> bool:
+        return True
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return _ignore
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
+# The nodes started in this process and not yet closed, for a forked child to disown.
+_started: weakref.WeakSet[Node] = weakref.WeakSet()
+
+
+def _disown_after_fork() -> None:
+    """``os.register_at_fork(after_in_child=)``: the child's copies of running nodes are
+    the parent's nodes, not its own (``Node._disown``)."""
+    for node in list(_started):
+        node._disown()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_disown_after_fork)
 
 
 class Node(_NodeCalls):
@@ -266,6 +344,9 @@ class Node(_NodeCalls):
         # task id -> incarnations of that task a newer one replaced (the last few): one of
         # them back is a second process with the same task id, never a restart.
         self._replaced: dict[TaskId, deque[int]] = {}
+        # The pid of the process this node was started in, when this is a child forked
+        # from it (``_disown``); None otherwise.
+        self._forked_from: int | None = None
 
     # the engine's state, read by the one-sided hub and by tests
     @property
@@ -350,6 +431,7 @@ class Node(_NodeCalls):
                                      f"{exc.strerror or exc}") from exc
             raise
         self._set_state("running")
+        _started.add(self)
         self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
         if self._secret is None and not _is_loopback(host):
             log.warning("%s listens on %s without a secret: any process that reaches the port "
@@ -363,6 +445,30 @@ class Node(_NodeCalls):
         if getattr(self, "_state", "new") in ("running", "closing"):
             _warn(f"unclosed node {self.name} ({self.address}): use `async with rvz.Node(...)` "
                   "or await node.close()", ResourceWarning, source=self)
+
+    def _disown(self) -> None:
+        """In a child forked from the process that started this node (``os.fork`` with the
+        node running): its sockets, pipes, shared memory and event-loop registrations are
+        the parent's, and a write or a close here would corrupt or cut the parent's
+        connections.  The child's copy is marked closed and cut loose from all of them:
+        every call fails with ``RuntimeError``, ``close()``, ``abort()`` and leaving
+        ``async with`` touch nothing, and the heartbeat stops."""
+        if self._state not in ("running", "closing"):
+            return
+        self._forked_from = self._core.pid
+        self._core.loop_thread = 0  # enter() fails from now on; wrong_loop() says why
+        self._state = "closed"
+        self._core.running = False
+        self._core.closed = True
+        # The parent's transports stay referenced here: collected, a uvloop transport would
+        # close its handle through the inherited loop.
+        self._parents = [conn.transport for conn in self._conns]
+        for conn in self._conns:
+            conn.transport = _Inherited()
+        self._server = None
+        self._onesided = None
+        self._tasks = set()
+        self._deliveries = set()
 
     async def __aenter__(self) -> Node:
         return await self.start()
@@ -604,6 +710,8 @@ class Node(_NodeCalls):
         and counted in one log line.  A close() that is cancelled (an ``asyncio.wait_for``
         around it timed out, say) closes the rest at once, as ``abort()`` does.
         """
+        if self._forked_from is not None:
+            return  # the parent's node: nothing of it is this child's to close (_disown)
         self._entry(None)  # from another thread it raises RuntimeError and changes nothing
         if self._state in ("new", "closed"):
             self._state = "closed"
@@ -657,7 +765,7 @@ class Node(_NodeCalls):
         for conn in list(self._conns):
             if not conn.closed:
                 try:
-                    await asyncio.wait_for(conn.drain(), max(0.05, deadline - loop.time()))
+                    await _wait_for(conn.drain(), max(0.05, deadline - loop.time()))
                 except (asyncio.TimeoutError, RvzError):
                     pass
                 conn.close()
@@ -696,6 +804,8 @@ class Node(_NodeCalls):
         """Close at once: every pending and later operation fails with ``NodeClosed`` (an
         ``Aborted``) whose ``__cause__`` is ``exc``.  From another thread, schedule it on
         the node's loop (``loop.call_soon_threadsafe(node.abort)``)."""
+        if self._forked_from is not None:
+            return  # the parent's node (_disown)
         self._entry(None)
         if self._state == "closed":
             return
@@ -707,6 +817,7 @@ class Node(_NodeCalls):
         self._finish(cause)
 
     def _finish(self, cause: BaseException) -> None:
+        _started.discard(self)
         core = self._core
         self._close_cause = cause
         self._state = "closed"
@@ -797,7 +908,7 @@ class Node(_NodeCalls):
                             # up) fails the send with PeerLost within connect_timeout
                             # instead of leaving it waiting for ever; a lost connection
                             # wakes us to look again (``_peer_lost``).
-                            await asyncio.wait_for(self._link(peer, route.text), left)
+                            await _wait_for(self._link(peer, route.text), left)
                             continue
                         await self._wait(core.hold_waiters, left, "hold limit")
                     except (TimeoutError, asyncio.TimeoutError):
@@ -820,7 +931,7 @@ class Node(_NodeCalls):
             if timeout is None:
                 await done
             else:
-                await asyncio.wait_for(done, timeout)
+                await _wait_for(done, timeout)
         except BaseException as exc:
             # Left in the queue behind a push that still waits (a send without a timeout,
             # say), each abandoned push would keep its value there until that one went:
@@ -865,7 +976,7 @@ class Node(_NodeCalls):
             if timeout is None:
                 await waiter
             else:
-                await asyncio.wait_for(waiter, timeout)
+                await _wait_for(waiter, timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"{what}: timed out after {timeout}s") from None
         finally:
@@ -996,7 +1107,7 @@ class Node(_NodeCalls):
         last: BaseException | None = None
         while True:
             try:
-                _, conn = await asyncio.wait_for(self._loop.create_connection(
+                _, conn = await _wait_for(self._loop.create_connection(
                     lambda: self._connection(outbound=True, peer=peer), host, port,
                     ssl=self._ssl_client,
                     server_hostname=host if self._ssl_client is not None else None),
@@ -1006,7 +1117,7 @@ class Node(_NodeCalls):
                         raise conn.lost_error()
                     hello = self._loop.create_future()
                     conn.hello_waiter = hello
-                    await asyncio.wait_for(hello, max(0.01, deadline - self._loop.time()))
+                    await _wait_for(hello, max(0.01, deadline - self._loop.time()))
                 peer.out = conn
                 if peer.link is None or peer.link.closed:
                     self._link_ready(peer, conn)
@@ -1138,6 +1249,8 @@ class Node(_NodeCalls):
     def _tick(self) -> None:
         """Heartbeat: ping idle connections, drop silent ones, push unclaimed values,
         return credit held back in a batch."""
+        if self._forked_from is not None:
+            return  # a forked child's copy of the parent's heartbeat (_disown)
         assert self._loop is not None
         core = self._core
         limit = max(1, round(self.peer_timeout / self.heartbeat))

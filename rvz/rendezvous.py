@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from threading import get_ident
 from typing import Any
 
 from . import _impl
@@ -25,6 +26,11 @@ class Rendezvous:
     later operation with ``rvz.Aborted`` whose ``__cause__`` is ``exc``.  Values are handed
     over as they are (the table alone: nothing is copied, converted or checked); keys and
     timeouts are checked as a node checks them.
+
+    It is not thread-safe: a recv that waits ties it to its running loop, and while that
+    loop runs every call from another thread raises ``RuntimeError`` (a value handed to
+    a waiter from there would not wake its loop); use ``loop.call_soon_threadsafe(rv.send,
+    key, value)`` there.
     """
 
     def __init__(self) -> None:
@@ -32,6 +38,28 @@ class Rendezvous:
         # key string -> its canonical form.  Parsing a key string was most of the cost of a
         # send and a recv; a string that failed to parse is not kept, so it fails every time.
         self._texts: dict[str, str] = {}
+        # The loop of the last recv that waited, and the thread that runs it (``_bind``).
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: int | None = None
+
+    def _check_thread(self) -> None:
+        """RuntimeError on a thread other than that of the loop a recv waits on."""
+        if self._thread is not None and get_ident() != self._thread:
+            loop = self._loop
+            if loop is not None and loop.is_running():
+                raise RuntimeError(
+                    "this rvz.Rendezvous is used by an event loop of another thread, and is "
+                    "not thread-safe: call it from that thread, e.g. "
+                    "loop.call_soon_threadsafe(rv.send, key, value)")
+
+    def _bind(self) -> asyncio.AbstractEventLoop:
+        """The running loop, which a recv is about to wait on; see ``_check_thread``."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._check_thread()
+            self._loop = loop
+            self._thread = get_ident()
+        return loop
 
     def _text(self, key: Any) -> str:
         if type(key) is str:
@@ -46,6 +74,8 @@ class Rendezvous:
 
     def send(self, key: KeyLike, value: SendValue) -> None:
         """Queue ``value`` on ``key``; never blocks (the next ``recv`` of the key takes it)."""
+        if self._thread is not None:
+            self._check_thread()
         self._table.put(self._text(key), value)
 
     async def recv(self, key: KeyLike, timeout: float | None = None) -> Value:
@@ -56,10 +86,12 @@ class Rendezvous:
         _table.check_timeout(timeout)
         text = self._text(key)
         table = self._table
+        if self._thread is not None:
+            self._check_thread()
         value = table.take(text)
         if value is not _table.EMPTY:
             return value
-        loop = asyncio.get_running_loop()
+        loop = self._bind()
         waiter = loop.create_future()
         table.take_or_wait(text, waiter)
         return await _table.wait_waiter(table, text, waiter, table.stamp, loop, timeout, None)
@@ -68,6 +100,8 @@ class Rendezvous:
         """``send`` each ``(key, value)`` pair, in order; every key is checked before any
         value is queued."""
         checked = [(self._text(key), value) for key, value in items]
+        if self._thread is not None:
+            self._check_thread()
         if not checked and self._table.aborted:
             raise self._table.aborted_error("")  # an empty batch fails as any call would
         put = self._table.put
@@ -83,6 +117,8 @@ class Rendezvous:
         _table.check_timeout(timeout)
         texts = [self._text(key) for key in keys]
         table = self._table
+        if self._thread is not None:
+            self._check_thread()
         if not texts and table.aborted:
             raise table.aborted_error("")  # as any other call after abort()
         values = []
@@ -93,7 +129,7 @@ class Rendezvous:
         missing = sum(1 for v in values if v is _table.EMPTY)
         if not missing:
             return values
-        loop = asyncio.get_running_loop()
+        loop = self._bind()
         batch = _table.Batch(table, texts, values, stamps, missing, loop.create_future())
         batch.wait()
         return await _table.wait_batch(batch, loop, timeout)
@@ -101,6 +137,8 @@ class Rendezvous:
     def abort(self, exc: BaseException | None = None, message: str | None = None) -> None:
         """Fail every pending and every later operation with ``rvz.Aborted`` (``__cause__``
         is ``exc``)."""
+        if self._thread is not None:
+            self._check_thread()
         default = "rendezvous aborted" + ("" if exc is None else f": {exc!r}")
         self._table.abort(message or default, exc)
 

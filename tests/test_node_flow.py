@@ -1328,3 +1328,44 @@ async def test_a_producer_that_parks_nothing_is_not_asked_and_pushes_at_claim_ti
         assert int((await one)[0]) == 3
         assert peer_stats(w, p)["parked_requests"] == 0
         assert peer_stats(p, w)["state"] == "connected"
+
+
+@pytest.mark.parametrize("mode", ["send", "recv"])
+@pytest.mark.loop_timeout(20)
+async def test_a_send_cancelled_as_its_wait_ends_stays_cancelled(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    """A send with a timeout waits for the push window (Send-Driven) or for room under
+    hold_limit (Recv-Driven).  Its task is cancelled in the read that ends the wait, before
+    the send runs again (a TaskGroup sibling failed, an ``asyncio.timeout`` expired): the
+    cancellation must reach the task.  ``asyncio.wait_for`` before Python 3.12 returned
+    instead and dropped it, so the send went on (and a task in a loop of sends ran on)."""
+
+    limits = {"push_window": 2 * (SIZE + 1024)} if mode == "send" else {
+        "hold_limit": 2 * (SIZE + 1024), "claim_timeout": None}
+    async with pair(cluster, mode, **limits) as (w, p):
+        k = key("cut")
+        sends = asyncio.ensure_future(w.send(k, array(0)))
+        await sends
+        if mode == "recv":  # the consumer is linked, so the request below reads at once
+            await w.send(k, array(1))
+            assert (await p.recv(k, timeout=5))[0] == 0
+        waiting = await until_one_waits(lambda i: w.send(k, array(10 + i), timeout=10))
+        fired: list[bool] = []
+
+        def ended() -> bool:  # the wait is over: the queued push left / a held value went
+            if mode == "send":
+                return w.stats()["peers"]["/job:ps/replica:0/task:0"]["queued_pushes"] == 0
+            return w.stats()["held"]["values"] < held
+
+        held = w.stats()["held"]["values"]
+
+        def check() -> None:
+            if not fired and not waiting.done() and ended():
+                fired.append(True)
+                waiting.cancel()
+
+        with after_each_read([c for c in w._conns if not c.closed], check):
+            p_recv = asyncio.ensure_future(p.recv(k, timeout=5))
+            await eventually(lambda: bool(fired), "the wait ended in a read")
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await p_recv

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import inspect
 import logging
@@ -836,3 +837,68 @@ def test_timeouts_name_the_step_and_the_producer(run, cluster, mode) -> None:  #
                 await p.recv(key("late"), timeout=0.1)
             assert "step" not in str(info.value), info.value
     run(main())
+
+
+def _first_step(coro: Any) -> str:
+    """Run a coroutine up to its first suspension, without a loop: what it does at once."""
+    try:
+        coro.send(None)
+    except StopIteration:
+        return "returned"
+    except BaseException as exc:
+        return f"{type(exc).__name__}: {exc}"
+    coro.close()
+    return "suspended"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("mode", ["send", "recv"])
+@pytest.mark.loop_timeout(20)
+async def test_a_forked_child_cannot_use_or_close_the_parents_nodes(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    """A process forks while its nodes run.  The child's copies share the parent's sockets:
+    a send there wrote a value into the parent's connection (or held it in a copy of the
+    table, unseen), and close() wrote BYE and shut the socket down under the parent.  Now
+    every call in the child raises RuntimeError saying so, close() and abort() there touch
+    nothing, and the parent's nodes go on as if the child had never been."""
+
+    async with pair(cluster, mode) as (w, p):
+        await w.send(key("f"), np.full(1 << 16, -1.0))
+        assert (await p.recv(key("f"), timeout=5))[0] == -1.0  # linked both ways
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never back into the test's loop or pytest
+            status = 1
+            try:
+                os.close(read_end)
+                steps = [_first_step(w.send(key("f"), np.full(1 << 16, 7.0))),
+                         _first_step(p.recv(key("f"))),
+                         _first_step(p.recv_many([key("f")])),
+                         _first_step(w.close()), _first_step(p.close())]
+                w.abort()
+                p.abort()
+                os.write(write_end, "\n".join(steps).encode())
+                status = 0
+            finally:
+                os._exit(status)
+        os.close(write_end)
+        try:
+            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+                await asyncio.sleep(0.01)
+            with os.fdopen(read_end, "rb") as f:
+                steps = f.read().decode().split("\n")
+        finally:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        for said in steps[:3]:
+            assert said.startswith("RuntimeError") and "forked" in said, steps
+        assert steps[3:] == ["returned", "returned"], steps
+        # The parent: its connections carry its own values only, both ways, and stay up.
+        await w.send(key("f"), np.full(1 << 16, 1.0))
+        got = await p.recv(key("f"), timeout=5)
+        assert got[0] == 1.0
+        with pytest.raises(TimeoutError):
+            await p.recv(key("f"), timeout=0.3)  # nothing from the child behind it
+        await p.send(key("back", src=PS, dst=WORKER), b"back")
+        assert await w.recv(key("back", src=PS, dst=WORKER), timeout=5) == b"back"
+        assert w.stats()["peers"][p.name]["state"] == "connected"
+        assert p.stats()["peers"][w.name]["state"] == "connected"

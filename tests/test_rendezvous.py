@@ -452,3 +452,46 @@ async def test_key_strings_parsed_once_stay_exact_past_the_cache_bound(monkeypat
         with pytest.raises(ValueError):
             rv.send("not a key", 1)
     assert "not a key" not in rv._texts
+
+
+@pytest.mark.loop_timeout(10)
+async def test_a_send_from_another_thread_is_refused_while_a_recv_waits() -> None:
+    """A recv waits on the test's loop; a send from another thread handed it the value
+    without waking the loop (it woke at the recv's timeout, or never; in debug mode the
+    send raised half-way and the recv never woke).  Now such a call raises RuntimeError
+    and changes nothing, and the way it names works."""
+
+    rv = rvz.Rendezvous()
+    waiting = asyncio.ensure_future(rv.recv(K, timeout=8))
+    await settle()
+    errors: list[BaseException] = []
+
+    def other_thread() -> None:
+        for call in (lambda: rv.send(K, "t"), lambda: rv.send_many([(K, "t")]),
+                     lambda: rv.abort(ValueError("t"))):
+            try:
+                call()
+            except BaseException as exc:
+                errors.append(exc)
+
+    await asyncio.to_thread(other_thread)
+    assert len(errors) == 3 and all(isinstance(e, RuntimeError) for e in errors), errors
+    assert "call_soon_threadsafe" in str(errors[0])
+    assert rv.pending(K) == (0, 1) and not rv.aborted and not waiting.done()
+    loop = asyncio.get_running_loop()
+    await asyncio.to_thread(loop.call_soon_threadsafe, rv.send, K, "v")
+    assert await asyncio.wait_for(waiting, 2) == "v"
+
+
+def test_a_rendezvous_outlives_the_loop_it_waited_on() -> None:
+    """Used by one ``asyncio.run`` after another (each recv waiting), from one thread."""
+    rv = rvz.Rendezvous()
+
+    async def exchange(value: str) -> str:
+        waiting = asyncio.ensure_future(rv.recv(K, timeout=5))
+        await settle()
+        rv.send(K, value)
+        return await waiting
+
+    for loop in ("asyncio", "uvloop", "asyncio"):
+        assert rvz.run(exchange(loop), loop=loop) == loop  # type: ignore[arg-type]

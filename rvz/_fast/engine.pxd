@@ -184,6 +184,7 @@ cdef class Core:
     cdef public str mode
     cdef public object loop
     cdef public unsigned long loop_thread
+    cdef public long pid
     cdef public object loop_running
     cdef dict future_kw
     cdef public bint running

@@ -26,6 +26,7 @@ from __future__ import annotations
 from asyncio import Future
 from asyncio.events import _get_running_loop
 from collections import deque
+from os import getpid
 from threading import get_ident
 from time import monotonic_ns
 from typing import Any
@@ -1022,6 +1023,7 @@ class Core:
         """The event loop the node runs on, and the thread that runs it (Node.start's)."""
         self.loop = loop
         self.loop_thread = thread
+        self.pid = getpid()  # a forked child's copy of the node says it is not its own
         self.loop_running: Any = None if loop is None else loop.is_running  # bound once
         # Compiled, when the loop's futures are plain asyncio futures (uvloop's and
         # asyncio's are), ``future`` calls the type with a keyword dict made here:
@@ -1068,6 +1070,11 @@ class Core:
         the node's loop (a closed one, as pytest-asyncio's per-test loops leave behind, is
         the usual case)."""
         loop = self.loop
+        if self.pid != getpid():
+            return (f"node {self.name} was started in process {self.pid}, and this process "
+                    f"({getpid()}) is a child forked from it: the node's connections are the "
+                    "parent's, and a child cannot use them; start a node of its own in the "
+                    "child (close() and abort() on the inherited one do nothing)")
         if loop.is_closed():
             return (f"node {self.name} was started on an event loop that is now closed: a "
                     "node lives and dies with the loop that started it; start a new node on "
