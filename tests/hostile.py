@@ -426,7 +426,7 @@ async def _victim_main(config: dict[str, Any]) -> None:
                         value = np.full(cmd["size"], (cmd.get("fill", 0) + i) % 256, np.uint8)
                         kept.append(value)
                         await node.send(cmd["key"], value, mode=cmd.get("mode"),
-                                        step=cmd.get("step", 0), timeout=10)
+                                        step=cmd.get("step", 0), timeout=cmd.get("send_timeout", 10))
                     reply({"ok": True})
                 elif op == "recv":
                     got = []

@@ -676,6 +676,39 @@ def test_answers_to_a_requester_that_never_reads_wait_beyond_the_backlog(run) ->
     run(body(), timeout=40)
 
 
+def test_a_requester_that_never_reads_cannot_make_the_victim_hold_past_hold_limit(run) -> None:  # type: ignore[no-untyped-def]
+    # Requests waiting for values not sent yet take each value at once, whatever is held;
+    # with a requester that never reads, the answers wait in the victim.  They count as
+    # held: past hold_limit the victim's sends wait (and time out) instead of each value
+    # moving into answers that never leave.
+    async def body() -> None:
+        cluster = three_tasks()
+        limit = 8 * MiB
+        count = 64
+        async with victim(cluster, "ps", 0, "recv", answer_backlog=2 * MiB, hold_limit=limit,
+                          claim_timeout=None, **VICTIM) as v:
+            held = key_text("asked", PS0, W1)
+            h = await Hostile.connect(v_address(cluster), rcvbuf=4096)
+            try:
+                await h.hello("worker", 1)
+                asks = [codec.encode_request(0, 1 + i, held.encode()) for i in range(count)]
+                assert await h.send(b"".join(asks))
+                await eventually_async(v, lambda s: peer_stats(s).get("parked_requests") == count,
+                                       "the requests are parked")
+                sent = await v.call("send", key=held, size=MiB, count=count, send_timeout=1.0)
+                stats = await v.call("stats")
+            finally:
+                h.close()
+            assert sent.get("error") == "TimeoutError", sent
+            deferred = peer_stats(stats)["deferred_answers"]
+            assert 0 < deferred <= limit // MiB, stats
+            assert stats["stats"]["held"]["bytes"] <= limit, stats["stats"]["held"]
+            assert stats["unhandled"] == []
+            await legit_traffic_flows(cluster, v, "recv")
+
+    run(body(), timeout=40)
+
+
 def test_a_requester_that_never_reads_cannot_make_the_victim_buffer_errors(run) -> None:  # type: ignore[no-untyped-def]
     async def body() -> None:
         cluster = three_tasks()

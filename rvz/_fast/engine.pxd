@@ -244,6 +244,8 @@ cdef class Core:
     @cython.locals(others=Py_ssize_t, count=Py_ssize_t, cost=Py_ssize_t, lost=Py_ssize_t)
     cpdef bint hold_full(self, Table table, Route route, Py_ssize_t nbytes,
                          Py_ssize_t mine=*) except -1
+    @cython.locals(conn=Wire)
+    cpdef bint asked_and_read(self, Table table, Route route) except -1
     @cython.locals(claimed=tuple, deadlines=object)
     cpdef hold(self, Table table, object step, Route route, object value, Py_ssize_t nbytes)
     @cython.locals(timeout=object, claims=dict, put_off=dict, due=list, counted=tuple,

@@ -1137,7 +1137,7 @@ class Core:
         if not (self.lost_count or self.lost_reserved) or route.peer.lost:
             return bool((self.held_count or (others and not mine))
                         and self.held_cost() + others + nbytes + MESSAGE_COST > self.hold_limit
-                        and not table.waiting(route.text))
+                        and not self.asked_and_read(table, route))
         others -= self.lost_reserved
         count = self.held_count
         cost = self.held_cost()
@@ -1149,7 +1149,20 @@ class Core:
             cost -= self.lost_hold_limit
         return bool((count or (others and not mine))
                     and cost + others + nbytes + MESSAGE_COST > self.hold_limit
-                    and not table.waiting(route.text))
+                    and not self.asked_and_read(table, route))
+
+    def asked_and_read(self, table: Table, route: Route) -> bool:
+        """A request of ``route``'s key waits here and its consumer reads its answers: the
+        value goes at once, whatever is held (nothing is, once it is answered).  An answer
+        to a consumer that does not read waits in ``Wire.deferred`` and counts as held
+        (``answer``): were it let through, a peer that asks and never reads would make us
+        keep values without bound.  (Only asked when the limit is reached.)"""
+        if not table.waiting(route.text):
+            return False
+        for conn in route.peer.live_connections():
+            if conn.deferred:
+                return False
+        return True
 
     def hold(self, table: Table, step: Any, route: Route, value: Any, nbytes: int) -> None:
         """Keep a Recv-Driven value for its consumer (or hand it to its parked request)."""
@@ -1334,8 +1347,10 @@ class Core:
         # connection sets at or below answer_backlog: no call to ask it for every answer.)
         if conn.deferred or (conn.paused and conn.backlog() > self.answer_backlog):
             # The peer does not read what we send: its requests are answered once it has
-            # (reading goes on, so nothing it sends can make us buffer without bound).
+            # (reading goes on, so nothing it sends can make us buffer without bound).  The
+            # value counts as held meanwhile (``asked_and_read``).
             conn.deferred.append((step, request_id, route, value))
+            self.count_held(route.peer, nbytes)
             return
         if peer is not None:
             peer.credit -= nbytes + MESSAGE_COST  # answers are asked for: they never wait for credit
@@ -1347,6 +1362,7 @@ class Core:
         deferred = conn.deferred
         conn.deferred = []
         for step, _, route, value in reversed(deferred):
+            self.released_held(route.peer, nbytes_of(value))  # (counted while deferred)
             if step in self.dead_steps:
                 continue
             table = self.table(step)
@@ -1364,6 +1380,7 @@ class Core:
                 self.undefer(conn)
                 return
             step, request_id, route, value = deferred[i]
+            self.released_held(route.peer, nbytes_of(value))  # (counted while deferred)
             self.answer(conn, step, request_id, route, value)
 
     def held_cost(self) -> int:
