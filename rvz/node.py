@@ -311,7 +311,6 @@ class Node(_NodeCalls):
         self.linger = linger
         self.push_window = push_window
         self.hold_limit = hold_limit
-        self.lost_hold_limit = hold_limit if lost_hold_limit is None else lost_hold_limit
         self.claim_timeout = claim_timeout
         self.max_payload = max_payload
         self.busy_poll = busy_poll
@@ -328,7 +327,8 @@ class Node(_NodeCalls):
         # The protocol engine: tables, routes, requests, credit (see rvz/_fast/engine.py).
         self._core = _engine.Core(self, self.cluster, self.id, self.name, mode, None,
                                   push_window, hold_limit, claim_timeout, max_parked,
-                                  max_steps, answer_backlog, self.lost_hold_limit)
+                                  max_steps, answer_backlog, lost_hold_limit)
+        self.lost_hold_limit = self._core.lost_hold_limit  # (None: the core's default)
         self._idle_since: dict[int, tuple[Any, float]] = {}  # step -> (activity mark, since)
         self._dead_order: deque[int] = deque()  # core.dead_steps' keys, oldest first
         # step -> (table, stamp, puts) of the tables the last tick found empty
@@ -1448,7 +1448,7 @@ class Node(_NodeCalls):
                 conn.peer = core.peer(task_id)
             except KeyError:
                 raise ProtocolError(f"/job:{task_id[0]}/task:{task_id[1]} is not in our cluster") from None
-        conn.hello = (incarnation, window, nonce, fields)
+        conn.hello = (incarnation, window, parks, nonce, fields)
         wants_auth = bool(fields.get("auth", False))
         if self._secret is None and not wants_auth:
             self._accept_peer(conn)
@@ -1485,7 +1485,7 @@ class Node(_NodeCalls):
         hello = conn.hello
         if self._secret is None or hello is None or conn.ready:
             raise ProtocolError("unexpected AUTH frame")
-        incarnation, _, nonce, _ = hello
+        incarnation, _, _, nonce, _ = hello
         mac = fields.get("mac")
         # The peer's side is the other one: it dialled if we accepted.
         expected = self._mac(not conn.outbound, nonce, conn.nonce, conn.peer.id, incarnation,
@@ -1497,7 +1497,7 @@ class Node(_NodeCalls):
 
     def _accept_peer(self, conn: Connection) -> None:
         """The handshake is complete: bind the connection to its peer and open it."""
-        incarnation, window, _, fields = conn.hello
+        incarnation, window, parks, _, fields = conn.hello
         window = min(window, self.push_window)
         peer = conn.peer
         replaced = self._replaced.get(peer.id)
@@ -1532,7 +1532,7 @@ class Node(_NodeCalls):
             peer.credit += window - peer.window
             peer.window = window
         peer.incarnation = incarnation
-        peer.parks = int(fields.get("park", _engine.DEFAULT_PARKS))  # checked by _on_hello
+        peer.parks = parks
         peer.mode = _engine.canonical_mode(str(fields.get("mode", "")))
         conn.ready = True
         self._core.regroup(peer, False)  # back (or new): what we hold for it counts in full

@@ -8,6 +8,7 @@ hot paths as the rest of the suite.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -294,11 +296,7 @@ def test_server_problems_are_one_line_errors() -> None:
 
 @pytest.mark.timeout(60)
 def test_server_survives_a_client_that_is_not_rvz_bench(tmp_path: Path) -> None:
-    addr = f"127.0.0.1:{_free_port()}"
-    server = subprocess.Popen([sys.executable, "-m", "rvz.bench", "--server", "--addr", addr,
-                               "--once"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert _wait_listening(server, 15)
+    with _bench_server() as (server, addr):
         for junk in (b"GET / HTTP/1.0\r\n\r\n", b"[1, 2]\n", b"\xff\xfe\n"):
             with socket.create_connection(("127.0.0.1", int(addr.rsplit(":", 1)[1])), 5) as s:
                 s.sendall(junk)
@@ -309,10 +307,6 @@ def test_server_survives_a_client_that_is_not_rvz_bench(tmp_path: Path) -> None:
         r = run_json(tmp_path, "rendezvous", "--client", "--addr", addr, "--iters", "3",
                      "--order", "producer-first", "--mode", "send", "--no-baselines", *TINY)
         assert r["rendezvous"][0]["rounds"] == 3
-    finally:
-        if server.poll() is None:
-            server.kill()
-        server.communicate()
 
 
 def _workers(pid: int) -> set[int]:
@@ -390,21 +384,29 @@ def _free_port() -> int:
 
 @pytest.mark.timeout(40)
 def test_server_and_client(tmp_path: Path) -> None:
-    addr = f"127.0.0.1:{_free_port()}"
-    server = subprocess.Popen([sys.executable, "-m", "rvz.bench", "--server", "--addr", addr,
-                               "--once"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert _wait_listening(server, 15)
+    with _bench_server() as (server, addr):
         r = run_json(tmp_path, "rendezvous", "--client", "--addr", addr, "--iters", "5",
                      "--order", "producer-first", "--mode", "send", *TINY)
         (row,) = r["rendezvous"]
         assert "two hosts" in row["clock"] and row["rounds"] == 5
         server.wait(15)
         assert server.returncode == 0, server.stderr.read() if server.stderr else ""
+
+
+@contextlib.contextmanager
+def _bench_server() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``rvz-bench --server --once`` on a free loopback port, listening: ``(process, addr)``;
+    killed at the end if it is still running."""
+    addr = f"127.0.0.1:{_free_port()}"
+    server = subprocess.Popen([sys.executable, "-m", "rvz.bench", "--server", "--addr", addr,
+                               "--once"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait_listening(server, 15)
+        yield server, addr
     finally:
         if server.poll() is None:
             server.kill()
-            server.wait()
+        server.communicate()
 
 
 def _wait_listening(server: subprocess.Popen[str], timeout: float) -> bool:

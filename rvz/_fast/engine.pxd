@@ -241,7 +241,7 @@ cdef class Core:
     @cython.locals(route=Route, table=Table, peer=Peer)
     cpdef enter(self, object timeout)
     cpdef object send(self, object key, object value, object mode, object step, object timeout)
-    @cython.locals(others=Py_ssize_t, count=Py_ssize_t, cost=Py_ssize_t, lost=Py_ssize_t)
+    @cython.locals(others=Py_ssize_t, count=Py_ssize_t, cost=Py_ssize_t)
     cpdef bint hold_full(self, Table table, Route route, Py_ssize_t nbytes,
                          Py_ssize_t mine=*) except -1
     @cython.locals(conn=Wire)
@@ -268,11 +268,12 @@ cdef class Core:
     @cython.locals(peer=Peer, link=Wire, code=int, shape=tuple, nbytes=Py_ssize_t)
     cpdef answer(self, Wire conn, object step, object request_id, Route route, object value)
     cpdef answer_deferred(self, Wire conn)
-    @cython.locals(route=Route)
+    @cython.locals(route=Route, nbytes=Py_ssize_t)
     cpdef undefer(self, Wire conn)
     cpdef Py_ssize_t held_cost(self)
     cpdef count_held(self, Peer peer, Py_ssize_t nbytes)
     cpdef released_held(self, Peer peer, Py_ssize_t nbytes)
+    cpdef Py_ssize_t lost_cost(self)
     @cython.locals(lost=Py_ssize_t)
     cpdef Py_ssize_t live_cost(self)
     cpdef Py_ssize_t reserve_hold(self, Peer peer, Py_ssize_t nbytes) except -1

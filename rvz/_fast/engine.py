@@ -1134,19 +1134,13 @@ class Core:
         everything, as before (it waits, dials, fails with PeerLost).
         """
         others = self.hold_reserved - mine
-        if not (self.lost_count or self.lost_reserved) or route.peer.lost:
-            return bool((self.held_count or (others and not mine))
-                        and self.held_cost() + others + nbytes + MESSAGE_COST > self.hold_limit
-                        and not self.asked_and_read(table, route))
-        others -= self.lost_reserved
         count = self.held_count
         cost = self.held_cost()
-        lost = self.lost_bytes + MESSAGE_COST * self.lost_count
-        if lost <= self.lost_hold_limit:
-            cost -= lost
-            count -= self.lost_count
-        else:
-            cost -= self.lost_hold_limit
+        if (self.lost_count or self.lost_reserved) and not route.peer.lost:
+            others -= self.lost_reserved
+            cost = self.live_cost()
+            if self.lost_cost() <= self.lost_hold_limit:  # (then none of theirs counts)
+                count -= self.lost_count
         return bool((count or (others and not mine))
                     and cost + others + nbytes + MESSAGE_COST > self.hold_limit
                     and not self.asked_and_read(table, route))
@@ -1362,13 +1356,14 @@ class Core:
         deferred = conn.deferred
         conn.deferred = []
         for step, _, route, value in reversed(deferred):
-            self.released_held(route.peer, nbytes_of(value))  # (counted while deferred)
+            nbytes = nbytes_of(value)
+            self.released_held(route.peer, nbytes)  # (counted while deferred)
             if step in self.dead_steps:
                 continue
             table = self.table(step)
             if not table.put_front(route.text, value):
                 if table.queued(route.text):
-                    self.count_held(route.peer, nbytes_of(value))
+                    self.count_held(route.peer, nbytes)
 
     def answer_deferred(self, conn: Wire) -> None:
         """The connection drained: answer what waited for it, in order."""
@@ -1416,10 +1411,14 @@ class Core:
                                   <= self.hold_limit - self.hold_limit // HOLD_LOW_WATER):
             self.wake_holders()
 
+    def lost_cost(self) -> int:
+        """What the values held for lost consumers count, as ``held_cost`` does."""
+        return self.lost_bytes + MESSAGE_COST * self.lost_count
+
     def live_cost(self) -> int:
         """What the held values count against ``hold_limit`` for a send to a connected
         consumer: all but what lost consumers hold within ``lost_hold_limit``."""
-        lost = self.lost_bytes + MESSAGE_COST * self.lost_count
+        lost = self.lost_cost()
         return self.held_cost() - (lost if lost <= self.lost_hold_limit else self.lost_hold_limit)
 
     def reserve_hold(self, peer: Peer, nbytes: int) -> int:
