@@ -1034,7 +1034,7 @@ class Node(_NodeCalls):
         finally:
             if poll is not None:
                 poll.end()
-            if asks:
+            if asks and not loop.is_closed():  # (closed: see NodeCalls.recv)
                 table = batch.table
                 for text in {routes[i].text for i in waiting}:
                     core.rebalance(step, text, table)
@@ -1572,8 +1572,13 @@ class Node(_NodeCalls):
                                 f"is not a number: {fields!r}")
         core.asked_no_more(conn.peer, request_id)
         request = core.requests.get(request_id)
-        if request is None or request.peer is not conn.peer:
-            return  # a stray answer, or about a request we did not send to this peer
+        if request is None:
+            # One we cancelled: the producer dropped it (code "cancelled") or failed it
+            # first; nothing of it follows.  Else a stray answer.
+            core.settled(conn.peer, request_id)
+            return
+        if request.peer is not conn.peer:
+            return  # about a request we did not send to this peer
         del core.requests[request_id]
         core.forget_request(request.id, request.step, request.key)
         peer_name = self._peer_name(conn)
@@ -1586,7 +1591,10 @@ class Node(_NodeCalls):
         cls: type[RvzError] = {"aborted": Aborted, "WrongEndpoint": WrongEndpoint}.get(code, RemoteError)
 
         def error() -> RvzError:
-            exc = cls(f"{peer_name} could not answer key {request.key}: {message}")
+            # An abort leads with its step and who cleaned it up, as a Send-Driven recv's
+            # does (cleanup_step); other failures lead with the producer that could not answer.
+            exc = cls(f"{message} (key {request.key})" if cls is Aborted
+                      else f"{peer_name} could not answer key {request.key}: {message}")
             exc.__cause__ = cause
             return exc
 

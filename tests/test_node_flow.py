@@ -1248,6 +1248,11 @@ def peer_stats(node: rvz.Node, other: rvz.Node) -> dict[str, Any]:
     return dict(node.stats()["peers"][other.name])
 
 
+def over(transport: str) -> dict[str, Any]:
+    """``pair``'s options for ``transport``: none for TCP, shm's (or skip without it)."""
+    return {"transport": provider_or_skip("shm")} if transport == "shm" else {}
+
+
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 @pytest.mark.loop_timeout(30)
 async def test_more_recvs_than_the_producer_parks_wait_their_turn_and_all_arrive(cluster, transport) -> None:  # type: ignore[no-untyped-def]
@@ -1255,10 +1260,7 @@ async def test_more_recvs_than_the_producer_parks_wait_their_turn_and_all_arrive
     # and closes a connection that sends more.  A consumer waiting for 80 values it has not
     # sent yet (a recv_many of 50 keys and 30 recvs) sends 8 requests and holds the rest
     # back; each answer lets one more go.  Every value arrives, in order; nothing is lost.
-    kw: dict[str, Any] = {}
-    if transport == "shm":
-        kw = {"transport": provider_or_skip("shm")}
-    async with pair(cluster, "recv", worker={"max_parked": 8}, **kw) as (w, p):
+    async with pair(cluster, "recv", worker={"max_parked": 8}, **over(transport)) as (w, p):
         await w.send(key("linked"), array(0))
         await p.recv(key("linked"), timeout=10)
         keys = [key(f"batch{i}") for i in range(50)]
@@ -1309,6 +1311,36 @@ async def test_held_back_recvs_that_time_out_do_not_pile_up(cluster) -> None:  #
         await w.send(key("parked1"), array(3))
         assert int((await parked[1])[0]) == 3
         assert not peer.held_back and not peer.asking
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.loop_timeout(30)
+async def test_cancelled_requests_are_forgotten_once_the_producer_dropped_them(cluster, transport) -> None:  # type: ignore[no-untyped-def]
+    # Each Recv-Driven recv that times out cancels its request.  The consumer remembers the
+    # id, since an answer may cross the CANCEL; it kept every id until a cap of 65536,
+    # though the producer had dropped the parked request and no answer would ever come.
+    # Now the producer says so (ERROR "cancelled") and the consumer forgets it.
+    async with pair(cluster, "recv", **over(transport)) as (w, p):
+        await w.send(key("linked"), array(0))
+        await p.recv(key("linked"), timeout=10)
+        core = p._core
+        for _ in range(300):
+            with pytest.raises(TimeoutError):
+                await p.recv(key("never"), timeout=0.0005)
+        await eventually(lambda: peer_stats(w, p)["parked_requests"] == 0, "all dropped")
+        await eventually(lambda: not core.cancelled, "every cancelled id forgotten")
+        assert len(core.cancel_order) <= 2 * 1024 + 1, len(core.cancel_order)
+        # An answer that crosses its CANCEL is still taken as an answer: the surplus value
+        # waits for the next recv (a push beyond the window would close the connection).
+        late = asyncio.ensure_future(p.recv(key("late"), timeout=10))
+        await eventually(lambda: peer_stats(w, p)["parked_requests"] == 1, "parked")
+        await w.send(key("late"), array(1))
+        late.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await late
+        assert int((await p.recv(key("late"), timeout=10))[0]) == 1
+        await eventually(lambda: not core.cancelled, "the crossed answer settles its id")
+        assert peer_stats(p, w)["state"] == "connected"
 
 
 @pytest.mark.loop_timeout(30)

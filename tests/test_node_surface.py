@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ import rvz.node as node_module
 from rvz import _impl
 
 from .conftest import FAST, PS, WORKER, eventually, key, pair, pending, settle
+from .procs import run_python
 
 
 def test_stats_and_repr_describe_a_running_pair(run, cluster) -> None:  # type: ignore[no-untyped-def]
@@ -902,3 +904,53 @@ async def test_a_forked_child_cannot_use_or_close_the_parents_nodes(cluster, mod
         assert await w.recv(key("back", src=PS, dst=WORKER), timeout=5) == b"back"
         assert w.stats()["peers"][p.name]["state"] == "connected"
         assert p.stats()["peers"][w.name]["state"] == "connected"
+
+
+_REPO = Path(__file__).resolve().parent.parent
+_CLOSED_LOOP_SCRIPT = """
+import asyncio, gc, sys
+import rvz
+print(rvz.implementation(), flush=True)
+loop_name, mode, call = sys.argv[1:]
+cluster = rvz.ClusterSpec.loopback({"worker": 1, "ps": 1})
+def key(name):
+    return rvz.Key("/job:worker/replica:0/task:0/device:CPU:0",
+                   "/job:ps/replica:0/task:0/device:CPU:0", name)
+loop = rvz.new_event_loop(loop_name)
+async def begin():
+    w = rvz.Node(cluster, job="worker", task=0)
+    p = rvz.Node(cluster, job="ps", task=0)
+    await w.start()
+    await p.start()
+    await w.send(key("linked"), b"x", mode=mode)
+    await p.recv(key("linked"), mode=mode, timeout=5)
+    if call == "recv":
+        task = asyncio.ensure_future(p.recv(key("never"), mode=mode))
+    else:
+        task = asyncio.ensure_future(p.recv_many([key("never"), key("nor")], mode=mode))
+    await asyncio.sleep(0.2)
+    return w, p, task
+nodes = loop.run_until_complete(begin())
+loop.close()   # nodes still open, the recv still waiting: the application's mistake
+del nodes
+gc.collect()
+print("collected", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["recv", "send"])
+@pytest.mark.parametrize("call", ["recv", "recv_many"])
+def test_a_loop_closed_under_a_waiting_recv_leaves_no_error_from_rvz(loop_name, tmp_path, mode,
+                                                                     call) -> None:  # type: ignore[no-untyped-def]
+    """An application closes its loop while a recv still waits and its nodes are open (a
+    test that forgot to close them, say).  asyncio says the task was destroyed pending, as
+    it should; rvz's clean-up of that recv then tried to write its CANCEL through the
+    closed loop, and Python printed that error as "Exception ignored".  Nothing can be
+    written once the loop is closed: the clean-up now leaves the wire alone."""
+    script = tmp_path / "closed_loop.py"
+    script.write_text(_CLOSED_LOOP_SCRIPT)
+    done = run_python([str(script), loop_name, mode, call], cwd=str(_REPO), timeout=30)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [rvz.implementation(), "collected"], done.stdout
+    assert "Exception ignored" not in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]

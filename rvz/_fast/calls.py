@@ -66,6 +66,12 @@ class NodeCalls:
         try:
             return await waiter
         except BaseException:
+            if self._loop.is_closed():
+                # Collected after its loop was closed under it (its task left pending):
+                # nothing can run or be written any more, so nothing is given back and no
+                # CANCEL is sent (``peer = None`` skips the rebalance below).
+                peer = None
+                raise
             # The value may have been delivered just before the failure: it goes back to the
             # queue, where it is unconsumed again (its credit is returned when it is taken),
             # or to the next waiter, which consumed it (the credit already counted stands).

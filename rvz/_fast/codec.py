@@ -288,7 +288,8 @@ def encode_hello(fields: dict) -> bytes:
 
 
 def encode_error(request_id: int, step: int, key: str, code: str, message: str) -> bytes:
-    """A producer's failure to answer request ``request_id``."""
+    """A producer's failure to answer request ``request_id``, or (code ``"cancelled"``) its
+    word that it dropped that request, parked until its CANCEL came: no answer follows."""
     return _encode_map(ERROR, {"req": request_id, "step": step, "key": key, "code": code,
                                "msg": message[:4096]})
 

@@ -16,6 +16,7 @@ cdef str RECV, SEND
 # The engine's sizes, as C values: each message's accounting does arithmetic with them.
 cdef Py_ssize_t MESSAGE_COST, HOLD_LOW_WATER, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY
 cdef Py_ssize_t HELD_BACK_SWEEP
+cdef Py_ssize_t CANCELLED_MAX
 cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, MAX_KEY, LARGE_READ, COPY_WRITE_MAX
 cdef long long ALONE_NS
 cdef object _NO_STEP
@@ -323,6 +324,9 @@ cdef class Core:
     cpdef Table drop_table(self, object step)
     @cython.locals(keys=dict)
     cpdef rebalance(self, object step, str key, Table table)
+    @cython.locals(cancelled=dict, order=object)
+    cdef note_cancelled(self, Request request)
+    cpdef bint settled(self, object peer, object request_id)
     cpdef consumed(self, tuple src, object value)
     cpdef consumed_from(self, Peer peer, object value)
     cpdef unconsumed(self, tuple src, object value)

@@ -96,6 +96,10 @@ HOLD_LOW_WATER = 8
 DEFAULT_PARKS = 65536
 # The length of a peer's held-back requests above which the cancelled ones are swept out.
 HELD_BACK_SWEEP = 1024
+# At most this many cancelled requests are remembered (``Core.cancelled``): one whose
+# producer never says what became of it (its connection closed first) goes at this cap,
+# oldest first.
+CANCELLED_MAX = 65536
 # A payload up to this size is copied into the coalescing buffer; above it, it is written
 # as a separate view.  Copying 16 KiB costs less than a second write call.
 COALESCE_MAX = 16384
@@ -842,8 +846,10 @@ class Core:
         self.devices: dict = {}            # device name -> (job, task)
         self.requests: dict = {}           # request id -> Request
         self.outstanding: dict = {}        # step -> {key: request id, or a deque of them} (new_request)
-        # Requests we cancelled recently: the producer may have answered before the CANCEL
-        # reached it, and such an answer is still one we asked for (not a push).
+        # Requests we cancelled, to the peer asked: the producer may have answered before
+        # the CANCEL reached it, and such an answer is still one we asked for (not a push).
+        # Each is forgotten when its answer or its ERROR comes ("cancelled": it was parked
+        # and is dropped, no answer follows); ``cancel_order`` is their order, for the cap.
         self.cancelled: dict = {}
         self.cancel_order: deque = deque()
         # (step, key) -> loop time of the last request for it, so a value a consumer is
@@ -1791,14 +1797,32 @@ class Core:
                 if conn is not None and not conn.closed:
                     conn.write_frame(encode_cancel(request.id))
                     self.asked_no_more(request.peer, request.id)
-                    self.cancelled[request.id] = True
-                    self.cancel_order.append(request.id)
-                    if len(self.cancel_order) > 65536:
-                        self.cancelled.pop(self.cancel_order.popleft(), None)
+                    self.note_cancelled(request)
         if not pending:
             self._drop_key(step, keys, key)
         elif len(pending) == 1:
             keys[key] = pending[0]
+
+    def note_cancelled(self, request: Request) -> None:
+        """Remember ``request``, just cancelled, until its producer answers it or says it
+        dropped it (``settled``).  The order of ids is swept of settled ones once it is
+        twice as long as what is remembered (amortized O(1) a cancel)."""
+        cancelled = self.cancelled
+        order = self.cancel_order
+        cancelled[request.id] = request.peer
+        order.append(request.id)
+        if len(order) > 2 * len(cancelled) + HELD_BACK_SWEEP:
+            self.cancel_order = order = deque([i for i in order if i in cancelled])
+        if len(order) > CANCELLED_MAX:
+            cancelled.pop(order.popleft(), None)
+
+    def settled(self, peer: Any, request_id: Any) -> bool:
+        """``peer`` answered, or said it dropped, request ``request_id`` that we cancelled:
+        forget it.  False if it is not one of ours that we cancelled and asked ``peer``."""
+        if self.cancelled.get(request_id) is not peer:
+            return False
+        del self.cancelled[request_id]
+        return True
 
     def consumed(self, src: tuple, value: Any) -> None:
         """A value from ``src`` left our table: grant that producer the space again."""
@@ -2030,7 +2054,7 @@ class Core:
                 self.forget_request(request_id, step, key)
                 if request.key == key and request.peer is peer:
                     route = request.route  # checked when it was asked for
-            elif self.cancelled.pop(request_id, None) is not None:
+            elif self.settled(peer, request_id):
                 asked = True
         if route is None:
             route = self.arriving_route(peer, key)
@@ -2194,6 +2218,10 @@ class Core:
             table = self.tables.get(parked.step)
             if table is not None:
                 table.remove_waiter(parked.route.text, parked)
+            # Say that no answer follows, so the consumer can forget the id (``settled``); a
+            # request answered already needs no word: its answer is on its way.
+            self.check_backlog(conn, conn.peer)
+            conn.write_frame(encode_error(request_id, parked.step, "", "cancelled", ""))
 
 
 def _peer_name(conn: Any) -> str:

@@ -521,6 +521,8 @@ async def wait_batch(batch: Batch, loop: Any, timeout: Any, undone: Any = None,
     try:
         return await batch.future
     except BaseException:
+        if loop.is_closed():
+            raise  # collected after its loop closed: nothing can run any more (Node.recv)
         if not batch.future.done():
             batch.future.cancel()
         queued = batch.restore()
