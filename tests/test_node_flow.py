@@ -135,6 +135,48 @@ async def test_abandoned_pushes_leave_the_queue_behind_one_that_waits(cluster) -
             waiting.cancel()   # (done already, unless the test failed)
 
 
+class _Walked(collections.deque):  # type: ignore[type-arg]
+    """A push queue that counts the items walked through (``for item in queue``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.walked = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        for item in super().__iter__():
+            self.walked += 1
+            yield item
+
+
+@pytest.mark.loop_timeout(30)
+async def test_sends_that_give_up_together_do_not_each_search_the_queue(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Sends whose pushes wait in the queue give up together: the first takes its push out
+    and the pump drops the others' (done already) from the head.  Each of the others then
+    looked for its push in every queue, whole: n sends timing out at once cost n * n (30k
+    took 2 to 7 s of CPU).  A push no longer queued is known as such."""
+    n = 20
+    async with rvz.Node(cluster, "worker", 0, "send", **{**FAST, "connect_timeout": 30.0}) as w:
+        queue = _Walked()
+        w._core.peer(("ps", 0)).queue = queue   # its consumer is not up: pushes wait
+        giving_up = [asyncio.ensure_future(w.send(key(f"gives_up{i}"), array(i))) for i in range(n)]
+        staying = [asyncio.ensure_future(w.send(key(f"stays{i}"), array(i))) for i in range(n)]
+        try:
+            await settle()
+            assert len(queue) == 2 * n
+            for task in giving_up:
+                task.cancel()
+            for result in await asyncio.gather(*giving_up, return_exceptions=True):
+                assert isinstance(result, asyncio.CancelledError)
+            walked = queue.walked
+            assert len(queue) == n
+            assert walked <= n, f"{walked} queued pushes walked for {n} sends"
+        finally:
+            for task in giving_up + staying:
+                task.cancel()
+            await asyncio.gather(*giving_up, *staying, return_exceptions=True)
+        assert not queue
+
+
 @pytest.mark.loop_timeout(30)
 async def test_recv_driven_hold_limit_slows_the_producer(cluster) -> None:  # type: ignore[no-untyped-def]
     async with pair(cluster, "recv", hold_limit=MIB, claim_timeout=None) as (w, p):
@@ -228,6 +270,26 @@ async def test_a_send_waiting_for_hold_room_fails_when_its_consumer_is_gone() ->
                                                rf"{held} values"):
             await w.send(other, array(0), timeout=0.3)
         assert w.stats()["peers"][p1.name]["held_values"] == 0
+
+
+@pytest.mark.loop_timeout(30)
+async def test_a_send_timed_out_on_the_hold_limit_names_who_fills_it_without_a_walk(cluster) -> None:  # type: ignore[no-untyped-def]
+    """A send that times out waiting for room under hold_limit says who fills it from each
+    consumer's count, not from a walk of every key held (100k keys held took each such
+    timeout 0.2-0.5 s, and every send waiting for room times out with it)."""
+    async with rvz.Node(cluster, "worker", 0, "recv",
+                        **{**FAST, "hold_limit": MIB, "claim_timeout": None}) as w:
+        fits = MIB // (SIZE + 64)
+        for i in range(fits):   # one key each, for a consumer that is not up
+            await w.send(key(f"held{i}"), array(i))
+        walks: list[int] = []
+        held_keys = w._held_keys
+        w._held_keys = lambda: walks.append(1) or held_keys()  # type: ignore[method-assign]
+        consumer = w._peers[("ps", 0)].name
+        with pytest.raises(TimeoutError, match=rf"held for {consumer} \(not connected\): "
+                                               rf"{fits} values"):
+            await w.send(key("one_more"), array(fits), timeout=0.3)
+        assert not walks, "the tables were walked for the message"
 
 
 def _to(node: rvz.Node, name: str) -> rvz.Key:
@@ -743,6 +805,42 @@ async def test_the_claims_of_a_pulled_keys_taken_values_are_dropped_when_due(clu
         assert len(core.claims[0, str(k)]) == 1, "the claims of values taken were kept"
         assert queued(p, k) == 0 and w._held_bytes > 0   # the held one stays held
         assert int((await p.recv(k, timeout=5))[0]) == 101
+
+
+@pytest.mark.loop_timeout(30)
+async def test_the_claims_pass_looks_only_at_keys_whose_claims_came_due(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Each heartbeat's claims pass looks at the keys whose time came, not at every key
+    with held values (it walked them all: 100k keys held took each heartbeat 0.1-0.6 s).
+    A key is looked at once its oldest claim is due: until then, the claims of its values
+    taken since stay.  The keys of a consumer that is lost when they come due are set aside
+    until it is back (they were looked at again at every heartbeat), then pushed to it."""
+    timeout = 10.0   # the passes are run here by hand, at the times they are given
+    slow = {**FAST, "heartbeat": 30.0, "peer_timeout": 60.0, "claim_timeout": timeout}
+    keys = [key(f"held{i}") for i in range(3)]
+    async with rvz.Node(cluster, "worker", 0, "recv", **slow) as w:
+        core = w._core
+        async with rvz.Node(cluster, "ps", 0, "recv", **slow) as p:
+            await _linked(w, p)
+            for k in keys:
+                for i in range(2):
+                    await w.send(k, np.array([i]))
+            for k in keys:   # a request takes each key's oldest value
+                assert int((await p.recv(k, timeout=5))[0]) == 0
+            w._push_unclaimed(w._loop.time())   # none due
+            for k in keys:
+                assert len(core.claims[0, str(k)]) == 2, "a key not due yet was looked at"
+        peer = w._peers[("ps", 0)]
+        await eventually(lambda: not peer.live_connections(), "the consumer is gone")
+        later = w._loop.time() + 2 * timeout
+        assert core.due_claims(later) == []   # due, and set aside: nobody to push to
+        assert [len(core.claims[0, str(k)]) for k in keys] == [1, 1, 1]
+        assert core.due_claims(later + timeout) == [], "the lost consumer's keys were looked at again"
+        async with rvz.Node(cluster, "ps", 0, "recv", **slow) as p:
+            await w.send(key("again"), np.array([0]))
+            assert int((await p.recv(key("again"), timeout=5))[0]) == 0   # it is back
+            w._push_unclaimed(w._loop.time() + 3 * timeout)
+            got = [int((await p.recv(k, mode="send", timeout=5))[0]) for k in keys]
+            assert got == [1, 1, 1] and w._held_count == 0
 
 
 @pytest.mark.loop_timeout(20)

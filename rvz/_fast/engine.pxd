@@ -203,6 +203,7 @@ cdef class Core:
     cdef public dict routes
     cdef public dict devices
     cdef public dict requests
+    cdef public dict queued_pushes
     cdef public dict outstanding
     cdef public dict cancelled
     cdef public object cancel_order
@@ -216,7 +217,9 @@ cdef class Core:
     cdef public Py_ssize_t lost_count
     cdef public Py_ssize_t lost_reserved
     cdef public dict claims
-    cdef public dict put_off
+    cdef public object claim_order
+    cdef public list claim_times
+    cdef public dict lost_claims
     cdef public Py_ssize_t max_parked
     cdef public Py_ssize_t max_steps
     cdef public Py_ssize_t answer_backlog
@@ -247,12 +250,18 @@ cdef class Core:
                          Py_ssize_t mine=*) except -1
     @cython.locals(conn=Wire)
     cpdef bint asked_and_read(self, Table table, Route route) except -1
-    @cython.locals(claimed=tuple, deadlines=object)
+    @cython.locals(claimed=tuple, deadlines=list)
     cpdef hold(self, Table table, object step, Route route, object value, Py_ssize_t nbytes)
-    @cython.locals(timeout=object, claims=dict, put_off=dict, due=list, counted=tuple,
-                   deadlines=object, table=Table, key=str, excess=Py_ssize_t, oldest=double,
-                   until=object, asked=object, count=Py_ssize_t, deadline=double)
+    @cython.locals(timeout=object, due=list, later=list, counted=tuple, deadlines=list,
+                   key=str, peer=Peer, oldest=double, asked=object, count=Py_ssize_t,
+                   deadline=double)
     cpdef list due_claims(self, double now)
+    @cython.locals(order=object, deadlines=list, times=list)
+    cpdef object next_claim(self, double now)
+    @cython.locals(deadlines=list, table=Table, excess=Py_ssize_t)
+    cpdef object held_claims(self, tuple counted)
+    @cython.locals(parked=list)
+    cpdef park_claims(self, Peer peer, tuple counted)
     cpdef drop_claims(self)
     @cython.locals(conn=Wire)
     cdef Wire open_link(self, Peer peer)
@@ -279,7 +288,7 @@ cdef class Core:
     cpdef Py_ssize_t live_cost(self)
     cpdef Py_ssize_t reserve_hold(self, Peer peer, Py_ssize_t nbytes) except -1
     cpdef unreserve_hold(self, Peer peer, Py_ssize_t cost)
-    @cython.locals(sign=Py_ssize_t)
+    @cython.locals(sign=Py_ssize_t, parked=list)
     cpdef regroup(self, Peer peer, bint lost)
     cpdef wake_holders(self)
     @cython.locals(route=Route, table=Table, peer=Peer)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from asyncio import Future
 from asyncio.events import _get_running_loop
 from collections import deque
+from heapq import heappop, heappush
 from os import getpid
 from threading import get_ident
 from time import monotonic_ns
@@ -845,6 +846,11 @@ class Core:
         self.routes: dict = {}             # key text -> Route
         self.devices: dict = {}            # device name -> (job, task)
         self.requests: dict = {}           # request id -> Request
+        # The done future of every push in a peer's queue -> that peer: ``drop_push`` looks
+        # for a push only there, and only if it is still queued (a burst of sends timing
+        # out, whose pushes the pump had mostly dropped already, scanned every queue whole
+        # for each of them).
+        self.queued_pushes: dict = {}
         self.outstanding: dict = {}        # step -> {key: request id, or a deque of them} (new_request)
         # Requests we cancelled, to the peer asked: the producer may have answered before
         # the CANCEL reached it, and such an answer is still one we asked for (not a push).
@@ -868,8 +874,16 @@ class Core:
         # the claims ``due_claims`` looks at.  Values are taken oldest first, so the last
         # ``table.queued(key)`` are the claims of the values still held.
         self.claims: dict = {}
-        # (step, key) -> loop time before which its due values wait (``due_claims``).
-        self.put_off: dict = {}
+        # A pass looks only at the keys whose time came, each key being in one of these
+        # (a heartbeat walked every key held: 100k keys took it 0.1-0.6 s).  The keys new
+        # in ``claims``, in the order they came: nothing touches a key's deadlines before
+        # it is first looked at, when its first one came, so they stay in deadline order.
+        self.claim_order: deque = deque()
+        # The keys looked at and still held: a heap of (when to look again, (step, key)).
+        self.claim_times: list = []
+        # Consumer -> the (step, key) of its keys that came due while it was lost (no ready
+        # connection): looked at again once it is back (``regroup``), not at every pass.
+        self.lost_claims: dict = {}
         self.max_parked = max_parked       # a peer's parked requests on one connection
         self.max_steps = max_steps         # tables at once
         self.answer_backlog = answer_backlog  # unsent output beyond which answers wait
@@ -1173,13 +1187,16 @@ class Core:
             claimed = (step, route.text)
             deadlines = self.claims.get(claimed)
             if deadlines is None:
-                deadlines = self.claims[claimed] = deque()
-            deadlines.append(self.loop.time() + self.claim_timeout)
+                self.claims[claimed] = [self.loop.time() + self.claim_timeout]
+                self.claim_order.append(claimed)
+            else:
+                deadlines.append(self.loop.time() + self.claim_timeout)
 
     def due_claims(self, now: float) -> list:
         """The held values nobody asked for within claim_timeout, as ``(step, key, count)``:
         push the ``count`` oldest values of ``key`` (``Node._push_unclaimed``).
 
+        Only the keys whose time came (``next_claim``) are looked at, each once a pass:
         - The claims of values taken since are dropped first: a key's claims, like its
           values, go oldest first, so all but its last ``queued`` are of values taken.
           One look a key a pass, however many values it moved.
@@ -1193,49 +1210,93 @@ class Core:
           ``on_request``.  Holding them until they could be written at once instead left
           a consumer that waits locally waiting for ever behind a window full of values
           it did not take.)
+        - The keys of a lost consumer wait in ``lost_claims`` until it is back.
         """
         timeout = self.claim_timeout
         if timeout is None:
             return []   # (nothing is claimed)
-        claims = self.claims
-        put_off = self.put_off
         due = []
-        for counted, deadlines in list(claims.items()):
-            step = counted[0]
-            key = counted[1]
-            table = self.tables.get(step)
-            excess = len(deadlines) - (0 if table is None or table.aborted else table.queued(key))
-            while excess > 0:
-                deadlines.popleft()
-                excess -= 1
-            if not deadlines:
-                del claims[counted]
-                put_off.pop(counted, None)
-                continue
+        later = []   # (looked at again from the next pass on)
+        while True:
+            counted = self.next_claim(now)
+            if counted is None:
+                break
+            deadlines = self.held_claims(counted)
+            if deadlines is None:
+                continue   # (it left ``claims``)
             oldest = deadlines[0]
             if oldest > now:
+                later.append((oldest, counted))
                 continue
-            until = put_off.get(counted)
-            if until is not None:
-                if until > now:
-                    continue
-                del put_off[counted]
             asked = self.asked.get(counted)
             if asked is not None and asked >= oldest - timeout and asked + timeout > now:
-                put_off[counted] = asked + timeout
+                later.append((asked + timeout, counted))   # put off
+                continue
+            key = counted[1]
+            peer = self.route(key).peer
+            if peer.lost:  # held for the consumer to ask, or until it is back
+                self.park_claims(peer, counted)
                 continue
             count = 0
             for deadline in deadlines:
                 if deadline > now:
                     break
                 count += 1
-            due.append((step, key, count))
+            due.append((counted[0], key, count))
+            # The next look: at its next deadline, or the next pass drops what was pushed.
+            later.append((deadlines[count] if count < len(deadlines) else now, counted))
+        for entry in later:
+            heappush(self.claim_times, entry)
         return due
+
+    def next_claim(self, now: float) -> Any:
+        """The next key of ``claims`` whose time came (``claim_order``'s head when its first
+        deadline came, else ``claim_times``'s), out of where it waited; None when none."""
+        order = self.claim_order
+        while order:
+            deadlines = self.claims.get(order[0])
+            if deadlines is not None and deadlines[0] > now:
+                break
+            counted = order.popleft()
+            if deadlines is not None:
+                return counted
+        times = self.claim_times
+        if times and times[0][0] <= now:
+            return heappop(times)[1]
+        return None
+
+    def held_claims(self, counted: tuple) -> Any:
+        """The claims of the values of ``counted`` (``(step, key)``) still held, those of
+        values taken since dropped; None when none is left (the key leaves ``claims``)."""
+        deadlines = self.claims.get(counted)
+        if deadlines is None:
+            return None
+        table = self.tables.get(counted[0])
+        excess = len(deadlines) - (0 if table is None or table.aborted else table.queued(counted[1]))
+        if excess > 0:
+            del deadlines[:excess]
+        if not deadlines:
+            del self.claims[counted]
+            return None
+        return deadlines
+
+    def park_claims(self, peer: Peer, counted: tuple) -> None:
+        """A key of ``peer``, lost, came due: it waits in ``lost_claims`` until ``peer`` is
+        back.  Keys whose values left meanwhile (their step was dropped) are swept out once
+        the list outgrows twice the values held for ``peer``."""
+        parked = self.lost_claims.get(peer)
+        if parked is None:
+            parked = self.lost_claims[peer] = []
+        parked.append(counted)
+        if len(parked) > HELD_BACK_SWEEP + 2 * peer.held_count:
+            parked[:] = [c for c in parked if self.held_claims(c) is not None]
 
     def drop_claims(self) -> None:
         """Forget every claim (close() pushes what is held)."""
         self.claims.clear()
-        self.put_off.clear()
+        self.claim_order.clear()
+        self.claim_times.clear()
+        self.lost_claims.clear()
 
     def push(self, peer: Peer, step: Any, route: Route, value: Any, code: int, shape: tuple,
              nbytes: int) -> Any:
@@ -1272,6 +1333,7 @@ class Core:
                    shape: tuple, nbytes: int) -> Any:
         done = self.future()
         peer.queue.append((done, step, route, value, code, shape, nbytes))
+        self.queued_pushes[done] = peer
         self.pump(peer)
         return done
 
@@ -1281,16 +1343,18 @@ class Core:
         not queued (any more).  Done pushes are otherwise dropped only when they reach the
         queue's head.  One that was at the head may have held back the ones behind it
         (waiting for credit it alone needed): they are pumped."""
-        for peer in self.peers.values():
-            queue = peer.queue
-            i = 0
-            for item in queue:
-                if item[0] is done:
-                    del queue[i]
-                    if i == 0 and queue:
-                        self.pump(peer)
-                    return (peer, item)
-                i += 1
+        peer = self.queued_pushes.pop(done, None)
+        if peer is None:
+            return None
+        queue = peer.queue
+        i = 0
+        for item in queue:
+            if item[0] is done:
+                del queue[i]
+                if i == 0 and queue:
+                    self.pump(peer)
+                return (peer, item)
+            i += 1
         return None
 
     def pump(self, peer: Peer) -> None:
@@ -1301,6 +1365,7 @@ class Core:
             done = item[0]
             if done.done():  # cancelled or timed out before it went out
                 queue.popleft()
+                self.queued_pushes.pop(done, None)
                 continue
             conn = peer.link
             if conn is not None and conn.closed_here:
@@ -1319,6 +1384,7 @@ class Core:
                     conn.write_frame(encode_credit(0))
                 return  # on_credit pumps again
             queue.popleft()
+            self.queued_pushes.pop(done, None)
             peer.credit -= cost
             route = item[2]
             conn.write_value(item[1], 0, route.wire, item[3], item[4], item[5], nbytes)
@@ -1457,6 +1523,11 @@ class Core:
         self.lost_reserved += sign * peer.hold_reserved
         if self.hold_waiters:  # lost: room for the others; back: its own sends count less
             self.wake_holders()
+        if not lost:  # its keys that came due meanwhile are looked at in the next pass
+            parked = self.lost_claims.pop(peer, None)
+            if parked is not None:
+                for counted in parked:
+                    heappush(self.claim_times, (0.0, counted))
 
     def wake_holders(self) -> None:
         """Let every send waiting for room under hold_limit look again (``hold_full``)."""
@@ -1788,7 +1859,11 @@ class Core:
             return
         if type(pending) is not deque:
             pending = keys[key] = deque((pending,))  # (rare: one shape below)
-        surplus = len(pending) - (table.waiting(key) if not table.aborted else 0)
+        # The waiters queued, not each asked whether it is done (``waiting``): that walked
+        # all of the key's waiters at every recv, n recvs of one key cost n * n.  A waiter
+        # done and still queued is a recv cancelled whose task has not run yet: it takes its
+        # waiter out, then rebalances itself.
+        surplus = len(pending) - (table.queued_waiters(key) if not table.aborted else 0)
         while surplus > 0 and pending:
             request = self.requests.pop(pending.pop(), None)
             surplus -= 1
@@ -2191,6 +2266,7 @@ class Core:
         for item in queue:
             if item[1] == step and item[2].text == text and not item[0].done():
                 del queue[i]
+                self.queued_pushes.pop(item[0], None)
                 item[0].set_result(None)
                 return item[3]
             i += 1

@@ -35,6 +35,7 @@ cdef class Table:
     cpdef wait(self, str key, object waiter)
     cpdef bint remove_waiter(self, str key, object waiter) except -1
     cpdef Py_ssize_t waiting(self, str key) except -1
+    cpdef Py_ssize_t queued_waiters(self, str key) except -1
     cpdef Py_ssize_t queued(self, str key) except -1
     cpdef list abort(self, str message, object cause, object kind=*)
     cpdef bint put_back(self, str key, object value, long long stamp) except -1

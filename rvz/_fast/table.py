@@ -279,10 +279,16 @@ class Table:
                 return False
             del self._waiters[key]
             return True
-        try:
-            waiters.remove(waiter)
-        except ValueError:
-            return False
+        # The newest is looked at first: a consumer cancels its newest requests first
+        # (``Core.rebalance``), and a search from the oldest walked all of the key's waiters.
+        # (``len - 1``: the compiled module takes no negative index.)
+        if waiters[len(waiters) - 1] is waiter:
+            waiters.pop()
+        else:
+            try:
+                waiters.remove(waiter)
+            except ValueError:
+                return False
         if not waiters:
             del self._waiters[key]
             self._retire(waiters)
@@ -300,6 +306,14 @@ class Table:
             if not waiter.done():
                 n += 1
         return n
+
+    def queued_waiters(self, key: str) -> int:
+        """How many waiters ``key`` has queued, those already done among them (``waiting``
+        asks each one)."""
+        waiters = self._waiters.get(key)
+        if waiters is None:
+            return 0
+        return len(waiters) if type(waiters) is deque else 1
 
     def queued(self, key: str) -> int:
         values = self._values.get(key)
