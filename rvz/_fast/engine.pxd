@@ -15,7 +15,7 @@ cdef bint COMPILED
 cdef str RECV, SEND
 # The engine's sizes, as C values: each message's accounting does arithmetic with them.
 cdef Py_ssize_t MESSAGE_COST, HOLD_LOW_WATER, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY
-cdef Py_ssize_t HELD_BACK_SWEEP
+cdef Py_ssize_t SWEEP_SLACK
 cdef Py_ssize_t CANCELLED_MAX
 cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, MAX_KEY, LARGE_READ, COPY_WRITE_MAX
 cdef long long ALONE_NS

@@ -95,8 +95,10 @@ HOLD_LOW_WATER = 8
 # What a peer that does not say its max_parked in HELLO parks (that option's default; a
 # Python global, which the node reads too).
 DEFAULT_PARKS = 65536
-# The length of a peer's held-back requests above which the cancelled ones are swept out.
-HELD_BACK_SWEEP = 1024
+# The lists swept of dead entries (a peer's held-back requests, the order of cancelled
+# request ids, a lost consumer's due claims) are swept once they are this much longer
+# than what they must keep: often enough to stay bounded, rarely enough to cost O(1) an entry.
+SWEEP_SLACK = 1024
 # At most this many cancelled requests are remembered (``Core.cancelled``): one whose
 # producer never says what became of it (its connection closed first) goes at this cap,
 # oldest first.
@@ -301,7 +303,7 @@ class Peer:
         self.parks = DEFAULT_PARKS
         self.asking: dict = {}
         self.held_back: deque = deque()
-        self.held_back_mark = HELD_BACK_SWEEP      # its length that makes ``hold_back`` sweep it
+        self.held_back_mark = SWEEP_SLACK          # its length that makes ``hold_back`` sweep it
         # As its producer: the Recv-Driven values we hold for it (payload bytes, count) and
         # the room our sends waiting to hold more for it reserved (``Core.reserve_hold``).
         # While it is ``lost`` (no ready connection: never connected yet, or every
@@ -1288,7 +1290,7 @@ class Core:
         if parked is None:
             parked = self.lost_claims[peer] = []
         parked.append(counted)
-        if len(parked) > HELD_BACK_SWEEP + 2 * peer.held_count:
+        if len(parked) > SWEEP_SLACK + 2 * peer.held_count:
             parked[:] = [c for c in parked if self.held_claims(c) is not None]
 
     def drop_claims(self) -> None:
@@ -1672,7 +1674,7 @@ class Core:
             kept = [r for r in held if live.get(r.id) is r]
             held.clear()
             held.extend(kept)
-            peer.held_back_mark = max(HELD_BACK_SWEEP, 2 * len(kept))
+            peer.held_back_mark = max(SWEEP_SLACK, 2 * len(kept))
         self.send_held_back(peer)
 
     def send_held_back(self, peer: Peer) -> None:
@@ -1886,7 +1888,7 @@ class Core:
         order = self.cancel_order
         cancelled[request.id] = request.peer
         order.append(request.id)
-        if len(order) > 2 * len(cancelled) + HELD_BACK_SWEEP:
+        if len(order) > 2 * len(cancelled) + SWEEP_SLACK:
             self.cancel_order = order = deque([i for i in order if i in cancelled])
         if len(order) > CANCELLED_MAX:
             cancelled.pop(order.popleft(), None)
