@@ -160,6 +160,12 @@ async def _wait_for(aw: Awaitable[Any], timeout: float | None) -> Any:
         handle.cancel()
 
 
+def _transient(reason: BaseException | None) -> bool:
+    """A connection lost this way may come back to the same process: reset or closed
+    without BYE (not a timeout, a protocol violation or a failed handshake)."""
+    return isinstance(reason, OSError) and not isinstance(reason, TimeoutError)
+
+
 class _Inherited:
     """A connection's transport in a child forked from the process that made it: the socket
     and the event loop's registration of it are the parent's, so nothing is written to the
@@ -693,11 +699,38 @@ class Node(_NodeCalls):
                 err = PeerLost(f"peer {peer.name} closed")
                 err.__cause__ = NodeClosed(f"{peer.name} said goodbye")
                 self._peer_lost(peer, err)
+        elif conn.ready and _transient(conn.close_reason):
+            self._reconnect(peer, conn)
         elif conn.ready:
             err = PeerLost(f"lost the connection to {peer.name} at {peer.address}: "
                            f"{conn.close_reason}")
             err.__cause__ = conn.close_reason
             self._peer_lost(peer, err)
+
+    def _reconnect(self, peer: Any, conn: Connection) -> None:
+        """A ready connection to ``peer`` broke (reset, or closed without BYE): nothing in
+        flight on it is lost.  Our requests on it are asked again and the values it carried
+        that ``peer`` has not acknowledged are sent again, on another connection to the
+        same process or on a new one; operations go on waiting meanwhile.  If no new
+        connection is made within ``connect_timeout`` (or the peer refuses one: its process
+        is gone), what waits on it fails with ``PeerLost``."""
+        core = self._core
+        core.reask(conn)
+        link = peer.link
+        if link is not None and link.ready and not link.closed:
+            if conn.tx_next:
+                core.resend(peer, link)
+            return
+        for other in peer.live_connections():
+            if other.ready:
+                self._link_ready(peer, other)  # sends again what peer did not acknowledge
+                return
+        if self._state != "closed" and (peer.dialling is None or peer.dialling.done()):
+            assert self._loop is not None
+            log.info("%s: lost the connection to %s (%s): reconnecting", self.name, peer.name,
+                     conn.close_reason)
+            peer.dialling = self._loop.create_future()
+            self._spawn(self._dial(peer, peer.dialling, after=conn.close_reason))
 
     # -- close ----------------------------------------------------------------------------------
 
@@ -1102,13 +1135,19 @@ class Node(_NodeCalls):
             err = PeerLost(f"{exc} (key {key})")
             raise err from exc.__cause__
 
-    async def _dial(self, peer: Any, result: asyncio.Future[Connection]) -> None:
+    async def _dial(self, peer: Any, result: asyncio.Future[Connection],
+                    after: BaseException | None = None) -> None:
+        """Connect to ``peer``, retrying with backoff until ``connect_timeout``.  ``after``:
+        the loss of a connection this dial replaces; a refusal then means the peer's process
+        is gone, and fails at once."""
         assert self._loop is not None
         host, port = split_address(peer.address)
         deadline = self._loop.time() + self.connect_timeout
         delay = 0.01
         last: BaseException | None = None
         while True:
+            if self._dialled_us(peer, result):
+                return
             try:
                 _, conn = await _wait_for(self._loop.create_connection(
                     lambda: self._connection(outbound=True, peer=peer), host, port,
@@ -1133,7 +1172,8 @@ class Node(_NodeCalls):
             if self._state == "closed" or remaining <= 0:
                 break
             if isinstance(last, (TransportError, AuthError, _ssl.SSLError)) or isinstance(
-                    last.__cause__, (TransportError, AuthError)):
+                    last.__cause__, (TransportError, AuthError)) or (
+                    after is not None and isinstance(last, ConnectionRefusedError)):
                 # The pair cannot agree on a transport, a secret or a certificate:
                 # retrying will not change that.
                 break
@@ -1145,18 +1185,37 @@ class Node(_NodeCalls):
             err = AuthError(f"{cause} (at {peer.address})")
         elif isinstance(last, _ssl.SSLError):
             err = TransportError(f"TLS with {peer.name} at {peer.address} failed: {last}")
+        elif after is not None:
+            err = PeerLost(f"lost the connection to {peer.name} at {peer.address} ({after}) "
+                           f"and could not connect again: {last!r}")
         else:
             err = PeerLost(f"could not connect to {peer.name} at {peer.address} within "
                            f"{self.connect_timeout}s: {last!r}")
         err.__cause__ = last
+        if self._dialled_us(peer, result):
+            return
         if not result.done():
             result.set_exception(err)
             result.exception()  # retrieved: waiters get it through the shield
-        # The error reaches whoever waited for this dial: logged here only for debugging.
-        self._peer_lost(peer, err, level=logging.DEBUG)
+        # A first dial's error reaches whoever waited for it: logged only for debugging.
+        # A lost connection that could not be made again fails what waited on it.
+        self._peer_lost(peer, err, level=None if after is not None else logging.DEBUG)
+
+    def _dialled_us(self, peer: Any, result: asyncio.Future[Connection]) -> bool:
+        """``peer`` has a ready connection, which it dialled while we tried: our dial ends
+        with it (it may not fail what that connection now carries)."""
+        for conn in peer.live_connections():
+            if conn.ready:
+                if peer.link is None or peer.link.closed:
+                    self._link_ready(peer, conn)
+                if not result.done():
+                    result.set_result(conn)
+                return True
+        return False
 
     def _link_ready(self, peer: Any, conn: Connection) -> None:
         peer.link = conn
+        self._core.resend(peer, conn)  # what an earlier connection carried, unacknowledged
         if peer.queue:
             assert self._loop is not None
             self._loop.call_soon(self._core.pump, peer)
@@ -1188,10 +1247,10 @@ class Node(_NodeCalls):
         peer.asking = {i: c for i, c in peer.asking.items() if c is keep}
         if keep is None:
             peer.held_back.clear()
-        # Pushes on the lost connection may be lost too: the credit they took comes back.
-        # What we owe the peer (consumed, not yet credited) is kept and goes on the next
+        # Values it has not acknowledged are kept, and keep their credit: they are sent
+        # again if the same process comes back (a new one resets both, ``new_incarnation``).
+        # What we owe it (consumed, not yet credited) is kept and goes on the next
         # connection, so our count of what it sent us (peer.unreturned) stays right.
-        peer.credit = peer.window
         peer.asked = False
         peer.owe_now = False
         peer.stuck = False
@@ -1210,6 +1269,9 @@ class Node(_NodeCalls):
                 stale.add((request.step, request.key))
                 del core.requests[request_id]
                 core.forget_request(request_id, request.step, request.key)
+                if keep is None and request.conn is not None:
+                    # The same process may come back and send its answer again: an answer.
+                    core.note_cancelled(request)
         for step, table in core.tables.items():
             for key in table.keys_waiting():
                 if core.route(key).src == peer.id and (keep is None or (step, key) in stale):
@@ -1527,14 +1589,12 @@ class Node(_NodeCalls):
             err.__cause__ = ConnectionResetError(f"{peer.name} restarted")
             self._peer_lost(peer, err, keep=conn)
         if peer.incarnation != incarnation:  # a new process: nothing of the old one counts
-            peer.unreturned = 0
-            peer.answered = 0
-            peer.owed = 0
-            peer.window = window
-            peer.credit = window
-        elif window != peer.window:
-            peer.credit += window - peer.window
-            peer.window = window
+            self._core.new_incarnation(peer, window)
+        else:
+            if window != peer.window:
+                peer.credit += window - peer.window
+                peer.window = window
+            self._core.resync(peer, conn)
         peer.incarnation = incarnation
         peer.parks = parks
         peer.mode = _engine.canonical_mode(str(fields.get("mode", "")))

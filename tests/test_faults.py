@@ -215,6 +215,40 @@ def test_producer_frozen_or_killed_mid_stream(run: Any, mode: str, sig: str) -> 
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_producer_frozen_past_peer_timeout_loses_no_value_when_it_resumes(
+        run: Any, mode: str) -> None:
+    """The producer is frozen until the consumer gives it up (its recv fails with PeerLost),
+    then resumes: the value it sent into the connection the consumer had closed, before it
+    saw that, is sent again, and the stream goes on with no value missing or doubled."""
+    spec = rvz.ClusterSpec.loopback({"worker": 1, "ps": 1})
+
+    async def main(proc: subprocess.Popen[bytes]) -> None:
+        async with rvz.Node(spec, "ps", 0, mode, **SETTINGS) as p:
+            i = 0
+            for freeze in range(2):
+                for _ in range(10):   # the stream flows
+                    got = await p.recv(key("stream"), timeout=BOUND)
+                    assert got[0] == i
+                    i += 1
+                os.kill(proc.pid, signal.SIGSTOP)
+                try:
+                    with pytest.raises(rvz.PeerLost):
+                        while True:   # values already on their way arrive, in order
+                            got = await p.recv(key("stream"), timeout=BOUND)
+                            assert got[0] == i
+                            i += 1
+                finally:
+                    os.kill(proc.pid, signal.SIGCONT)
+            for _ in range(30):   # every value after the freezes, none missing or twice
+                got = await p.recv(key("stream"), timeout=BOUND)
+                assert got[0] == i, (got[0], i)
+                i += 1
+
+    with peer_process(spec, "producer", mode) as proc:
+        run(main(proc), timeout=50)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
 def test_consumer_frozen_or_killed_mid_stream(run: Any, mode: str, sig: str) -> None:
     spec = rvz.ClusterSpec.loopback({"worker": 1, "ps": 1})

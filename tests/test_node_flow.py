@@ -1200,9 +1200,10 @@ async def test_recv_driven_exchange_writes_answer_and_next_request_together(clus
             request = _impl.codec.REQUEST
             exchanges = [t for t in written if data in t]
             assert len(exchanges) == rounds, written
-            # The first exchange writes its answer alone; from the second on, the answer
-            # and the next request leave together, in one write per exchange.
-            assert exchanges[0] == [data], written
+            # The first exchange writes its answer alone (after the SEQ that numbers the
+            # connection's first value); from the second on, the answer and the next
+            # request leave together, in one write per exchange.
+            assert exchanges[0] == [_impl.codec.SEQ, data], written
             assert all(t == [data, request] for t in exchanges[1:]), written
             assert len(written) == rounds + 1, written
             # ... each from within the recv call: its iteration's flush had not run yet

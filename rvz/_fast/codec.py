@@ -60,11 +60,16 @@ ONESIDED = 10  # control of a one-sided transport (rvz.onesided): a msgpack map
 REQUESTS = 11  # several requests of one step in one frame (recv_many): decoded as REQUESTs
 AUTH = 12      # the handshake's proof of the shared secret (a msgpack map), right after HELLO
 DATA_MANY = _wire.DATA_MANY  # 13: small Send-Driven values of one step, decoded as one event
+# Exactly-once delivery across reconnects: SEQ numbers the values that follow it on a
+# connection (the producer's count of values sent to that peer), ACK returns the highest
+# number below which the consumer has every value.
+SEQ = 14
+ACK = 15
 
 FRAME_NAMES = {HELLO: "HELLO", DATA: "DATA", REQUEST: "REQUEST", CANCEL: "CANCEL",
                ERROR: "ERROR", ABORT_STEP: "ABORT_STEP", PING: "PING", CREDIT: "CREDIT",
                BYE: "BYE", ONESIDED: "ONESIDED", REQUESTS: "REQUESTS", AUTH: "AUTH",
-               DATA_MANY: "DATA_MANY"}
+               DATA_MANY: "DATA_MANY", SEQ: "SEQ", ACK: "ACK"}
 
 HEADER_SIZE = 16
 MAX_NDIM = _wire.MAX_NDIM
@@ -109,6 +114,8 @@ _C_REQUEST = REQUEST
 _C_REQUESTS = REQUESTS
 _C_CANCEL = CANCEL
 _C_CREDIT = CREDIT
+_C_SEQ = SEQ
+_C_ACK = ACK
 _C_ENTRY = MANY_OVERHEAD
 _C_MANY_PAYLOAD = MANY_PAYLOAD
 _C_MAX_MANY = MAX_MANY
@@ -263,6 +270,16 @@ def encode_credit(nbytes: int) -> bytes:
     return _encode_u64(CREDIT, nbytes)
 
 
+def encode_seq(seq: int) -> bytes:
+    """The next value on this connection is the producer's value number ``seq``."""
+    return _encode_u64(SEQ, seq)
+
+
+def encode_ack(seq: int) -> bytes:
+    """The consumer holds every value numbered ``seq`` or below."""
+    return _encode_u64(ACK, seq)
+
+
 def encode_ping() -> bytes:
     return _HEADER.pack(VERSION, PING, 0, 0, 0)
 
@@ -312,9 +329,9 @@ class Decoder:
     ``(DATA_MANY, step, keys, values)``,
     ``(REQUEST, step, request_id, key)``, ``(CANCEL, request_id)``,
     ``(ERROR, fields)``, ``(ABORT_STEP, step, message)``, ``(PING,)``,
-    ``(CREDIT, nbytes)``, ``(BYE,)``, ``(ONESIDED, fields)``, ``(AUTH, fields)``.  Any malformed input raises
-    ``ProtocolError`` and the
-    decoder stays failed.  The first frame must be HELLO and nothing may follow BYE.
+    ``(CREDIT, nbytes)``, ``(SEQ, seq)``, ``(ACK, seq)``, ``(BYE,)``, ``(ONESIDED, fields)``,
+    ``(AUTH, fields)``.  Any malformed input raises ``ProtocolError`` and the decoder stays
+    failed.  The first frame must be HELLO and nothing may follow BYE.
     """
 
     __slots__ = ("_buf", "_view", "_head", "_size", "_start", "_end", "_direct_min", "_max_payload",
@@ -577,7 +594,8 @@ class Decoder:
                 events.append((REQUEST, step, request_id, self._key(buf, mstart + 18, klen)))
             elif ftype == _C_REQUESTS:
                 self._requests(buf, view, mstart, meta_len, events)
-            elif ftype == _C_CANCEL or ftype == _C_CREDIT:
+            elif (ftype == _C_CANCEL or ftype == _C_CREDIT or ftype == _C_SEQ
+                  or ftype == _C_ACK):
                 if meta_len != 8:
                     self._fail(f"{FRAME_NAMES[ftype]} metadata must be 8 bytes, not {meta_len}")
                 events.append((ftype, _u64(buf, mstart) if COMPILED

@@ -79,6 +79,13 @@ cdef class Peer:
     cdef public Py_ssize_t held_bytes
     cdef public Py_ssize_t held_count
     cdef public Py_ssize_t hold_reserved
+    cdef public Py_ssize_t tx_seq
+    cdef public object unacked
+    cdef public Py_ssize_t credit_in
+    cdef public Py_ssize_t credited
+    cdef public Py_ssize_t rx_floor
+    cdef public set rx_above
+    cdef public Py_ssize_t acked_sent
     cdef object __weakref__
 
     cpdef list live_connections(self)
@@ -124,6 +131,9 @@ cdef class Wire:
     cdef public dict key_ways
     cdef public Py_ssize_t key_ways_max
     cdef public Py_ssize_t tcp_values
+    cdef public Py_ssize_t tx_next
+    cdef public Py_ssize_t rx_seq
+    cdef public bint onesided_in
     cdef public long long bytes_out  # a C counter: no int object made per write
     cdef public Py_ssize_t frames_out
     cdef public Py_ssize_t data_out
@@ -161,8 +171,13 @@ cdef class Wire:
     # (rvz.connection), where a cpdef call first looks the method up on the instance in
     # case Python overrides it (a bound method made and dropped, per message).
     cdef write_request(self, object step, object request_id, bytes key)
+    @cython.locals(peer=Peer, seq=Py_ssize_t)
     cdef write_value(self, object step, object request_id, bytes key, object value, int code,
                      tuple shape, Py_ssize_t nbytes)
+    @cython.locals(ways=dict, entry=tuple)
+    cpdef resend(self, Py_ssize_t first, list entries)
+    cdef _write_stream(self, object step, object request_id, bytes key, object value, int code,
+                       tuple shape, Py_ssize_t nbytes)
     cdef bint goes_onesided(self, bytes key, object request_id, Py_ssize_t nbytes) except -1
     @cython.locals(ndim=Py_ssize_t, start=Py_ssize_t, out=bytearray)
     cdef _pack(self, object step, bytes key, object value, int code, tuple shape,
@@ -334,7 +349,7 @@ cdef class Core:
     @cython.locals(keys=dict)
     cpdef rebalance(self, object step, str key, Table table)
     @cython.locals(cancelled=dict, order=object)
-    cdef note_cancelled(self, Request request)
+    cpdef note_cancelled(self, Request request)
     cpdef bint settled(self, object peer, object request_id)
     cpdef consumed(self, tuple src, object value)
     cpdef consumed_from(self, Peer peer, object value)
@@ -354,10 +369,11 @@ cdef class Core:
     cpdef object take_many(self, list routes, object step)
     @cython.locals(event=tuple)
     cpdef dispatch(self, Wire conn, list events)
-    @cython.locals(route=Route, table=Table, peer=Peer, cost=Py_ssize_t, request=Request)
+    @cython.locals(route=Route, table=Table, peer=Peer, cost=Py_ssize_t, request=Request,
+                   seq=Py_ssize_t)
     cpdef on_data(self, Wire conn, object step, object request_id, str key, object value)
     @cython.locals(route=Route, table=Table, peer=Peer, n=Py_ssize_t, i=Py_ssize_t,
-                   cost=Py_ssize_t, routes=list)
+                   cost=Py_ssize_t, routes=list, seq=Py_ssize_t, fresh=list)
     cpdef on_data_many(self, Wire conn, object step, list keys, list values)
     cpdef Route arriving_route(self, Peer peer, str key)
     @cython.locals(route=Route, table=Table, peer=Peer, waiter=RemoteWaiter, held=bint, reused=bint)
@@ -366,4 +382,13 @@ cdef class Core:
     @cython.locals(i=Py_ssize_t, item=tuple)
     cpdef object unqueue_push(self, Peer peer, object step, str text)
     cpdef on_credit(self, Wire conn, object nbytes)
+    @cython.locals(floor=Py_ssize_t, above=set)
+    cpdef bint fresh(self, Peer peer, Py_ssize_t seq) except -1
+    @cython.locals(peer=Peer, drop=Py_ssize_t)
+    cpdef on_ack(self, Wire conn, object seq)
+    cpdef resend(self, Peer peer, Wire conn)
+    cpdef resync(self, Peer peer, Wire conn)
+    cpdef new_incarnation(self, Peer peer, Py_ssize_t window)
+    @cython.locals(again=list, keys=dict, request=Request, table=Table)
+    cpdef reask(self, Wire conn)
     cpdef on_cancel(self, Wire conn, object request_id)

@@ -62,6 +62,8 @@ many_entry = _arrays.many_entry
 many_end = _arrays.many_end
 encode_requests_split = _codec.encode_requests_split
 encode_credit = _codec.encode_credit
+encode_seq = _codec.encode_seq
+encode_ack = _codec.encode_ack
 encode_cancel = _codec.encode_cancel
 encode_error = _codec.encode_error
 DATA = _codec.DATA
@@ -75,6 +77,8 @@ MAX_KEY = _codec.MAX_KEY
 BYTES_CODE = _codec.BYTES_CODE
 REQUEST = _codec.REQUEST
 CREDIT = _codec.CREDIT
+SEQ = _codec.SEQ
+ACK = _codec.ACK
 CANCEL = _codec.CANCEL
 HELLO = _codec.HELLO
 ERROR = _codec.ERROR
@@ -255,7 +259,8 @@ class Peer:
                  "link", "credit", "asked", "queue", "owed", "owed_scheduled", "owe_now",
                  "stuck", "pushes_on", "joined_step", "window", "unreturned", "answered",
                  "parks", "asking", "held_back", "held_back_mark", "lost", "held_bytes",
-                 "held_count", "hold_reserved", "__weakref__")
+                 "held_count", "hold_reserved", "tx_seq", "unacked", "credit_in", "credited",
+                 "rx_floor", "rx_above", "acked_sent", "__weakref__")
 
     def __init__(self, task_id: tuple, address: str, window: int) -> None:
         self.id = task_id
@@ -314,6 +319,21 @@ class Peer:
         self.held_bytes = 0
         self.held_count = 0
         self.hold_reserved = 0
+        # Exactly-once delivery across reconnects of one incarnation (``Core.resend``).
+        # As its producer: the number of the last value we sent it over a stream, and the
+        # values it has not acknowledged yet (numbers ``tx_seq - len(unacked) + 1`` to
+        # ``tx_seq``), kept to be sent again after a reconnect; the credit it returned, as
+        # its running total (a CREDIT lost with a connection is made up by the next one).
+        self.tx_seq = 0
+        self.unacked: deque = deque()
+        self.credit_in = 0
+        # As its consumer: the credit we returned (running total); every value numbered
+        # ``rx_floor`` or below arrived, and so did those in ``rx_above`` (a copy that
+        # comes again is dropped); ``acked_sent`` is the last ACK we sent.
+        self.credited = 0
+        self.rx_floor = 0
+        self.rx_above: set = set()
+        self.acked_sent = 0
 
     def live_connections(self) -> list:
         conns = [c for c in self.inbound if not c.closed]
@@ -424,6 +444,12 @@ class Wire:
         self.key_ways: dict = {}
         self.key_ways_max = KEY_WAYS_MAX
         self.tcp_values = 0               # values that stayed here although a dataplane is on
+        # The number the consumer gives the next value we write here (0: none yet, a SEQ
+        # frame says it first), and the number of the next value that arrives here (0: the
+        # peer numbers none); values a one-sided channel delivers are not numbered.
+        self.tx_next = 0
+        self.rx_seq = 0
+        self.onesided_in = False
         self.bytes_out = 0
         self.frames_out = 0
         self.data_out = 0                 # cost (payload + MESSAGE_COST) of the DATA written
@@ -538,7 +564,11 @@ class Wire:
 
     def deliver(self, events: list) -> None:
         """Frames that arrived another way (a one-sided channel's completions)."""
-        self.core.dispatch(self, events)
+        self.onesided_in = True
+        try:
+            self.core.dispatch(self, events)
+        finally:
+            self.onesided_in = False
 
     # -- writing --------------------------------------------------------------------------
 
@@ -576,6 +606,33 @@ class Wire:
             self.tcp_values += 1
             if request_id != 0:  # the destination the consumer offered stays unused
                 self.dataplane.answered_here(request_id)
+        peer = self.peer
+        seq = peer.tx_seq + 1
+        peer.tx_seq = seq
+        if seq != self.tx_next:
+            self._out += encode_seq(seq)
+        self.tx_next = seq + 1
+        peer.unacked.append((step, request_id, key, value, code, shape, nbytes))
+        self._write_stream(step, request_id, key, value, code, shape, nbytes)
+
+    def resend(self, first: int, entries: list) -> None:
+        """Write values sent before, numbered from ``first``, on this connection's stream
+        (a reconnect: the consumer drops those it has).  Their keys stay on the stream
+        here, so a later value of one cannot overtake them through a one-sided channel."""
+        self._out += encode_seq(first)
+        ways = self.key_ways
+        for entry in entries:
+            if self.closed:
+                return
+            if self.dataplane is not None and entry[2] not in ways:
+                ways[entry[2]] = False
+            self._write_stream(entry[0], entry[1], entry[2], entry[3], entry[4], entry[5],
+                               entry[6])
+        self.tx_next = first + len(entries)
+
+    def _write_stream(self, step: Any, request_id: Any, key: bytes, value: Any, code: int,
+                      shape: tuple, nbytes: int) -> None:
+        """A DATA frame (or an entry of a DATA_MANY frame) for this connection's stream."""
         if nbytes <= COALESCE_MAX:
             if request_id == 0:
                 self._pack(step, key, value, code, shape, nbytes)
@@ -1009,8 +1066,16 @@ class Core:
         if not route.to_me or route.peer is not peer:
             raise ProtocolError(f"{peer.name} sent key {key}, which does not route from it to "
                                 f"{self.name}")
-        if not (request_id and (request_id in self.requests or request_id in self.cancelled)):
-            self.check_window(peer, nbytes + MESSAGE_COST)  # not asked for: a push
+        if request_id:
+            request = self.requests.get(request_id)
+            if request is not None:
+                if request.peer is not peer:
+                    raise ProtocolError(f"{peer.name} answered request {request_id}, which "
+                                        f"went to {request.peer.name}")
+                return
+            if self.cancelled.get(request_id) is peer:
+                return
+        self.check_window(peer, nbytes + MESSAGE_COST)  # not asked for: a push
 
     def check_window(self, peer: Peer, cost: Any) -> None:
         """A push of ``cost`` arrives: refuse a producer that ignores the window we granted.
@@ -1932,10 +1997,14 @@ class Core:
         if conns:
             peer.owe_now = False
             peer.stuck = False
+            peer.credited += peer.owed
             if conns[0].dataplane is not None:  # one-sided: with the data, one wake-up less
-                conns[0].dataplane.send_credit(peer.owed)
+                conns[0].dataplane.send_credit(peer.credited)
             else:
-                conns[0].write_frame(encode_credit(peer.owed))
+                conns[0].write_frame(encode_credit(peer.credited))
+            if peer.rx_floor != peer.acked_sent:
+                peer.acked_sent = peer.rx_floor
+                conns[0].write_frame(encode_ack(peer.rx_floor))
             peer.unreturned -= peer.owed
             peer.answered = peer.answered - peer.owed if peer.answered > peer.owed else 0
             peer.owed = 0
@@ -2072,6 +2141,10 @@ class Core:
                     self.on_request(conn, event[1], event[2], event[3])
                 elif kind == CREDIT:
                     self.on_credit(conn, event[1])
+                elif kind == SEQ:
+                    conn.rx_seq = event[1]
+                elif kind == ACK:
+                    self.on_ack(conn, event[1])
                 elif kind == CANCEL:
                     self.on_cancel(conn, event[1])
                 elif kind == PING:
@@ -2121,15 +2194,26 @@ class Core:
         peer = conn.peer
         if peer is None:
             raise ProtocolError("DATA before HELLO")
+        if conn.rx_seq != 0 and not conn.onesided_in:
+            seq = conn.rx_seq
+            conn.rx_seq = seq + 1
+            if not self.fresh(peer, seq):
+                return  # sent again after a reconnect: we have it
         asked = False
         route = None
         if request_id:
+            request = self.requests.get(request_id)
+            if request is not None and request.peer is not peer:
+                # Only the producer asked may answer: another peer's "answer" would take
+                # the request from it and bypass the push window.
+                raise ProtocolError(f"{peer.name} answered request {request_id}, which went "
+                                    f"to {request.peer.name}")
             self.asked_no_more(peer, request_id)
-            request = self.requests.pop(request_id, None)
             if request is not None:
+                del self.requests[request_id]
                 asked = True
                 self.forget_request(request_id, step, key)
-                if request.key == key and request.peer is peer:
+                if request.key == key:
                     route = request.route  # checked when it was asked for
             elif self.settled(peer, request_id):
                 asked = True
@@ -2162,6 +2246,19 @@ class Core:
         n = len(keys)
         if n == 0:
             return  # nothing to queue: no step table is made for it either
+        if conn.rx_seq != 0 and not conn.onesided_in:
+            seq = conn.rx_seq
+            conn.rx_seq = seq + n
+            if seq == peer.rx_floor + 1 and not peer.rx_above:
+                peer.rx_floor = seq + n - 1  # in order, as nearly always
+            else:
+                fresh = [i for i in range(n) if self.fresh(peer, seq + i)]
+                if len(fresh) < n:  # sent again after a reconnect: drop what we have
+                    keys = [keys[i] for i in fresh]
+                    values = [values[i] for i in fresh]
+                    n = len(keys)
+                    if n == 0:
+                        return
         routes = [self.arriving_route(peer, key) for key in keys]
         cost = 0
         for i in range(n):
@@ -2284,10 +2381,97 @@ class Core:
             self.flush_credit_now(peer)
             self.check_stuck(peer)
             return
-        peer.credit = min(peer.credit + nbytes, peer.window)
+        # A running total: one that adds nothing (it came again, or late) changes nothing.
+        if nbytes > peer.credit_in:
+            peer.credit = min(peer.credit + (nbytes - peer.credit_in), peer.window)
+            peer.credit_in = nbytes
         peer.asked = False
         if peer.queue:
             self.pump(peer)
+
+    # -- exactly once across reconnects -------------------------------------------------------
+
+    def fresh(self, peer: Peer, seq: Any) -> bool:
+        """Value number ``seq`` of ``peer`` arrived: False if we had it already."""
+        floor = peer.rx_floor
+        above = peer.rx_above
+        if seq == floor + 1:
+            floor = seq
+            while above and floor + 1 in above:
+                floor += 1
+                above.discard(floor)
+            peer.rx_floor = floor
+            return True
+        if seq <= floor or seq in above:
+            return False
+        # Beyond a gap: the values before it are still on their way (another connection,
+        # or sent again after a reconnect).  A producer leaves gaps only that wide.
+        if len(above) > 2 * peer.window // MESSAGE_COST + SWEEP_SLACK:
+            raise ProtocolError(f"{peer.name} numbered its values with gaps wider than its "
+                                "push window")
+        above.add(seq)
+        return True
+
+    def on_ack(self, conn: Wire, seq: Any) -> None:
+        """The consumer has every value numbered ``seq`` or below: stop keeping them."""
+        peer = conn.peer
+        if seq > peer.tx_seq:
+            raise ProtocolError(f"{peer.name} acknowledged value {seq}; we sent {peer.tx_seq}")
+        unacked = peer.unacked
+        drop = seq - (peer.tx_seq - len(unacked))
+        while drop > 0:
+            unacked.popleft()
+            drop -= 1
+
+    def resend(self, peer: Peer, conn: Wire) -> None:
+        """Send ``peer`` again, on ``conn``, every value it has not acknowledged, oldest
+        first (a connection that carried them closed); it drops the copies it has."""
+        unacked = peer.unacked
+        if unacked and conn.ready and not conn.closed and not conn.closed_here:
+            conn.resend(peer.tx_seq - len(unacked) + 1, list(unacked))
+
+    def resync(self, peer: Peer, conn: Wire) -> None:
+        """A new connection to the same incarnation of ``peer``: tell it again the credit
+        we returned and the values we have (either may have been lost with the last one)."""
+        if peer.credited > 0:
+            conn.write_frame(encode_credit(peer.credited))
+        if peer.rx_floor > 0:
+            peer.acked_sent = peer.rx_floor
+            conn.write_frame(encode_ack(peer.rx_floor))
+
+    def new_incarnation(self, peer: Peer, window: int) -> None:
+        """``peer`` is a new process: nothing of the old one counts (its credit, what it
+        owed us or we owed it, the values we kept for it and the numbers of its values)."""
+        peer.unreturned = 0
+        peer.answered = 0
+        peer.owed = 0
+        peer.window = window
+        peer.credit = window
+        peer.credit_in = 0
+        peer.credited = 0
+        peer.tx_seq = 0
+        peer.unacked.clear()
+        peer.rx_floor = 0
+        peer.rx_above.clear()
+        peer.acked_sent = 0
+
+    def reask(self, conn: Wire) -> None:
+        """``conn`` closed with requests of ours on it: ask again, with new ids, once a
+        connection to the same process is up.  The old ids count as cancelled, so an
+        answer to one sent again after the reconnect is still taken as an answer; a key
+        may then get a value more than its recvs asked for, which waits for the next one."""
+        again = [r for r in self.requests.values() if r.conn is conn]
+        keys: dict = {}
+        for request in again:
+            del self.requests[request.id]
+            self.forget_request(request.id, request.step, request.key)
+            self.note_cancelled(request)
+            keys[(request.step, request.key)] = request
+        for (step, key), request in keys.items():
+            table = self.tables.get(step)
+            if table is not None:
+                for _ in range(table.waiting(key) - self.outstanding_count(step, key)):
+                    self.request(request.peer, step, request.route)
 
     def on_cancel(self, conn: Wire, request_id: Any) -> None:
         parked = conn.parked.pop(request_id, None)

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 
 # 2: REQUESTS (several keys in one frame) was added; 3: DATA_MANY; 4: the AUTH proof names
-# the side of the connection that sends it (a secret-less relay passed as either peer)
-VERSION = 4
+# the side of the connection that sends it (a secret-less relay passed as either peer);
+# 5: SEQ and ACK (values are numbered per peer and sent again after a reconnect)
+VERSION = 5
 DATA = 2       # the DATA frame's type (codec.py lists them all)
 REQUEST = 3    # the REQUEST frame's type
 DATA_MANY = 13  # several small Send-Driven values of one step in one frame
