@@ -5,7 +5,7 @@ dispatch, and to take a queued value, for whichever implementation loads
 No sockets: the producer's wire discards what it would write (its pushes are packed into
 DATA_MANY frames), the consumer's decoder is fed 64 DATA frames at a time (what answers
 and large values travel in), then one DATA_MANY frame of 64 values.
-Compare the two implementations in the same session.
+Compare the two implementations in back-to-back runs on the same machine.
 """
 
 from __future__ import annotations

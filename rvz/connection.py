@@ -27,25 +27,13 @@ else:
 
 WRITE_HIGH_WATER = 8 << 20
 WRITE_LOW_WATER = 2 << 20
-# While a large payload arrives and the socket holds less than the rest of it (a read
-# inside it came up short), the socket's SO_RCVLOWAT is raised to a LOWAT_SHARE-th of what
-# is left (capped), so the loop wakes once per that many bytes instead of once per segment:
-# each wake-up costs a trip through the loop and the decoder, the blocking socket pays none.
-# A share, not the whole rest: what is copied out after the payload's last byte came is on
-# the critical path of a request and its answer (the consumer asks for nothing more until
-# it has the value), and a threshold of the whole rest made the reader sleep until all of
-# it was there, then copy up to LOWAT_MAX while the connection stood idle.  With a quarter,
-# each wake-up copies while the rest arrives.  (Five alternating pairs of runs: Recv-Driven
-# 4 MiB streams read a median 0.91x of a blocking socket asked for each message, 0.77x-0.80x
-# before; pushes were not slower.)  When the rest is there already, the next read takes it
-# whole and nothing is changed (a system call each).
-# The cap keeps reads (and so the peer's liveness as the heartbeat sees it) regular on a
-# slow link; a connection that still goes a heartbeat without a read stops using it.
-# Nor is it raised to less than LOWAT_MIN (so not for a rest under LOWAT_SHARE times that):
-# that arrives in a few wake-ups (64 KiB segments over loopback), which cost less than the
-# two changes and the hook's Python (a 256 KiB Recv-Driven consumer spent about 10 us of its
-# 60 us per message there).  The engine checks that bound itself (``Wire.tune_from``): no
-# other read reaches this module.
+# After a short read inside a large payload, SO_RCVLOWAT is raised to a LOWAT_SHARE-th of
+# what is left (at most LOWAT_MAX), so the loop wakes once per that many bytes, not once
+# per segment.  A share, not the whole rest, so that copying overlaps the arrival: what is
+# copied after the last byte is on a request's critical path.  The cap keeps reads (the
+# heartbeat's sign of life) regular on a slow link; a connection that still goes a
+# heartbeat without a read stops using it.  A rest under LOWAT_SHARE * LOWAT_MIN arrives in
+# a few wake-ups, cheaper than two setsockopt calls; ``Wire.tune_from`` checks that bound.
 LOWAT_MIN = 256 << 10
 LOWAT_MAX = 1 << 20
 LOWAT_SHARE = 4
@@ -54,10 +42,9 @@ LOWAT_SHARE = 4
 def _libc_setsockopt() -> Any:
     """The C library's ``setsockopt``, or None where it cannot be loaded.
 
-    SO_RCVLOWAT changes twice per large payload.  uvloop's transport socket builds a
-    ``socket.socket`` for every such call (a ``getsockname`` system call and an object):
-    measured at 2.5 times the option's own system call, and a sixth of a 256 KiB stream
-    consumer's time.  The fd goes to the C call directly.
+    SO_RCVLOWAT changes twice per large payload, and uvloop's transport socket builds a
+    ``socket.socket`` for every such call (a ``getsockname`` system call and an object),
+    which costs more than the option itself.  The fd goes to the C call directly.
     """
     try:
         libc = ctypes.CDLL(None, use_errno=True)

@@ -265,8 +265,8 @@ class Node(_NodeCalls):
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if onesided is not None:
-            # Checked here, as every other option is: an unknown name or a bad value used to
-            # pass until start() (a plain ValueError there), or for ever with transport="tcp".
+            # Checked here, as every other option is, so that an unknown name or a bad value
+            # fails the constructor, whatever the transport.
             from .onesided.engine import Options
             try:
                 Options(onesided)

@@ -2,9 +2,8 @@
 
 A loop with nothing to do sleeps in the kernel (``epoll_wait``), and the reply that wakes it
 pays for the wake-up.  On a virtual machine that price is most of a small round trip: the
-idle virtual CPU halts, and the peer's write reaches it through the hypervisor.  On the
-2-vCPU VM rvz is developed on, a 64 B ping-pong between two processes took 81-108 us that
-way and 17-25 us with both loops polling (``bench/README.md``).
+idle virtual CPU halts, and the peer's write reaches it through the hypervisor (figures
+in ``bench/README.md``, "Busy polling").
 
 ``BusyPoll`` keeps one callback in the loop's ready queue, rescheduling itself, while a recv
 of the node waits on a remote value, for at most ``budget`` seconds after the last such recv

@@ -35,7 +35,7 @@ from rvz import _impl
 
 codec = _impl.codec
 VERSION = codec.VERSION
-AUTH = 12                      # the AUTH frame type of the handshake (issue 8)
+AUTH = 12                      # the AUTH frame type of the handshake
 AUTH_LABEL = b"rvz-auth-2"
 # The frame layout as the tests spell it, apart from rvz's codec on purpose (a test of the
 # codec must not read the wire through the codec), once for every test that builds or reads

@@ -1,4 +1,4 @@
-"""Issue 8, trust: the shared-secret handshake, TLS, and identities bound to authenticated
+"""Trust: the shared-secret handshake, TLS, and identities bound to authenticated
 connections.
 
 Nodes with the same ``secret=`` (or ``RVZ_SECRET``) talk; a wrong or missing secret on

@@ -1,6 +1,6 @@
-"""Issue 8, bounds: a hostile or buggy peer can neither rob a node nor make it grow.
+"""Bounds: a hostile or buggy peer can neither rob a node nor make it grow.
 
-Each test is one finding of the issue, played by ``tests.hostile.Hostile`` (a raw protocol
+Each test is one attack, played by ``tests.hostile.Hostile`` (a raw protocol
 client) against a node: the node must survive and its legitimate traffic must still flow.
 Memory attacks run against a victim node in its own process (``tests.hostile.victim``), so its
 peak RSS and virtual size are measured apart from the test's and printed (run with ``-s``).

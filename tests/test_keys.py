@@ -26,6 +26,7 @@ async def test_string_form_is_tf_form_with_16_hex_digit_incarnation() -> None:
 
 
 async def test_issue_example() -> None:
+    """A TensorFlow-style key formats to its canonical string."""
     k = rvz.Key(src="/job:worker/replica:0/task:0/device:CPU:0",
                 dst="/job:ps/replica:0/task:0/device:CPU:0",
                 name="emb_0", frame=0, iter=0, incarnation=1)

@@ -151,9 +151,9 @@ class _Walked(collections.deque):  # type: ignore[type-arg]
 @pytest.mark.loop_timeout(30)
 async def test_sends_that_give_up_together_do_not_each_search_the_queue(cluster) -> None:  # type: ignore[no-untyped-def]
     """Sends whose pushes wait in the queue give up together: the first takes its push out
-    and the pump drops the others' (done already) from the head.  Each of the others then
-    looked for its push in every queue, whole: n sends timing out at once cost n * n (30k
-    took 2 to 7 s of CPU).  A push no longer queued is known as such."""
+    and the pump drops the others' (done already) from the head.  None of the others may
+    search every queue for its push (n sends timing out at once would cost n * n): a push
+    no longer queued is known as such."""
     n = 20
     async with rvz.Node(cluster, "worker", 0, "send", **{**FAST, "connect_timeout": 30.0}) as w:
         queue = _Walked()
@@ -633,7 +633,7 @@ async def test_a_request_gets_the_unclaimed_push_waiting_for_credit_before_later
     """Recv-Driven: values nobody asked for within claim_timeout are pushed, and with the
     window full they wait for credit in the producer's queue.  A request that comes then must
     be answered with the oldest of them, not with a later value of the key still held: that
-    one reached the consumer first (found by a model-based probe: 0, 1, 2, 5, 6, 3, 4)."""
+    one would reach the consumer first (received 0, 1, 2, 5, 6, 3, 4)."""
     window = 2 * (8 + 64)   # two 8-byte values
     async with pair(cluster, "recv", push_window=window, claim_timeout=0.1) as (w, p):
         await _linked(w, p)

@@ -100,7 +100,7 @@ def test_core_keeps_every_id_while_its_index_grows_in_mapped_chunks(variant: str
 
 @pytest.mark.parametrize("variant", CORES)
 def test_core_costs_at_most_32_bytes_per_id_beyond_the_row(variant: str) -> None:
-    # Issue 9's bound, counted by the core itself after every batch of inserts: the index
+    # The table's memory bound, counted by the core itself after every batch of inserts: the index
     # (with its successor beside it while it grows), each row's id, stamp and version, and
     # the row blocks mapped ahead. Width 192 is dim 64 with Adam's two slots. Below 100k
     # ids the blocks mapped ahead are still a large share, so the bound is checked above.

@@ -315,7 +315,7 @@ def test_demo_nodes_busy_poll_when_asked(tmp_path: Path) -> None:
 
 
 def test_the_bench_reports_every_figure_with_its_same_run_baseline(tmp_path: Path) -> None:
-    """``bench --quick`` end to end: the JSON issue 9 asks for, each figure next to the
+    """``bench --quick`` end to end: the JSON the bench promises, each figure next to the
     baseline it is compared with, and targets judged from those very figures. (How fast
     anything is belongs to the bench's own runs, not to this test.)"""
     out = tmp_path / "bench.json"

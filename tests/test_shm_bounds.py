@@ -1,4 +1,4 @@
-"""The shm transport against a hostile or buggy peer of the same user (issue 8, section 5).
+"""The shm transport against a hostile or buggy peer of the same user.
 
 Each test replays one finding: a producer that scribbles over every byte of the consumer's
 memory it has mapped, a producer that uses a new key per iteration, and a producer that

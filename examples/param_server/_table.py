@@ -164,12 +164,9 @@ def zeroed(shape, dtype):
     """A zero-filled array; a large one is mapped from the OS directly, so its pages cost
     nothing until first written. Explicitly without transparent huge pages (numpy asks for
     them on large arrays): mapping one costs milliseconds (the kernel may compact memory to
-    find 2 MiB), and that landed on single batches as stalls. (Huge pages for the blocks
-    the helper thread maps ahead were tried too: lookups gained nothing measurable on a
-    loaded VM, and the longest stalls got longer. Measured again on a quiet one: lookups
-    gained 7-9%, and the longest batch of the growth took 8-16 ms instead of 6-10: the
-    helper thread, backing 2 MiB at a time, fell behind, and batches wrote rows of blocks
-    it had not mapped yet. The growth bound is the target kept.)"""
+    find 2 MiB), and that lands on single batches as stalls. Nor for the blocks the
+    helper thread maps ahead: backing 2 MiB at a time, it falls behind, and the longest
+    batches of a growth get longer, which the growth bound forbids."""
     dtype = np.dtype(dtype)
     count = 1
     for extent in (shape if isinstance(shape, tuple) else (shape,)):

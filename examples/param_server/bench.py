@@ -15,7 +15,7 @@ measured in the same run.
   blocking socket to another process that answers 4096 int64 with the same 1 MiB, and
   against the same exchange in bare rvz (shards that only answer: the PS's floor).
 
-Each of issue 9's targets is printed as met or not, with the machine's load average.
+Each of the server's performance targets is printed as met or not, with the machine's load average.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def table_figures(n: int, dim: int, batch: int, rounds: int) -> tuple[dict[str, 
     # with them (the same memory in the same state): as many random rows of the table
     # itself (their embedding columns) copied out by the table's compiled gather, which
     # prefetches rows ahead as its lookup does but probes no index and checks no id.
-    # (A separate matrix gathered the same way read 12M to 22M rows/s, depending on how
-    # much of it the cache still held from being written: no bound for the table's rows.)
+    # (A separate matrix would be no bound: its speed depends on how much of it the cache
+    # still holds from being written.)
     core = table._core
     picks = [rng.integers(0, n, batch).astype(np.int32) for _ in range(rounds)]
     picked = np.empty((batch, dim), dtype=np.float32)
@@ -347,7 +347,7 @@ async def _pull_push(cluster: dict[str, Any], dim: int, n: int, rounds: int) -> 
 
 
 def targets(figures: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Issue 9's targets against this run's figures."""
+    """The performance targets against this run's figures."""
     table, pull, ckpt = figures["table"], figures["pull"], figures["checkpoint"]
     rows = [("table.lookups_per_s", table["lookups_per_s"], ">=", 20e6),
             ("table.speedup_vs_dict", table["speedup_vs_dict"], ">=", 10.0),

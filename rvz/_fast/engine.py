@@ -743,8 +743,7 @@ class Wire:
         meanwhile (an answer held there because its request is still in the second write;
         ``requests_queued`` writes such a group as soon as its request is queued): they
         leave together at the end of the iteration, from the flush this schedules.  A frame
-        that leaves alone schedules nothing: that callback cost a 64 B ping-pong about 1.3k
-        instructions a message (4% of its round trip)."""
+        that leaves alone schedules nothing: the callback would find nothing to write."""
         if self._flush_scheduled:
             self._burst += 1
             return False
@@ -934,7 +933,7 @@ class Core:
         # ``table.queued(key)`` are the claims of the values still held.
         self.claims: dict = {}
         # A pass looks only at the keys whose time came, each key being in one of these
-        # (a heartbeat walked every key held: 100k keys took it 0.1-0.6 s).  The keys new
+        # (a pass over every key held would stall the loop with many keys).  The keys new
         # in ``claims``, in the order they came: nothing touches a key's deadlines before
         # it is first looked at, when its first one came, so they stay in deadline order.
         self.claim_order: deque = deque()

@@ -131,8 +131,8 @@ def _add_options(parser: argparse.ArgumentParser, groups: tuple[str, ...]) -> No
                    "matplotlib: pip install 'rvz[plot]')")
     o.add_argument("--profile", metavar="DIR", help="cProfile each worker, one .prof per case and side")
     o.add_argument("--quiet", action="store_true", help="no progress lines")
-    o.add_argument("--targets", action="store_true", help="also print the development "
-                   "targets (issues 3 and 7) met or not by this run's figures")
+    o.add_argument("--targets", action="store_true", help="also print the performance "
+                   "targets, met or not by this run's figures")
     h = parser.add_argument_group("two hosts")
     if "server" in groups:
         h.add_argument("--server", action="store_true",
