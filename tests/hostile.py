@@ -133,6 +133,7 @@ class Hostile:
         self.identity = b""
         self.node_auth: bytes | None = None   # the MAC the node sent us, if any
         self.eof = False
+        self.numbering: list[Any] = []  # SEQ and ACK events read_event passed over
 
     @classmethod
     async def connect(cls, address: str, *, ssl: _ssl.SSLContext | None = None,
@@ -180,9 +181,18 @@ class Hostile:
 
     async def read_event(self, timeout: float = 5.0) -> Any:
         """The next frame as a decoder event, ``("AUTH", fields)`` for AUTH, or None at EOF.
+        SEQ and ACK frames (the numbering of values, which a raw peer does not keep) are
+        passed over and kept in ``numbering``.
 
         Raises ``asyncio.TimeoutError`` if nothing complete arrives within ``timeout``.
         """
+        while True:
+            event = await self._read_event(timeout)
+            if event is None or event[0] not in (codec.SEQ, codec.ACK):
+                return event
+            self.numbering.append(event)
+
+    async def _read_event(self, timeout: float) -> Any:
         if self.eof:
             return None
         try:

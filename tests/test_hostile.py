@@ -838,3 +838,31 @@ def test_an_answer_too_large_to_allocate_fails_only_that_connection(run) -> None
         assert unhandled == [], [c.get("message") for c in unhandled]
 
     run(body(), timeout=25)
+
+
+@pytest.mark.parametrize("size", [1000, 8 * MiB])
+@pytest.mark.loop_timeout(30)
+async def test_an_answer_to_another_peers_request_closes_the_connection(size: int) -> None:
+    """A member of the cluster sends DATA with the id of a request that went to another
+    peer: its connection closes (at the header for a large value), the request stays
+    outstanding, and the producer asked answers it.  Before, such "answers" were taken
+    (40 of 8 MiB over a 1 MiB window) and the request was lost to its producer."""
+    cluster = three_tasks()
+    async with pair(cluster, "recv", push_window=1 * MiB) as (w, p):
+        k = key("asked")
+        recv = asyncio.ensure_future(p.recv(k, timeout=20))
+        await asyncio.sleep(0)
+        (request_id,) = list(p._core.requests)
+        h = await Hostile.connect(p.address)
+        try:
+            await h.hello("worker", 1)
+            await h.send(data_frame(0, request_id, key_text("stolen", W1, PS0),
+                                    np.full(size, 1, np.uint8)))
+            await h.events_until_closed(5)
+        finally:
+            h.close()
+        assert h.eof
+        assert not recv.done()
+        assert request_id in p._core.requests  # still its producer's to answer
+        await w.send(k, np.arange(3))
+        assert (await recv).tolist() == [0, 1, 2]
