@@ -19,6 +19,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _impl
+from .errors import ProtocolError
 
 if TYPE_CHECKING:
     from ._fast.engine import Wire
@@ -240,7 +241,19 @@ class Connection(Wire, asyncio.BufferedProtocol):
                 transport.close()
 
     def fail(self, reason: BaseException) -> None:
-        """Close at once: a protocol error, a heartbeat timeout, an abort."""
+        """Close at once: a protocol error, a heartbeat timeout, an abort.
+
+        A peer that broke the protocol after its handshake is told so first (ERROR
+        "protocol", then our side closes after it): taken for a broken link, the close
+        would make it connect again and send the same values again."""
+        if isinstance(reason, ProtocolError) and self.ready and not self.closed:
+            if self.closed_here:
+                return  # told already: what it still sends is not read any more
+            if self.close_reason is None:
+                self.close_reason = reason
+            self.write_frame(_impl.codec.encode_error(0, 0, "", "protocol", str(reason)))
+            self.close()
+            return
         if self.close_reason is None:
             self.close_reason = reason
         if self.transport is not None:

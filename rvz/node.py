@@ -692,7 +692,8 @@ class Node(_NodeCalls):
         # No ready connection to it left: what we hold for it counts apart.  (Its dialled
         # connection reaches ``peer.out`` only once the dial returns: asked of the node.)
         core.regroup(peer, not any(c.peer is peer and c.ready and not c.closed for c in self._conns))
-        if self._state == "closed" or conn.closed_here or isinstance(conn.close_reason, PeerLost):
+        if self._state == "closed" or isinstance(conn.close_reason, PeerLost) or (
+                conn.closed_here and not isinstance(conn.close_reason, ProtocolError)):
             return  # our own close, or the loss was already handled by _peer_lost
         if conn.bye_received:
             if not peer.live_connections():
@@ -1146,7 +1147,7 @@ class Node(_NodeCalls):
         delay = 0.01
         last: BaseException | None = None
         while True:
-            if self._dialled_us(peer, result):
+            if after is not None and self._dialled_us(peer, result):
                 return
             try:
                 _, conn = await _wait_for(self._loop.create_connection(
@@ -1192,7 +1193,7 @@ class Node(_NodeCalls):
             err = PeerLost(f"could not connect to {peer.name} at {peer.address} within "
                            f"{self.connect_timeout}s: {last!r}")
         err.__cause__ = last
-        if self._dialled_us(peer, result):
+        if after is not None and self._dialled_us(peer, result):
             return
         if not result.done():
             result.set_exception(err)
@@ -1202,8 +1203,8 @@ class Node(_NodeCalls):
         self._peer_lost(peer, err, level=None if after is not None else logging.DEBUG)
 
     def _dialled_us(self, peer: Any, result: asyncio.Future[Connection]) -> bool:
-        """``peer`` has a ready connection, which it dialled while we tried: our dial ends
-        with it (it may not fail what that connection now carries)."""
+        """``peer`` has a ready connection, which it dialled while we tried to connect again:
+        our dial ends with it (it may not fail what that connection now carries)."""
         for conn in peer.live_connections():
             if conn.ready:
                 if peer.link is None or peer.link.closed:
@@ -1634,6 +1635,16 @@ class Node(_NodeCalls):
         if not isinstance(request_id, int):  # int("x") would raise into the event loop
             raise ProtocolError(f"{self._peer_name(conn)} sent an ERROR frame whose request id "
                                 f"is not a number: {fields!r}")
+        if request_id == 0 and fields.get("code") == "protocol":
+            # It closes this connection for something we sent: not a broken link.  What it
+            # did not acknowledge is not sent again (it would be refused again).
+            if conn.close_reason is None:
+                conn.close_reason = ProtocolError(
+                    f"{self._peer_name(conn)} closed the connection: "
+                    f"{str(fields.get('msg', ''))[:500]}")
+            core.drop_unacked(conn.peer)
+            conn.close()
+            return
         core.asked_no_more(conn.peer, request_id)
         request = core.requests.get(request_id)
         if request is None:

@@ -30,7 +30,7 @@ import rvz
 from rvz.onesided import memlock, verbs
 from rvz.onesided.verbs import VerbsProvider, find_channel_fd
 
-from .conftest import FAST, PS, key, pair
+from .conftest import FAST, PS, eventually, key, pair
 
 # -- a fake pyverbs -------------------------------------------------------------------------
 
@@ -378,13 +378,14 @@ async def test_a_failed_completion_fails_the_peer_not_the_process(cluster: rvz.C
             waiting = asyncio.ensure_future(p.recv(key("f"), timeout=10))
             fabric.fail_next_write = True
             await w.send(key("f"), np.ones(50000))
-            with pytest.raises(rvz.PeerLost):  # the consumer sees its connection reset
-                await waiting
             # the producer says why (the status of the failed work completion)
-            assert any("REM_ACCESS_ERR" in r.getMessage() for r in caplog.records)
-            # the next send reconnects and works
+            await eventually(lambda: any("REM_ACCESS_ERR" in r.getMessage()
+                                         for r in caplog.records), "the failure was logged")
+            # The consumer saw its connection reset, not lost: its recv waits on, and the
+            # next send reconnects and reaches it.  (The value whose one-sided write failed
+            # is not sent again: values on a one-sided channel are not numbered.)
             await w.send(key("f"), np.ones(50000) * 2, timeout=10)
-            assert (await p.recv(key("f"), timeout=10))[0] == 2
+            assert (await waiting)[0] == 2
 
 
 @pytest.mark.loop_timeout(20)

@@ -379,7 +379,9 @@ class Decoder:
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._failed is not None:
-            raise ProtocolError(self._failed)
+            # What still arrives on a connection closing after an error lands here and is
+            # never parsed (``buffer_updated`` raises): reading on lets the close complete.
+            return self._view
         if self._dest is not None:
             return self._dest[self._dest_filled:]
         end = self._end

@@ -388,6 +388,7 @@ cdef class Core:
     cpdef on_ack(self, Wire conn, object seq)
     cpdef resend(self, Peer peer, Wire conn)
     cpdef resync(self, Peer peer, Wire conn)
+    cpdef drop_unacked(self, Peer peer)
     cpdef new_incarnation(self, Peer peer, Py_ssize_t window)
     @cython.locals(again=list, keys=dict, request=Request, table=Table)
     cpdef reask(self, Wire conn)

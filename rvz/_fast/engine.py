@@ -2438,6 +2438,13 @@ class Core:
             peer.acked_sent = peer.rx_floor
             conn.write_frame(encode_ack(peer.rx_floor))
 
+    def drop_unacked(self, peer: Peer) -> None:
+        """``peer`` refused what we sent (a protocol error): send none of it again.  The
+        credit those values held comes back (what it had not credited of them it allows
+        for, as after any reconnect: twice the window)."""
+        peer.unacked.clear()
+        peer.credit = peer.window
+
     def new_incarnation(self, peer: Peer, window: int) -> None:
         """``peer`` is a new process: nothing of the old one counts (its credit, what it
         owed us or we owed it, the values we kept for it and the numbers of its values)."""
