@@ -225,7 +225,7 @@ def test_a_producer_frozen_past_peer_timeout_loses_no_value_when_it_resumes(
     async def main(proc: subprocess.Popen[bytes]) -> None:
         async with rvz.Node(spec, "ps", 0, mode, **SETTINGS) as p:
             i = 0
-            for freeze in range(2):
+            for _ in range(2):   # two freezes
                 for _ in range(10):   # the stream flows
                     got = await p.recv(key("stream"), timeout=BOUND)
                     assert got[0] == i
