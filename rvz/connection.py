@@ -177,6 +177,7 @@ class Connection(Wire, asyncio.BufferedProtocol):
             elif not self.bye_received:
                 self.close_reason = ConnectionResetError("connection closed by the peer without BYE")
         self._wake_drain()
+        self.decoder.close()  # a payload cut short gives its receive-pool block back
         if self.dataplane is not None:
             self.dataplane.close()  # delivers what already arrived one-sided, frees the rest
         self.owner.connection_lost(self)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import os
 
 import numpy as np
@@ -14,8 +15,8 @@ import rvz
 from rvz import _impl
 from rvz.onesided import decide
 from rvz.onesided.engine import MSG_HDR, Options
-from rvz.onesided.pool import Pool
-from rvz.onesided.provider import FAILED, RECV_MSG, RECV_WRITE
+from rvz.onesided.pool import PAGE, Pool, align
+from rvz.onesided.provider import FAILED, RECV_MSG, RECV_WRITE, Region
 from rvz.onesided.shm import RECORD, ShmProvider
 
 HOST = {"boot": "b-1", "uid": 1000, "pidns": 42}
@@ -53,6 +54,40 @@ async def test_pool_carves_coalesces_and_frees_with_the_arrays() -> None:
     assert keep.sum() == 10 and pool.stats()["chunks"] == 1
     del keep
     assert pool.stats()["chunks"] == 0
+
+
+class Ledger:
+    """A provider that registers nothing, only counts: for the pool's arithmetic."""
+
+    name = "ledger"
+
+    def __init__(self) -> None:
+        self.rkeys = itertools.count(1)
+
+    def register(self, length: int) -> Region:
+        rkey = next(self.rkeys)
+        return Region(rkey, rkey, rkey << 40, length, memoryview(b""))
+
+    def deregister(self, region: Region) -> None:
+        pass
+
+
+@pytest.mark.parametrize("nbytes", [1 << 20, (1 << 20) + 64, 4096 + 64, (3 << 20) + 5, 64 << 20])
+async def test_a_budgeted_pool_registers_within_its_limit_and_capacity_says_how_much(
+        nbytes: int) -> None:
+    budget = 64 << 20
+    pool = Pool(Ledger(), 1 << 20, budget, PAGE)  # a peer's slots: chunks rounded to a page
+    room = pool.capacity(nbytes, 1 << 30)
+    blocks = [pool.alloc(nbytes) for _ in range(room)]   # as many as it said, not one more
+    assert pool.registered <= budget and pool.capacity(nbytes, 1 << 30) == 0
+    with pytest.raises(rvz.TransportError, match="limit"):
+        pool.alloc(nbytes)
+    assert room >= budget // align(nbytes, PAGE)         # a page at most lost per slot
+    for block in blocks:
+        pool.free(block)
+    assert pool.capacity(nbytes, 1 << 30) == room and pool.empty_chunks() == len(pool.chunks)
+    pool.trim()
+    assert pool.registered == 0
 
 
 @pytest.mark.loop_timeout(10)

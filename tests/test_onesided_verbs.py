@@ -30,7 +30,8 @@ import rvz
 from rvz.onesided import memlock, verbs
 from rvz.onesided.verbs import VerbsProvider, find_channel_fd
 
-from .conftest import FAST, PS, eventually, key, pair
+from .conftest import FAST, PS, WORKER, eventually, key, pair
+from .test_shm_bounds import push_and_watch
 
 # -- a fake pyverbs -------------------------------------------------------------------------
 
@@ -365,6 +366,18 @@ async def test_exchange_through_the_verbs_provider(cluster: rvz.ClusterSpec, fab
         assert ch.stats["writes"] > 0 and ch.stats["inline"] > 0
         await asyncio.sleep(0.05)
         assert not ch.inflight  # every work request completed and released its staging
+
+
+@pytest.mark.loop_timeout(60)
+async def test_verbs_slots_register_within_the_slot_budget(cluster: rvz.ClusterSpec,
+                                                           fabric: Fabric) -> None:
+    """The slot accounting is the engine's: what verbs registers for a peer's slots stays
+    within ``slot_budget`` too, for values a little over 1 MiB with their header."""
+    budget = 8 << 20
+    async with pair(cluster, "send", transport="verbs",
+                    onesided={**OPTS, "slot_budget": budget}) as (w, p):
+        peak = await push_and_watch(w, p, WORKER, (1 << 20) + 1, 8, 4)
+        assert 0 < peak <= budget, (peak, budget)
 
 
 @pytest.mark.loop_timeout(30)

@@ -4,19 +4,29 @@ pool learns how many blocks a consumer keeps alive, and it stays within its limi
 from __future__ import annotations
 
 import collections
+import ctypes
 import gc
+import mmap
+import sys
+import weakref
 from typing import Any
 
 import numpy as np
 import pytest
 
+import rvz
 from rvz import _impl
 
-from .conftest import key, pair
+from .conftest import FAST, eventually, key, pair
+from .hostile import Hostile, data_header, key_text
 
 RecvPool = _impl.recvpool.RecvPool
 size_class = _impl.recvpool.size_class
 MiB = 1 << 20
+
+
+def codec_u8() -> int:
+    return int(_impl.codec.dtype_code(np.dtype(np.uint8)))
 
 
 def fill(memory: object, nbytes: int, value: int) -> np.ndarray:
@@ -264,3 +274,83 @@ async def test_held_arrays_are_not_overwritten_by_later_messages(cluster) -> Non
         for i, arr in kept:
             assert (arr == i).all()
         assert p._recv_pool is not None and p._recv_pool.held > 0
+
+
+# -- memory a DATA header reserves --------------------------------------------------------------
+
+
+def resident(memory: Any) -> int:
+    """Bytes of ``memory`` (a buffer) whose pages are resident now, as mincore(2) sees them."""
+    arr = np.frombuffer(memory, np.uint8)
+    page = mmap.PAGESIZE
+    start = arr.ctypes.data - arr.ctypes.data % page
+    length = arr.ctypes.data + arr.nbytes - start
+    vec = (ctypes.c_ubyte * ((length + page - 1) // page))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    if libc.mincore(start, length, vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return int((np.frombuffer(vec, np.uint8) & 1).sum()) * page
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) as Linux has it")
+async def test_a_new_block_is_mapped_untouched_and_released_to_the_system() -> None:
+    pool = RecvPool(256 * MiB)
+    memory = pool.take(200 * MiB)
+    assert memory is not None and len(memory) == 200 * MiB
+    assert resident(memory) <= MiB                # nothing wrote it: nothing is resident
+    np.frombuffer(memory, np.uint8, 4 * MiB)[:] = 1  # what a payload's first bytes do
+    assert 4 * MiB <= resident(memory) <= 5 * MiB
+    block = weakref.ref(memory.obj)
+    pool.release(memory)                          # its payload will never come
+    assert pool.held == 0 and pool.released == 1
+    assert not any(blocks for blocks, _, _ in pool.stats().values())
+    del memory
+    gc.collect()
+    assert block() is None                        # unmapped: no reference is left
+    assert pool.take(200 * MiB) is not None and pool.fresh == 2   # a new block, not that one
+
+
+async def test_a_payload_cut_short_gives_its_block_back_when_the_decoder_closes() -> None:
+    codec = _impl.codec
+    pool = RecvPool(256 * MiB)
+    dec = codec.Decoder(pool=pool)
+    header = codec.encode_data(0, 0, b"k", codec.dtype_code(np.dtype(np.uint8)), (200 * MiB,),
+                               200 * MiB)
+    data = codec.encode_hello({"v": 1}) + header + bytes(4096)
+    buf = dec.get_buffer(-1)
+    buf[:len(data)] = data
+    del buf
+    assert dec.buffer_updated(len(data))[0][0] == codec.HELLO
+    assert dec.payload_left() == 200 * MiB - 4096 and pool.held >= 200 * MiB
+    dec.close()                                   # the connection closed
+    assert dec.payload_left() == 0 and pool.held == 0 and pool.released == 1
+    pool.release(memoryview(bytearray(8)))        # memory not from the pool: left alone
+    assert pool.held == 0 and pool.released == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) as Linux has it")
+@pytest.mark.loop_timeout(30)
+async def test_a_data_header_alone_makes_nothing_resident_and_its_block_goes_with_the_connection(
+        cluster: rvz.ClusterSpec) -> None:
+    async with rvz.Node(cluster, "ps", 0, "send", **FAST) as p:
+        h = await Hostile.connect(cluster.address("ps", 0))
+        try:
+            await h.hello("worker", 0, 7)
+            k = key_text("big", ("worker", 0), ("ps", 0))
+            await h.send(data_header(0, 0, k, codec_u8(), (200 * MiB,), 200 * MiB) + bytes(4096))
+            conns = p._conns  # the node's side of the hostile connection
+            await eventually(lambda: any(c.decoder.payload_left() for c in conns),
+                             "the header's payload awaited")
+            conn = next(c for c in conns if c.decoder.payload_left())
+            view = conn.decoder.get_buffer(-1)    # what is left of the payload, on its block
+            assert p._recv_pool.held >= 200 * MiB
+            assert resident(view.obj) <= MiB     # the header reserved memory, made none resident
+            block = weakref.ref(view.obj)
+            del view, conn
+        finally:
+            h.close()
+        pool = p._recv_pool
+        await eventually(lambda: pool.held == 0, "the block released when the connection closed")
+        gc.collect()
+        assert block() is None and not any(blocks for blocks, _, _ in pool.stats().values())

@@ -65,6 +65,47 @@ def registered(node: rvz.Node) -> int:
     return total
 
 
+def slot_registered(node: rvz.Node) -> int:
+    """Bytes registered for the slots of the node's busiest peer (``Channel.arena``)."""
+    return max((ch.arena.registered for engine in node._onesided.engines.values()
+                for ch in engine.channels.values()), default=0)
+
+
+async def push_and_watch(producer: rvz.Node, consumer: rvz.Node, src: str, nbytes: int,
+                         keys: int, rounds: int) -> int:
+    """Push ``rounds`` values of ``nbytes`` on each of ``keys`` keys from ``src`` and receive
+    them all (checked), watching what the consumer registers for that producer's slots at
+    every turn of the loop; the most it ever was."""
+    names = [rvz.Key(src=src, dst=PS, name=f"v{i}") for i in range(keys)]
+    done = False
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while not done:
+            peak = max(peak, slot_registered(consumer))
+            await asyncio.sleep(0)
+
+    async def send() -> None:
+        for r in range(rounds):
+            for i, k in enumerate(names):
+                await producer.send(k, np.full(nbytes, (r + i) % 251, np.uint8), timeout=20)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        sender = asyncio.ensure_future(send())
+        for r in range(rounds):
+            for i, k in enumerate(names):
+                got = await consumer.recv(k, timeout=20)
+                assert got.nbytes == nbytes and got[0] == got[-1] == (r + i) % 251
+                del got
+        await sender
+    finally:
+        done = True
+        await watcher
+    return max(peak, slot_registered(consumer))
+
+
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -194,6 +235,26 @@ def test_a_flood_of_wants_never_allocates_past_the_slot_budget(run: Any, size: i
     budget = 16 * MiB
     out = run(attack_want_flood(200, size, budget), timeout=40)
     assert out["peak_registered"] <= budget + 8 * MiB, out
+
+
+@pytest.mark.parametrize("nbytes", [MiB, MiB + 1, 4096, 3 * MiB + 5, 64 * MiB],
+                         ids=["1MiB", "1MiB+1", "4KiB", "3MiB+5", "64MiB"])
+def test_registered_slot_memory_never_exceeds_the_slot_budget(run: Any, nbytes: int) -> None:
+    """Every slot's region counts as registered (its rounding included), not as granted: a
+    1 MiB value and its header must not take two 1 MiB chunks, nor the budget's worth twice."""
+    shm_or_skip()
+    budget = 64 * MiB
+
+    async def main() -> None:
+        spec = cluster()
+        _, good, victim = nodes(spec, {"slot_budget": budget})
+        async with victim, good:
+            keys = max(1, min(8, budget // nbytes // 8 + 1))   # enough to ask for the budget
+            rounds = 3 if nbytes > 8 * MiB else 10
+            peak = await push_and_watch(good, victim, worker(1), nbytes, keys, rounds)
+            assert 0 < peak <= budget, (peak, budget)
+
+    run(main(), timeout=50)
 
 
 def test_idle_keys_give_their_slots_and_regions_back(run: Any) -> None:

@@ -396,6 +396,15 @@ class Decoder:
             return self._view[end:end + PEEK]
         return self._view[end:]
 
+    def close(self) -> None:
+        """The connection is gone: the large payload being received never will be, so its
+        array is dropped and a pool block under it goes back to the system."""
+        dest = self._dest
+        self._dest = None
+        self._pending = None
+        if dest is not None and self.pool is not None:
+            self.pool.release(dest)
+
     def payload_left(self) -> int:
         """Bytes still to come of the large payload being received (0 between frames)."""
         if self._dest is None:

@@ -44,7 +44,9 @@ cdef class RecvPool:
                    blocks=list, idle=Py_ssize_t, busy=Py_ssize_t, at=Py_ssize_t,
                    i=Py_ssize_t, which=Py_ssize_t, decayed=Py_ssize_t)
     cpdef object take(self, Py_ssize_t nbytes)
-    cdef object _exact(self, bytearray block, Py_ssize_t nbytes)
+    cdef object _exact(self, object block, Py_ssize_t nbytes)
+    @cython.locals(size=Py_ssize_t, cls=_SizeClass, blocks=list, i=Py_ssize_t)
+    cpdef release(self, object block)
     @cython.locals(home=_SizeClass)
     cdef object _allocate(self, Py_ssize_t size, _SizeClass cls, bint spare_only)
     @cython.locals(cls=_SizeClass, other=_SizeClass, blocks=list, idle=Py_ssize_t,

@@ -1,12 +1,14 @@
 """Memory for large received arrays: blocks reused once no array refers to them.
 
-The decoder asks ``take(nbytes)`` for the memory a large payload lands in; the transport
-calls ``maintain()`` between reads so the next ``take`` finds a block already faulted in.
-Nothing here touches a socket or the event loop.
+The decoder asks ``take(nbytes)`` for the memory a large payload lands in, and gives a
+block back with ``release`` when its payload will never come (the connection closed); the
+transport calls ``maintain()`` between reads so the next ``take`` finds a block already
+mapped.  Nothing here touches a socket or the event loop.
 """
 
 from __future__ import annotations
 
+import mmap
 from sys import getrefcount
 from typing import Any
 
@@ -19,6 +21,9 @@ except ImportError:  # pure Python without Cython installed
 WINDOW = 32    # takes of one size class per high-water window
 STALE = 1024   # takes of any size after which a size class nobody asked for is let go
 DECAY = 8      # windows per block the high-water mark comes down by when fewer are alive
+# A block is an anonymous private mapping: none of its pages is resident until a payload is
+# written into it, and dropping the block unmaps them all.
+_MAP_PRIVATE = getattr(mmap, "MAP_PRIVATE", None)
 
 
 def size_class(nbytes: int) -> int:
@@ -53,7 +58,7 @@ class _SizeClass:
         self.size = size
         self.up1 = size_class(size + 1)  # the next two classes: their blocks serve this one
         self.up2 = size_class(self.up1 + 1)
-        self.blocks: list[bytearray] = []  # free or in use: the pool's reference is the list's
+        self.blocks: list[mmap.mmap] = []  # free or in use: the pool's reference is the list's
         self.peak = 0       # most blocks alive at one take, this window (the new one included)
         self.prev_peak = 0  # the same over the windows before, less one per DECAY windows
         self.takes = 0      # takes in this window
@@ -66,16 +71,19 @@ class RecvPool:
 
     A fresh ``np.empty`` per large tensor costs a page fault per 4 KiB (the allocator
     returns big blocks to the kernel between messages): about as long as the copy out of
-    the socket.  A pooled block is a ``bytearray`` the arrays are built on
-    (``np.frombuffer``), so their views keep it referenced: the block is free again exactly
-    when its reference count is back to the pool's own.
+    the socket.  A pooled block pays those faults once, as its first payload arrives, and
+    is used again after that.  It is an anonymous ``mmap`` the arrays are built on
+    (``np.frombuffer`` of a ``memoryview``), so their views keep it referenced: the block is
+    free again exactly when its reference count is back to the pool's own.  Nothing writes a
+    new block's pages but the payload: a DATA header alone (its payload never sent) reserves
+    address space, not memory, and ``release`` unmaps the block when its connection closes.
 
     The pool learns, per size class, how many blocks able to serve it are alive when one is
     taken (a consumer that keeps its previous array needs two, three when one more waits in
-    the table) and keeps that many plus one spare.  ``maintain()`` allocates that spare
-    (zeroed, so its pages are faulted in) outside ``take``; blocks nobody needs any more are
-    released.  At most ``limit`` bytes are kept: when a ``take`` would exceed it, free blocks
-    of the sizes used longest ago are dropped; a block an array refers to never is.
+    the table) and keeps that many plus one spare.  ``maintain()`` maps that spare outside
+    ``take``; blocks nobody needs any more are released.  At most ``limit`` bytes are kept:
+    when a ``take`` would exceed it, free blocks of the sizes used longest ago are dropped;
+    a block an array refers to never is.
     """
 
     __slots__ = ("limit", "held", "fresh", "prepared", "reused", "missed", "released", "due",
@@ -98,7 +106,7 @@ class RecvPool:
         self._stale = stale if stale > 0 else 1
         # Measured, not assumed: the compiled and the interpreted code hold different
         # temporaries, so a block only the pool refers to is counted through _refs() itself.
-        probe = [bytearray()]
+        probe = [mmap.mmap(-1, 1)]
         self._idle_refs = self._refs(probe, 0)
 
     def _refs(self, blocks: list, i: int) -> int:
@@ -137,8 +145,8 @@ class RecvPool:
     def take(self, nbytes: int) -> Any:
         """Writable memory of exactly ``nbytes`` no array refers to, or None.
 
-        The result is a pooled ``bytearray`` or a ``memoryview`` of its first ``nbytes``;
-        build the array on it with ``np.frombuffer``.  None: allocate outside the pool.
+        The result is a ``memoryview`` of a pooled block's first ``nbytes``; build the array
+        on it with ``np.frombuffer``.  None: allocate outside the pool.
         """
         size = size_class(nbytes)
         self._tick += 1
@@ -190,21 +198,48 @@ class RecvPool:
         self.fresh += 1
         return self._exact(block, nbytes)
 
-    def _exact(self, block: bytearray, nbytes: int) -> Any:
+    def _exact(self, block: Any, nbytes: int) -> Any:
         if nbytes == len(block):
-            return block
+            return memoryview(block)
         return memoryview(block)[:nbytes]  # the view keeps the block referenced, as arrays do
 
+    def release(self, block: Any) -> None:
+        """Forget ``block`` (what ``take`` returned, or a view of it): its payload will never
+        arrive.  It goes back to the system, not to the pool, once the caller drops it."""
+        if type(block) is memoryview:
+            block = block.obj
+        if type(block) is not mmap.mmap:
+            return  # not a pool block (the caller allocated outside the pool)
+        size = len(block)
+        cls = self._classes.get(size)
+        if cls is None:
+            return
+        blocks = cls.blocks
+        for i in range(len(blocks)):
+            if blocks[i] is block:
+                del blocks[i]
+                self.held -= size
+                self.released += 1
+                return
+
     def _allocate(self, size: int, cls: _SizeClass, spare_only: bool) -> Any:
-        """A new zeroed block of ``size`` bytes kept for ``cls``'s requests, or None."""
+        """A new block of ``size`` bytes kept for ``cls``'s requests, or None.
+
+        Mapped, not written: its pages become resident as a payload fills them."""
         if self.held + size > self.limit and not self._make_room(self.held + size - self.limit,
                                                                  spare_only):
+            return None
+        try:
+            if _MAP_PRIVATE is None:
+                block = mmap.mmap(-1, size)
+            else:
+                block = mmap.mmap(-1, size, flags=_MAP_PRIVATE)
+        except OSError:  # out of address space or map count: allocated outside the pool
             return None
         home = self._classes.get(size)
         if home is None:
             home = _SizeClass(size)
             self._classes[size] = home
-        block = bytearray(size)  # zeroing it faults its pages in now
         home.blocks.append(block)
         self.held += size
         return block
@@ -213,9 +248,8 @@ class RecvPool:
         """Prepare the block the next ``take`` is expected to need; True if it allocated one.
 
         Call it when the connection is idle or after a read completes: it costs a few
-        comparisons when there is nothing to do, and allocates (and faults in) at most one
-        block per call.  Every ``window`` takes it also releases free blocks beyond what
-        their size classes need.
+        comparisons when there is nothing to do, and maps at most one block per call.  Every
+        ``window`` takes it also releases free blocks beyond what their size classes need.
         """
         self.due = False
         if self._tick - self._swept >= self._window:

@@ -8,21 +8,22 @@ that TCP connection, in order with its REQUEST/CANCEL/ERROR frames; payloads tra
 one-sided.  Everything a channel delivers enters the node exactly like a TCP DATA frame:
 ``Wire.deliver([(DATA, step, request_id, key, value)])``.
 
-Isolation: the memory a peer may write is a *region per peer* (``Channel.arena``), carved
-only into that peer's slots and destinations; the consumer's own pool (``Engine.pool``), which
-holds the arrays handed to the application, is never described to any peer.  A completed
-write is copied out of the peer's region into the pool before the application sees it, so a
-peer can never touch an array it already delivered.  Regions left empty are unregistered
-and the peer is told to unmap them (``unmap``).
+Isolation: the memory a peer may write is a *region per peer*, carved only into that peer's
+slots (``Channel.arena``) and destinations (``Channel.dest_arena``); the consumer's own pool
+(``Engine.pool``), which holds the arrays handed to the application, is never described to
+any peer.  A completed write is copied out of the peer's region into the pool before the
+application sees it, so a peer can never touch an array it already delivered.  Regions left
+empty are unregistered and the peer is told to unmap them (``unmap``).
 
 Send-Driven (``request_id == 0``): the consumer grants the producer *slots* per key
 (``want`` -> ``slots``); the producer caches them per (peer, key) and writes header and
 tensor into one slot with the slot's id as the immediate.  The consumer's completion
 handler copies the slot into the array it hands to the table and grants a fresh slot of
 the same size: slots are the credits, so a producer never overruns.  Values without a slot
-wait in the producer's per-key queue, in order.  Granted, unfilled slots never exceed
-``slot_budget`` bytes per channel: a ``want`` that does not fit waits until slots come
-back, and slots of keys idle for ``slot_idle`` seconds (or wanted elsewhere) are revoked
+wait in the producer's per-key queue, in order.  The memory registered for a channel's
+slots (``Channel.arena``, its chunks rounded to a page) never exceeds ``slot_budget``: a
+``want`` that does not fit waits until slots come back (empty regions are then unregistered
+to make room), and slots of keys idle for ``slot_idle`` seconds (or wanted elsewhere) are revoked
 (``revoke`` -> ``rel``).  A value larger than the consumer's budget (advertised in HELLO)
 goes in pieces through slots that fit it, and the consumer assembles it.
 
@@ -60,7 +61,7 @@ import numpy as np
 
 from .. import _impl
 from ..errors import ProtocolError, TransportError
-from .pool import Block, Pool, address_of, align
+from .pool import ALIGN, PAGE, Block, Pool, address_of, align
 from .provider import FAILED, RECV_MSG, RECV_WRITE, SEND_DONE, Provider
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ _IMM_MAX = (1 << 32) - 1
 _REMOTE_DESTS_MAX = 1 << 16
 _META_MAX = 1 << 16
 _WANTED_MAX = 1 << 16      # keys waiting for slots per channel (a legit producer has fewer)
-ARENA_STEP = 1 << 20       # a peer's region grows by what it needs, rounded to 1 MiB
+ARENA_STEP = 1 << 20       # a peer's region grows by 1 MiB, or by what a slot needs (to a page)
 # Slot header flags: a whole value, the first piece of a larger one, a later piece.
 WHOLE, FIRST, PIECE = 0, 1, 2
 
@@ -285,9 +286,12 @@ class Channel:
         self.pool = engine.pool            # ours alone: the arrays handed to the application
         options = engine.options
         # The only memory this peer may write: its slots and destinations, nothing else.
-        self.arena = Pool(engine.provider, ARENA_STEP, options.pool_limit)
-        self._arena_used = False
+        # The slots' regions count against the budget as registered, so that a slot a little
+        # over a chunk's size costs its own size (to a page), not two chunks.
         self.budget = options.slot_budget
+        self.arena = Pool(engine.provider, ARENA_STEP, self.budget, PAGE)
+        self.dest_arena = Pool(engine.provider, ARENA_STEP, options.pool_limit, PAGE)
+        self._arena_used = False
         self.max_slots = options.max_slots
         self.slot_idle = options.slot_idle
         self.inline_limit = engine.inline_limit
@@ -306,7 +310,7 @@ class Channel:
         self._next_imm = 0
         self.targets: dict[int, _Target] = {}
         self.slot_imms: dict[str, set[int]] = {}
-        self.granted = 0
+        self.granted = 0                               # bytes of granted slots not written yet
         self.refill: dict[str, list[int]] = {}        # key -> [count, size] to grant again
         self._refill_scheduled = False
         self.wanted: dict[str, int] = {}               # key -> slot size, waiting for budget
@@ -390,7 +394,7 @@ class Channel:
         self.engine.channels.pop(self.ep.ep_id, None)
         pool = self.pool
         for target in self.targets.values():
-            self.arena.free(target.block)
+            self._arena_of(target).free(target.block)
         self.targets.clear()
         self.slot_imms.clear()
         self.dests.clear()
@@ -409,6 +413,7 @@ class Channel:
                 pool.free(keep[1])
         self.inflight.clear()
         self.arena.close()
+        self.dest_arena.close()
         self.out_pending.clear()
         self.remote_slots.clear()
         self.remote_dests.clear()
@@ -434,13 +439,16 @@ class Channel:
 
     def _trim(self) -> None:
         """Unregister the peer's regions that hold nothing; the peer unmaps them."""
-        dropped = self.arena.trim()
+        dropped = self.arena.trim() + self.dest_arena.trim()
         if dropped:
             self.regions_sent.difference_update(dropped)
             self._control({"op": "unmap", "rk": dropped})
 
     def _control(self, fields: dict[str, Any]) -> None:
         self.conn.write_frame(_codec.encode_onesided(fields))
+
+    def _arena_of(self, target: _Target) -> Pool:
+        return self.arena if target.kind == SLOT else self.dest_arena
 
     def _new_imm(self) -> int:
         imm = self._next_imm
@@ -504,7 +512,7 @@ class Channel:
             self._send_inline(item)
             return True
         need = slot_header_size(len(shape)) + nbytes
-        if need > self.peer_budget:
+        if align(need) > self.peer_budget:   # (the consumer carves slots 64-byte aligned)
             return self._push_pieces(item)
         slots = self.remote_slots.get(key)
         if slots:
@@ -525,9 +533,10 @@ class Channel:
         step, _, key, value, code, shape, nbytes = item
         ndim = len(shape)
         first = slot_header_size(ndim)
-        size = self.peer_budget // 2   # two slots in flight keep the copy pipelined
+        # Two slots in flight keep the copy pipelined; slots are carved 64-byte aligned.
+        size = self.peer_budget // 2 // ALIGN * ALIGN
         if size < first + 4096:
-            size = self.peer_budget
+            size = self.peer_budget // ALIGN * ALIGN
         if size <= first:
             raise TransportError(f"{self.name}: {self.peer_name}'s slot budget of "
                                  f"{self.peer_budget} bytes cannot hold a value of key {key}")
@@ -686,7 +695,7 @@ class Channel:
 
     def _send_dest(self, step: int, request_id: int, key: str, code: int, shape: tuple[int, ...],
                    nbytes: int, again: bool) -> None:
-        block = self.arena.alloc(nbytes)
+        block = self.dest_arena.alloc(nbytes)
         self._arena_used = True
         imm = self._new_imm()
         self.targets[imm] = _Target(DEST, block, key, step, request_id, code, shape, nbytes)
@@ -700,7 +709,7 @@ class Channel:
         if imm is not None:
             target = self.targets.pop(imm, None)
             if target is not None:
-                self.arena.free(target.block)
+                self.dest_arena.free(target.block)
 
     def _forget_ask(self, request_id: int) -> None:
         """Our request ``request_id`` is over (answered another way, failed or gone): its
@@ -736,7 +745,7 @@ class Channel:
         try:
             self._serve()   # keys that wait for budget come before refills
             for key, (count, size) in refill.items():
-                count = min(count, self.max_slots - self._have(key, size), self._room(size))
+                count = self._room(size, min(count, self.max_slots - self._have(key, size)))
                 if count > 0:
                     self._grant(key, size, count)
             waiting = len(self.wanted)
@@ -752,9 +761,17 @@ class Channel:
         targets = self.targets
         return sum(1 for imm in self.slot_imms.get(key, ()) if targets[imm].block.size >= size)
 
-    def _room(self, size: int) -> int:
-        """How many more slots of ``size`` bytes the budget allows."""
-        return max(0, self.budget - self.granted) // size
+    def _room(self, size: int, most: int) -> int:
+        """How many more slots of ``size`` bytes the budget allows, at most ``most``.
+
+        Regions no slot is carved from are unregistered when they stand in the way."""
+        if most <= 0:
+            return 0
+        room = self.arena.capacity(size, most)
+        if room < most and self.arena.empty_chunks():
+            self._trim()
+            room = self.arena.capacity(size, most)
+        return room
 
     def _free_slot(self, imm: int, key: str) -> None:
         target = self.targets.get(imm)
@@ -789,7 +806,7 @@ class Channel:
             key = next(iter(wanted))
             size = wanted[key]
             have = self._have(key, size)
-            count = min(self.max_slots - have, self._room(size))
+            count = self._room(size, self.max_slots - have)
             if count <= 0 and have == 0:
                 self._reclaim(size, key)
                 return
@@ -818,8 +835,12 @@ class Channel:
         self.wanted[key] = max(size, self.wanted.get(key, 0))
 
     def _reclaim(self, size: int, keep: str) -> None:
-        """Ask for the slots of the least recently used keys back until ``size`` would fit."""
-        short = size - max(0, self.budget - self.granted)
+        """Ask for the slots of the least recently used keys back until ``size`` would fit.
+
+        Short by what registering a region for it would pass the budget by: slots given back
+        may leave their regions partly used, so each pass that still finds no room asks for
+        more (once their regions are empty, ``_room`` unregisters them)."""
+        short = align(size) - (self.budget - self.arena.registered)
         for key in sorted(self.last_use, key=self.last_use.__getitem__):
             if short <= 0:
                 return
@@ -934,7 +955,7 @@ class Channel:
             for imm in f.get("rel", ()):
                 self._free_slot(int(imm), key)
             size = int(f["n"])
-            if size <= 0 or size > self.budget:
+            if size <= 0 or align(size) > self.budget:
                 raise TransportError(f"slot of {size} bytes asked for key {key}: the slot budget "
                                      f"is {self.budget} bytes (larger values come in pieces)")
             # Slots already granted (maybe still on their way) or about to be re-granted count
@@ -943,7 +964,7 @@ class Channel:
             refill = self.refill.get(key)
             if refill is not None and refill[1] >= size:
                 have += refill[0]
-            count = min(self.max_slots - have, self._room(size))
+            count = self._room(size, self.max_slots - have)
             if count > 0 and not self.wanted:
                 self._grant(key, size, count)
             elif key not in self.wanted and len(self.wanted) + len(self.owed) >= _WANTED_MAX:
@@ -1043,7 +1064,7 @@ class Channel:
                 event = (target.step, request_id, code, shape, size,
                          self._copy_out(block, 0, code, shape, size))
             finally:
-                self.arena.free(block)
+                self.dest_arena.free(block)
         step, request_id, code, shape, size, value = event
         self._remember(key, code, shape, size)
         self._events.append((_codec.DATA, step, request_id, key, value))

@@ -2,8 +2,10 @@
 
 Registering memory is slow (pinning pages costs about 2 ms per 10 MB on a NIC), so the
 pool registers large chunks (``chunk_size``, 64 MiB by default, or one larger chunk for a
-tensor that does not fit) and never registers per tensor.  Blocks are carved first-fit
-from the free ranges of the chunks and coalesce when freed.
+tensor that does not fit, rounded up to ``granule``) and never registers per tensor.  Blocks
+are carved first-fit from the free ranges of the chunks and coalesce when freed.  What is
+registered never exceeds ``limit``: near it a chunk is only as large as what is left, and
+``capacity`` says beforehand how many blocks of a size fit.
 
 A block handed to the application as a numpy array stays allocated as long as that array
 (or any view of it) lives: the array's ``base`` is a small owner object whose finaliser
@@ -14,6 +16,7 @@ the event loop's thread drains on the next allocation.
 from __future__ import annotations
 
 import bisect
+import mmap
 from collections import deque
 from typing import Any
 
@@ -23,6 +26,7 @@ from ..errors import TransportError
 from .provider import Provider, Region
 
 ALIGN = 64
+PAGE = mmap.PAGESIZE
 _U8 = np.dtype(np.uint8)
 
 
@@ -78,12 +82,14 @@ class _Chunk:
 class Pool:
     """Registered memory of one provider, shared by every channel of an engine."""
 
-    def __init__(self, provider: Provider, chunk_size: int = 64 << 20, limit: int = 16 << 30) -> None:
+    def __init__(self, provider: Provider, chunk_size: int = 64 << 20, limit: int = 16 << 30,
+                 granule: int = 1 << 20) -> None:
         if chunk_size < (1 << 20):
             raise ValueError(f"chunk_size must be at least 1 MiB, not {chunk_size}")
         self.provider = provider
         self.chunk_size = chunk_size
         self.limit = limit
+        self.granule = granule  # a chunk larger than chunk_size is rounded up to a multiple
         self.chunks: list[_Chunk] = []
         self.registered = 0
         self.in_use = 0
@@ -125,8 +131,43 @@ class Pool:
                 return Block(chunk, offset, size)
         return None
 
+    def _length(self, size: int, left: int) -> int:
+        """The length of a new chunk for a block of ``size`` (aligned) bytes, ``left`` bytes
+        short of the limit: ``chunk_size`` or the block rounded up to ``granule``, less near
+        the limit (down to the block alone); more than ``left`` when the block cannot fit."""
+        granule = self.granule
+        length = max(align(size, granule), min(self.chunk_size, left // granule * granule))
+        return length if length <= left else size
+
+    def capacity(self, nbytes: int, most: int) -> int:
+        """How many blocks of ``nbytes`` ``alloc`` would hand out now, at most ``most``: those
+        the free ranges hold, then those of new chunks within ``limit``."""
+        if self._released:
+            self.reclaim()
+        size = align(max(nbytes, 1))
+        count = 0
+        for chunk in self.chunks:
+            for span in chunk.free:
+                count += span[1] // size
+            if count >= most:
+                return most
+        left = self.limit - self.registered
+        while count < most:
+            length = self._length(size, left)
+            if length > left:
+                break
+            count += length // size
+            left -= length
+        return min(count, most)
+
+    def empty_chunks(self) -> int:
+        """Chunks nothing is carved from (``trim`` unregisters them)."""
+        if self._released:
+            self.reclaim()
+        return sum(1 for chunk in self.chunks if chunk.live == 0)
+
     def _grow(self, size: int) -> _Chunk:
-        length = max(self.chunk_size, align(size, 1 << 20))
+        length = self._length(size, self.limit - self.registered)
         if self.registered + length > self.limit:
             raise TransportError(
                 f"the one-sided memory pool ({self.provider.name}) would grow past its limit of "
