@@ -12,6 +12,7 @@ that must be refused.  Everything runs on both loops and only on loopback.
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import logging
 import os
@@ -20,6 +21,7 @@ import ssl
 import subprocess
 import sys
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -710,6 +712,8 @@ def test_connections_still_in_their_tls_handshake_count_as_unidentified(run, cer
                 await eventually(lambda: sum(e.done() for e in ends) == len(silent) - cap,
                                  "all but max_unidentified closed at once")
                 assert p.stats()["unidentified"] == cap
+                admitted = [weakref.ref(c) for c in p._handshaking]
+                assert len(admitted) == cap
                 assert all(e.result() == b"" for e in ends if e.done() and not e.exception())
             finally:
                 for h in silent:
@@ -718,6 +722,8 @@ def test_connections_still_in_their_tls_handshake_count_as_unidentified(run, cer
             await eventually(lambda: p.stats()["unidentified"] == 0, "no unidentified left")
             await eventually(lambda: len(p._tasks) == tasks_before, "no handshake task left")
             assert not p._conns
+            gc.collect()  # (a failed handshake's exception and its protocol form a cycle)
+            assert all(ref() is None for ref in admitted), "a connection outlived its close"
             async with rvz.Node(cluster, *WORKER0, "send", ssl=tls(certs), **QUICK) as w:
                 await exchange(w, p, "after_the_flood")
             for end in ends:
