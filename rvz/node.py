@@ -630,15 +630,17 @@ class Node(_NodeCalls):
         The handshake runs on a duplicate of the socket, through the loop's own path for
         an accepted socket (create_server(ssl=...)'s, which hands the connection to its
         protocol only when the handshake is done); the plain transport lets go of it."""
-        if self._refusing() or self._unidentified() >= self.max_unidentified:
-            transport.abort()
-            return
-        try:
-            sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
-        except OSError:  # out of descriptors: refused like one too many
-            transport.abort()
-            return
+        plain = transport.get_extra_info("socket")
+        sock = None
+        if plain is not None and not self._refusing() and (
+                self._unidentified() < self.max_unidentified):
+            try:
+                sock = socket.socket(fileno=os.dup(plain.fileno()))
+            except OSError:  # out of descriptors: refused like one too many
+                pass
         transport.abort()  # (closes its descriptor only: the connection lives on in ``sock``)
+        if sock is None:
+            return
         conn = self._connection(outbound=False)
         self._handshaking.add(conn)
         self._spawn(self._start_tls(conn, sock))
