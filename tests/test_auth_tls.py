@@ -83,7 +83,8 @@ async def exchange(w: rvz.Node, p: rvz.Node, name: str, mode: str | None = None,
 def test_new_options_have_the_documented_defaults() -> None:
     params = inspect.signature(rvz.Node).parameters
     expected = {"secret": None, "ssl": None, "max_parked": 65536, "max_steps": 65536,
-                "step_idle": 600.0, "max_unidentified": 64, "answer_backlog": 32 << 20}
+                "step_idle": 600.0, "max_unidentified": 64, "answer_backlog": 32 << 20,
+                "min_rate": 64 << 10}
     assert {name: params[name].default for name in expected} == expected
     assert 0 < params["hello_timeout"].default <= 10
     assert issubclass(rvz.AuthError, rvz.RvzError)
@@ -696,9 +697,9 @@ def test_a_tls_handshake_never_started_is_closed_at_hello_timeout(run, certs) ->
 
 def test_connections_still_in_their_tls_handshake_count_as_unidentified(run, certs) -> None:  # type: ignore[no-untyped-def]
     """A TLS node's connections used to be counted only once their TLS handshake was done:
-    1,000 that never start TLS held hundreds of descriptors and a task each until
-    hello_timeout.  They count from accept() now: beyond max_unidentified one is closed at
-    once, before its handshake begins, and nothing of those admitted outlives them."""
+    a flood that never starts TLS held a descriptor and a task each until hello_timeout.
+    They count from accept() now: beyond max_unidentified one is closed at once, before
+    its handshake begins, and nothing of those admitted outlives them."""
     async def body() -> None:
         cluster = three_tasks()
         cap = 4

@@ -601,7 +601,7 @@ def test_six_hundred_identified_connections_that_only_ping(run) -> None:  # type
 def test_a_connection_refused_for_max_unidentified_gets_no_hello(run) -> None:  # type: ignore[no-untyped-def]
     """A connection beyond max_unidentified is refused before anything is written to it.
     It used to get the node's HELLO first: a Send-Driven dialler without a secret took it
-    as ready and its sends returned, while the node had reset it (20 sent, 0 arrived).  Now
+    as ready and its sends returned, while the node had reset it, and nothing arrived.  Now
     the dialler sees no HELLO and dials again: what its sends report as sent arrives."""
     async def body() -> None:
         cluster = three_tasks()
@@ -653,7 +653,7 @@ def reserved(node: rvz.Node) -> int:
 def test_large_pushes_started_at_once_on_several_connections_share_one_window(run) -> None:  # type: ignore[no-untyped-def]
     """Eight connections of one peer each start a push of 16 MiB at once, against a window
     of 1 MiB.  Each header used to pass on its own (nothing was unreturned yet) and reserve
-    its array: 8 payloads at once (eight times max_payload, in the worst case).  What is
+    its array: eight payloads at once (eight times max_payload, at worst).  What is
     still arriving now counts against the window across the peer's connections: one is
     admitted, the others are refused at their header, and the reservation is given back
     when the connections close."""
