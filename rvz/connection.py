@@ -64,8 +64,6 @@ _INT_SIZE = ctypes.sizeof(ctypes.c_int)
 class Owner(Protocol):
     """What a connection tells the node that owns it."""
 
-    def hello_fields(self, conn: Connection) -> dict[str, Any] | None: ...
-
     def connection_made(self, conn: Connection) -> None: ...
 
     def connection_lost(self, conn: Connection) -> None: ...
@@ -91,6 +89,11 @@ class Connection(Wire, asyncio.BufferedProtocol):
         self._lowat = 1
         self._lowat_value = ctypes.c_int(1)  # the C call's argument, kept for its address
         self._drain_waiters: list[asyncio.Future[None]] = []
+        # The large payload arriving as the heartbeat last saw it (``payload_too_slow``):
+        # the decoder's frame count then, heartbeats since, and how much of it was left.
+        self._payload_frame = -1
+        self._payload_ticks = 0
+        self._payload_left = 0
 
     # -- asyncio protocol callbacks -------------------------------------------------------
 
@@ -120,10 +123,7 @@ class Connection(Wire, asyncio.BufferedProtocol):
         # Writing pauses (and held-back answers resume) below answer_backlog at the latest.
         high = min(WRITE_HIGH_WATER, self.core.answer_backlog)
         transport.set_write_buffer_limits(high=high, low=min(WRITE_LOW_WATER, high // 4))
-        fields = self.owner.hello_fields(self)
-        if fields is not None:  # (None: the owner fails it in connection_made)
-            self.write_frame(_impl.codec.encode_hello(fields))
-        self.owner.connection_made(self)
+        self.owner.connection_made(self)  # it says HELLO, unless it refuses the connection
 
     def tune_read(self) -> None:
         """After a read that stopped inside a payload with at least ``tune_from`` of it
@@ -166,11 +166,31 @@ class Connection(Wire, asyncio.BufferedProtocol):
             self._set_lowat(1)
             self._stop_tuning()
 
+    def payload_too_slow(self, heartbeat: float, grace: float, min_rate: float) -> bool:
+        """At a heartbeat: whether the large payload arriving came slower than ``min_rate``
+        bytes/s, on average since the first heartbeat that saw it, once ``grace`` seconds
+        have passed.  Time is counted in heartbeats, which a busy or stalled loop of ours
+        does not run: only the peer's slowness counts."""
+        left = self.decoder.payload_left()
+        if left == 0:
+            self._payload_frame = -1
+            return False
+        frame = self.decoder.frames  # the same until this payload is whole
+        if frame != self._payload_frame:
+            self._payload_frame = frame
+            self._payload_ticks = 0
+            self._payload_left = left
+            return False
+        self._payload_ticks += 1
+        late = self._payload_ticks * heartbeat - grace
+        return late > 0 and self._payload_left - left < min_rate * late
+
     def eof_received(self) -> bool:
         return False  # close the transport; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.core.arrived(self)  # a push cut short gives back what it reserved of the window
         if self.close_reason is None:
             if exc is not None:
                 self.close_reason = exc
@@ -259,6 +279,22 @@ class Connection(Wire, asyncio.BufferedProtocol):
             self.close_reason = reason
         if self.transport is not None:
             self.transport.abort()
+
+
+class TlsAccept(asyncio.Protocol):
+    """A connection a TLS node accepted, before its TLS handshake (``Node.tls_accepted``).
+
+    The node listens on plain TCP, so that it counts a connection as unidentified from
+    accept() (``max_unidentified``) and refuses one too many before a byte is read or an
+    SSL object made.  This protocol only hands the new transport to the node, in
+    ``connection_made``, before the transport has read anything.
+    """
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+
+    def connection_made(self, transport: Any) -> None:
+        self.owner.tls_accepted(transport)
 
 
 def _connected_to_itself(sock: Any) -> bool:

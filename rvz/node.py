@@ -40,6 +40,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import socket
 import ssl as _ssl
 import sys
 import warnings
@@ -52,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from . import _impl
 from .cluster import ClusterSpec, split_address
 from .cluster import from_env as _cluster_from_env
-from .connection import Connection
+from .connection import Connection, TlsAccept
 from .errors import (
     Aborted,
     AuthError,
@@ -92,6 +93,12 @@ _MAX_INBOUND_PER_PEER = 8
 # Replaced incarnations of each peer remembered, to refuse a second process with its task id.
 _REPLACED_KEPT = 16
 _ABORT_TEXT_MAX = 1024  # characters of a peer's step clean-up message that are kept
+# The default of ``min_rate``: the slowest a large payload may arrive, in bytes/s on average,
+# once it has taken peer_timeout.  Half a megabit per second is below any link tensors are
+# exchanged over, even one shared by many connections, so a working link is never cut; a
+# peer that trickles a payload to keep its connection and its reserved array is closed
+# after peer_timeout + size / MIN_RATE at most, and has to send real bytes meanwhile.
+MIN_RATE = 64 << 10
 
 TaskId = tuple  # (job, task)
 
@@ -224,6 +231,8 @@ class Node(_NodeCalls):
     ``busy_poll`` > 0 keeps the event loop polling instead of sleeping while a recv waits on
     a peer, for up to that many seconds after the last such recv began: a CPU spins, and a
     small round trip no longer pays the wake-up of an idle one (see ``rvz.poll``).
+    A large payload that has been arriving for more than ``peer_timeout`` must keep up
+    ``min_rate`` bytes/s on average, or its connection is closed (0: no such bound).
     """
 
     def __init__(self, cluster: ClusterSpec | dict[str, Any], job: str, task: int,
@@ -238,7 +247,8 @@ class Node(_NodeCalls):
                  ssl: _ssl.SSLContext | tuple[_ssl.SSLContext, _ssl.SSLContext] | None = None,
                  max_parked: int = 65536, max_steps: int = 65536, step_idle: float | None = 600.0,
                  hello_timeout: float = 10.0, max_unidentified: int = 64,
-                 answer_backlog: int = 32 << 20, busy_poll: float = 0.0) -> None:
+                 answer_backlog: int = 32 << 20, busy_poll: float = 0.0,
+                 min_rate: int = MIN_RATE) -> None:
         if mode not in MODES:
             raise ConfigError(f"mode must be 'recv' or 'send', not {mode!r}")
         if transport not in TRANSPORTS:
@@ -250,7 +260,7 @@ class Node(_NodeCalls):
                             ("max_payload", max_payload), ("recv_pool", recv_pool),
                             ("max_parked", max_parked), ("max_steps", max_steps),
                             ("max_unidentified", max_unidentified),
-                            ("answer_backlog", answer_backlog),
+                            ("answer_backlog", answer_backlog), ("min_rate", min_rate),
                             ("lost_hold_limit", 0 if lost_hold_limit is None else lost_hold_limit)):
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a number of bytes >= 0, not {value!r}")
@@ -310,6 +320,7 @@ class Node(_NodeCalls):
         self.step_idle = step_idle
         self.hello_timeout = hello_timeout
         self.max_unidentified = max_unidentified
+        self.min_rate = min_rate
         self.answer_backlog = answer_backlog
         self.connect_timeout = connect_timeout
         self.heartbeat = heartbeat
@@ -340,6 +351,9 @@ class Node(_NodeCalls):
         # step -> (table, stamp, puts) of the tables the last tick found empty
         self._empty_seen: dict[int, tuple[Any, Any, Any]] = {}
         self._conns: set[Connection] = set()
+        # Connections accepted by a TLS node and still in their TLS handshake: not in
+        # ``_conns`` yet, but counted as unidentified (``_unidentified``).
+        self._handshaking: set[Connection] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._deliveries: set[asyncio.Task[Any]] = set()  # the tasks close() must wait for
         # One-sided transports (rvz.onesided): options, and the hub start() opens for them.
@@ -416,13 +430,10 @@ class Node(_NodeCalls):
         if self.transport != "tcp" and self._onesided is None:
             from .onesided.hub import Hub  # TransportError here names what is missing
             self._onesided = Hub(self, self._onesided_options)
-        # A TLS handshake happens before the protocol exists, so before hello_timeout and
-        # max_unidentified can see the connection: bound it by the same time.
-        # (None without TLS: the loops refuse a handshake timeout for plain TCP.)
-        tls_limit = (self.hello_timeout or None) if self._ssl_server is not None else None
+        # With TLS the server accepts plain TCP and starts TLS itself (``TlsAccept``): a
+        # connection counts against max_unidentified from accept(), before its handshake.
         creating = asyncio.ensure_future(self._loop.create_server(
-            lambda: self._connection(outbound=False), host, port, reuse_address=True,
-            ssl=self._ssl_server, ssl_handshake_timeout=tls_limit))
+            self._accepted, host, port, reuse_address=True))
         try:
             # Shielded: asyncio's create_server yields once after it has bound, and a cancel
             # landing there would lose the listening server.  Cancelled, we close it instead.
@@ -581,6 +592,7 @@ class Node(_NodeCalls):
                 "credit": int(peer.credit),
                 "owed": int(peer.owed),
                 "unreturned": int(peer.unreturned),
+                "arriving": int(peer.arriving),
                 "window": int(peer.window),
                 "queued_pushes": len(peer.queue),
                 "parked_requests": sum(len(c.parked) for c in conns),
@@ -611,6 +623,46 @@ class Node(_NodeCalls):
 
     # -- what the connections tell the node (rvz.connection.Owner) ----------------------------
 
+    def _accepted(self) -> Connection | TlsAccept:
+        """The protocol of a connection the server accepted."""
+        if self._ssl_server is not None:
+            return TlsAccept(self)
+        return self._connection(outbound=False)
+
+    def tls_accepted(self, transport: Any) -> None:
+        """A TLS node accepted a connection (``TlsAccept``; nothing is read yet): refuse it
+        at once if it is one unidentified connection too many, else start its handshake.
+
+        The handshake runs on a duplicate of the socket, through the loop's own path for
+        an accepted socket (create_server(ssl=...)'s, which hands the connection to its
+        protocol only when the handshake is done); the plain transport lets go of it."""
+        plain = transport.get_extra_info("socket")
+        sock = None
+        if plain is not None and not self._refusing() and (
+                self._unidentified() < self.max_unidentified):
+            try:
+                sock = socket.socket(fileno=os.dup(plain.fileno()))
+            except OSError:  # out of descriptors: refused like one too many
+                pass
+        transport.abort()  # (closes its descriptor only: the connection lives on in ``sock``)
+        if sock is None:
+            return
+        conn = self._connection(outbound=False)
+        self._handshaking.add(conn)
+        self._spawn(self._start_tls(conn, sock))
+
+    async def _start_tls(self, conn: Connection, sock: socket.socket) -> None:
+        # Within hello_timeout; then the HELLO has hello_timeout again (connection_made).
+        assert self._loop is not None
+        try:
+            await self._loop.connect_accepted_socket(
+                lambda: conn, sock, ssl=self._ssl_server,
+                ssl_handshake_timeout=self.hello_timeout or None)
+        except (OSError, asyncio.TimeoutError) as exc:  # ssl.SSLError is an OSError
+            log.debug("%s: a TLS handshake failed: %r", self.name, exc)
+        finally:
+            self._handshaking.discard(conn)  # (connection_made did, if it completed)
+
     def _connection(self, outbound: bool, peer: Any = None) -> Connection:
         decoder = _codec.Decoder(max_payload=self.max_payload, pool=self._recv_pool)
         return Connection(self, self._core, decoder, outbound, peer)
@@ -622,11 +674,8 @@ class Node(_NodeCalls):
         peer_timeout."""
         return self._state == "closed" and not self._said_bye
 
-    def hello_fields(self, conn: Connection) -> dict[str, Any] | None:
-        """What this node says in the HELLO of a new connection (for ``Connection``), or
-        None: no HELLO (``_refusing``)."""
-        if self._refusing():
-            return None
+    def hello_fields(self, conn: Connection) -> dict[str, Any]:
+        """What this node says in the HELLO of a new connection."""
         conn.nonce = os.urandom(16)
         fields = {"v": _codec.VERSION, "job": self.job, "task": self.task,
                   "inc": self.incarnation, "order": sys.byteorder, "mode": self.mode,
@@ -638,28 +687,33 @@ class Node(_NodeCalls):
 
     def connection_made(self, conn: Connection) -> None:
         """A connection opened (either side dialled); ``Connection`` calls this."""
+        self._handshaking.discard(conn)  # its TLS handshake is done: counted here from now on
         self._conns.add(conn)
         assert self._loop is not None
         conn.opened = self._loop.time()
         if self._refusing():
             conn.fail(self._closed_error(self._close_cause or NodeClosed(self.name)))
             return
+        if not conn.outbound and self._unidentified() > self.max_unidentified:
+            # Before a byte is written: a dialler that read our HELLO would take the
+            # connection as ready and send on it.  It sees a reset, and dials again.
+            conn.fail(ProtocolError(f"more than {self.max_unidentified} connections have "
+                                    "not completed their handshake (max_unidentified)"))
+            return
+        conn.write_frame(_codec.encode_hello(self.hello_fields(conn)))
         if self._said_bye:
             # A dial (ours or the peer's) that completed while close() drains: our HELLO is
             # out, so the peer may already count it ready; it must end with BYE as well.
             self._say_bye(conn)
             conn.close()
-            return
-        if not conn.outbound:
-            if self._unidentified() > self.max_unidentified:
-                conn.fail(ProtocolError(f"more than {self.max_unidentified} connections have "
-                                        "not completed their handshake (max_unidentified)"))
 
     def _unidentified(self) -> int:
-        """Accepted connections whose handshake is not complete (``max_unidentified``).
-        Refused ones count too: they hold their buffers until the peer reads the ERROR and
-        hangs up (or ``hello_timeout``), and a flood of them costs as much as silent ones."""
-        return sum(1 for c in self._conns if not c.ready and not c.outbound and not c.closed)
+        """Accepted connections whose handshake is not complete (``max_unidentified``),
+        those still in their TLS handshake too.  Refused ones count as well: they hold their
+        buffers until the peer reads the ERROR and hangs up (or ``hello_timeout``), and a
+        flood of them costs as much as silent ones."""
+        return len(self._handshaking) + sum(
+            1 for c in self._conns if not c.ready and not c.outbound and not c.closed)
 
     def connection_lost(self, conn: Connection) -> None:
         """A connection closed; fails what depended on it (``Connection`` calls this)."""
@@ -1343,6 +1397,12 @@ class Node(_NodeCalls):
             else:
                 conn.seen_in = received
                 conn.idle_ticks = 0
+            if self.min_rate and conn.payload_too_slow(self.heartbeat, self.peer_timeout,
+                                                       self.min_rate):
+                conn.fail(ProtocolError(f"a payload from {self._peer_name(conn)} has taken over "
+                                        f"{self.peer_timeout}s and comes at less than "
+                                        f"{self.min_rate} bytes/s (min_rate)"))
+                continue
             if conn.ready and conn.bytes_out == conn.seen_out:
                 conn.write_frame(_codec.encode_ping())
             conn.seen_out = conn.bytes_out

@@ -57,6 +57,7 @@ class PeerStats(TypedDict):
     credit: int
     owed: int
     unreturned: int
+    arriving: int  # what its pushes whose payload is still arriving will cost the window
     window: int
     queued_pushes: int
     parked_requests: int

@@ -12,6 +12,7 @@ that must be refused.  Everything runs on both loops and only on loopback.
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import logging
 import os
@@ -20,6 +21,7 @@ import ssl
 import subprocess
 import sys
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ import rvz
 import rvz.onesided
 from rvz import _impl
 
-from .conftest import FAST, FakeTransport, frame_types, free_ports, key, pair
+from .conftest import FAST, FakeTransport, eventually, frame_types, free_ports, key, pair
 from .hostile import Hostile, auth_mac, data_frame, encode_auth, hello_fields, identity, key_text, victim
 
 codec = _impl.codec
@@ -81,7 +83,8 @@ async def exchange(w: rvz.Node, p: rvz.Node, name: str, mode: str | None = None,
 def test_new_options_have_the_documented_defaults() -> None:
     params = inspect.signature(rvz.Node).parameters
     expected = {"secret": None, "ssl": None, "max_parked": 65536, "max_steps": 65536,
-                "step_idle": 600.0, "max_unidentified": 64, "answer_backlog": 32 << 20}
+                "step_idle": 600.0, "max_unidentified": 64, "answer_backlog": 32 << 20,
+                "min_rate": 64 << 10}
     assert {name: params[name].default for name in expected} == expected
     assert 0 < params["hello_timeout"].default <= 10
     assert issubclass(rvz.AuthError, rvz.RvzError)
@@ -688,5 +691,43 @@ def test_a_tls_handshake_never_started_is_closed_at_hello_timeout(run, certs) ->
             finally:
                 for h in silent:
                     h.close()
+
+    run(body(), timeout=30)
+
+
+def test_connections_still_in_their_tls_handshake_count_as_unidentified(run, certs) -> None:  # type: ignore[no-untyped-def]
+    """A TLS node's connections used to be counted only once their TLS handshake was done:
+    a flood that never starts TLS held a descriptor and a task each until hello_timeout.
+    They count from accept() now: beyond max_unidentified one is closed at once, before
+    its handshake begins, and nothing of those admitted outlives them."""
+    async def body() -> None:
+        cluster = three_tasks()
+        cap = 4
+        options = {**QUICK, "max_unidentified": cap, "hello_timeout": 30.0}
+        async with rvz.Node(cluster, *PS0, "send", ssl=tls(certs), **options) as p:
+            tasks_before = len(p._tasks)
+            silent = [await Hostile.connect(p.address) for _ in range(40)]
+            ends = [asyncio.ensure_future(h.reader.read(1)) for h in silent]
+            try:
+                # beyond the cap they are closed at once, not at hello_timeout
+                await eventually(lambda: sum(e.done() for e in ends) == len(silent) - cap,
+                                 "all but max_unidentified closed at once")
+                assert p.stats()["unidentified"] == cap
+                admitted = [weakref.ref(c) for c in p._handshaking]
+                assert len(admitted) == cap
+                assert all(e.result() == b"" for e in ends if e.done() and not e.exception())
+            finally:
+                for h in silent:
+                    h.close()
+            # the admitted ones, gone: nothing of theirs is left in the node
+            await eventually(lambda: p.stats()["unidentified"] == 0, "no unidentified left")
+            await eventually(lambda: len(p._tasks) == tasks_before, "no handshake task left")
+            assert not p._conns
+            gc.collect()  # (a failed handshake's exception and its protocol form a cycle)
+            assert all(ref() is None for ref in admitted), "a connection outlived its close"
+            async with rvz.Node(cluster, *WORKER0, "send", ssl=tls(certs), **QUICK) as w:
+                await exchange(w, p, "after_the_flood")
+            for end in ends:
+                end.cancel()
 
     run(body(), timeout=30)

@@ -20,7 +20,7 @@ import pytest
 import rvz
 from rvz import _impl
 
-from .conftest import FAST, free_ports, key, pair
+from .conftest import FAST, eventually, free_ports, key, pair
 from .hostile import GiB, Hostile, MiB, data_frame, data_header, hello_fields, key_text, victim
 
 codec = _impl.codec
@@ -596,6 +596,154 @@ def test_six_hundred_identified_connections_that_only_ping(run) -> None:  # type
                     h.close()
 
     run(body(), timeout=50)
+
+
+def test_a_connection_refused_for_max_unidentified_gets_no_hello(run) -> None:  # type: ignore[no-untyped-def]
+    """A connection beyond max_unidentified is refused before anything is written to it.
+    It used to get the node's HELLO first: a Send-Driven dialler without a secret took it
+    as ready and its sends returned, while the node had reset it, and nothing arrived.  Now
+    the dialler sees no HELLO and dials again: what its sends report as sent arrives."""
+    async def body() -> None:
+        cluster = three_tasks()
+        options = {**FAST, "max_unidentified": 2, "hello_timeout": 30.0, "peer_timeout": 30.0}
+        async with rvz.Node(cluster, "ps", 0, "send", **options) as p:
+            silent = [await Hostile.connect(p.address) for _ in range(2)]
+            try:
+                await eventually(lambda: p.stats()["unidentified"] == 2, "2 unidentified")
+                extra = await Hostile.connect(p.address)
+                try:
+                    assert await extra.events_until_closed(5) == []  # not even a HELLO
+                finally:
+                    extra.close()
+                async with rvz.Node(cluster, "worker", 0, "send", **FAST) as w:
+                    dials: list[int] = []
+                    dial = w._connection
+
+                    def counted(outbound: bool, peer: Any = None) -> Any:
+                        dials.append(1)
+                        return dial(outbound, peer)
+
+                    w._connection = counted  # type: ignore[method-assign]
+                    sends = [asyncio.ensure_future(w.send(key(f"v{i}"), np.full(10, i), timeout=15))
+                             for i in range(20)]
+                    # Refused again and again (or, before, taken as ready: the sends return).
+                    await eventually(lambda: len(dials) >= 3 or all(s.done() for s in sends),
+                                     "three dials refused")
+                    for h in silent:
+                        h.close()
+                    results = await asyncio.gather(*sends, return_exceptions=True)
+                    sent = [i for i, r in enumerate(results) if not isinstance(r, BaseException)]
+                    assert sent == list(range(20)), results
+                    for i in sent:
+                        got = await p.recv(key(f"v{i}"), timeout=5)
+                        assert got.tolist() == [i] * 10
+            finally:
+                for h in silent:
+                    h.close()
+
+    run(body(), timeout=40)
+
+
+def reserved(node: rvz.Node) -> int:
+    """Bytes of large payloads the node's connections have arrays reserved for and still
+    wait for (each header admitted reserves its whole payload)."""
+    return sum(int(c.decoder.payload_left()) for c in node._conns if not c.closed)
+
+
+def test_large_pushes_started_at_once_on_several_connections_share_one_window(run) -> None:  # type: ignore[no-untyped-def]
+    """Eight connections of one peer each start a push of 16 MiB at once, against a window
+    of 1 MiB.  Each header used to pass on its own (nothing was unreturned yet) and reserve
+    its array: eight payloads at once (eight times max_payload, at worst).  What is
+    still arriving now counts against the window across the peer's connections: one is
+    admitted, the others are refused at their header, and the reservation is given back
+    when the connections close."""
+    async def body() -> None:
+        cluster = three_tasks()
+        window = 1 * MiB
+        size = 16 * MiB
+        options = {"push_window": window, "peer_timeout": 30.0}
+        async with pair(cluster, "send", ps=options) as (w, p):
+            conns = [await Hostile.connect(p.address) for _ in range(8)]
+            peak = 0
+
+            async def watch() -> None:
+                nonlocal peak
+                while True:
+                    peak = max(peak, reserved(p))
+                    await asyncio.sleep(0.002)
+
+            watcher = asyncio.ensure_future(watch())
+            try:
+                for h in conns:
+                    await h.hello("worker", 1, 7)
+                header = data_header(0, 0, key_text("big", W1, PS0), U8, (size,), size)
+                await asyncio.gather(*(h.send(header + bytes(4096)) for h in conns))
+                closed = await asyncio.gather(*(h.events_until_closed(5) for h in conns),
+                                              return_exceptions=True)
+                peak = max(peak, reserved(p))
+                assert peak <= size, f"{peak / MiB:.0f} MiB reserved at once"
+                assert all(not isinstance(c, BaseException) for c in closed), closed
+            finally:
+                watcher.cancel()
+                for h in conns:
+                    h.close()
+            await eventually(lambda: reserved(p) == 0, "no payload reserved")
+            stats = p.stats()["peers"][W1_NAME]
+            assert stats["arriving"] == 0 and stats["unreturned"] == 0, stats
+            await w.send(key("legit"), np.full(1000, 9, np.uint8), timeout=10)
+            assert (await p.recv(key("legit"), timeout=10)).tolist() == [9] * 1000
+
+    run(body(), timeout=30)
+
+
+async def trickle(h: Hostile, data: bytes, rate: int, tick: float = 0.02) -> bool:
+    """Write ``data`` at about ``rate`` bytes/s; False once the node has closed."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    sent = 0
+    while sent < len(data):
+        due = int((loop.time() - start + tick) * rate)
+        if due > sent and not await h.send(data[sent:due]):
+            return False
+        sent = max(sent, due)
+        await asyncio.sleep(tick)
+    return True
+
+
+@pytest.mark.parametrize("rate", ["slower", "faster"])
+def test_a_payload_trickled_below_min_rate_is_closed_and_its_reservation_freed(run, rate, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A producer that trickles a payload kept its connection, and the array reserved at
+    the header, for ever: bytes came at every heartbeat.  Past peer_timeout a payload must
+    now keep up min_rate on average.  One trickled at a fifth of it is closed (the reason
+    names min_rate) and its reservation freed; one at thrice min_rate, a slow but working
+    link, arrives."""
+    async def body() -> None:
+        cluster = three_tasks()
+        min_rate = 128 << 10
+        options = {**FAST, "peer_timeout": 0.5, "min_rate": min_rate}
+        async with rvz.Node(cluster, "ps", 0, "send", **options) as p:
+            k = key_text("slow", W1, PS0)
+            value = np.full(512 << 10, 3, np.uint8)  # about 1.3 s at thrice min_rate
+            h = await Hostile.connect(p.address)
+            try:
+                await h.hello("worker", 1, 7)
+                if rate == "faster":
+                    assert await trickle(h, data_frame(0, 0, k, value), 3 * min_rate)
+                    got = await p.recv(k, timeout=10)
+                    assert got.nbytes == value.nbytes and (got == 3).all()
+                else:
+                    with caplog.at_level(logging.WARNING, logger="rvz"):
+                        delivered = await asyncio.wait_for(
+                            trickle(h, data_frame(0, 0, k, value), min_rate // 5), 10)
+                        assert not delivered, "the node kept a payload far below min_rate"
+                        await eventually(lambda: reserved(p) == 0, "the reservation freed")
+                    assert any("min_rate" in r.getMessage() for r in caplog.records), \
+                        [r.getMessage() for r in caplog.records]
+                    assert p.stats()["peers"][W1_NAME]["arriving"] == 0
+            finally:
+                h.close()
+
+    run(body(), timeout=30)
 
 
 # -- memory: headers and backlog -----------------------------------------------------------------

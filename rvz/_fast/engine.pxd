@@ -86,6 +86,7 @@ cdef class Peer:
     cdef public Py_ssize_t rx_floor
     cdef public set rx_above
     cdef public Py_ssize_t acked_sent
+    cdef public Py_ssize_t arriving
     cdef object __weakref__
 
     cpdef list live_connections(self)
@@ -157,6 +158,7 @@ cdef class Wire:
     cdef public bint gather
     cdef public bint tuning
     cdef public Py_ssize_t tune_from
+    cdef public Py_ssize_t arriving
     cdef dict __dict__
 
     # cpdef: the transport calls it from Python (typed, the read's size is a C value)
@@ -251,6 +253,7 @@ cdef class Core:
     cpdef object remote_table(self, object step, Wire conn)
     @cython.locals(route=Route, peer=Peer)
     cpdef admit(self, Wire conn, object step, object request_id, str key, object nbytes)
+    cpdef arrived(self, Wire conn)
     @cython.locals(before=Py_ssize_t)
     cpdef check_window(self, Peer peer, object cost)
     cpdef joined(self, object step, Peer peer)

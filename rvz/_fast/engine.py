@@ -259,8 +259,8 @@ class Peer:
                  "link", "credit", "asked", "queue", "owed", "owed_scheduled", "owe_now",
                  "stuck", "pushes_on", "joined_step", "window", "unreturned", "answered",
                  "parks", "asking", "held_back", "held_back_mark", "lost", "held_bytes",
-                 "held_count", "hold_reserved", "tx_seq", "unacked", "credit_in", "credited",
-                 "rx_floor", "rx_above", "acked_sent", "__weakref__")
+                 "held_count", "hold_reserved", "arriving", "tx_seq", "unacked", "credit_in",
+                 "credited", "rx_floor", "rx_above", "acked_sent", "__weakref__")
 
     def __init__(self, task_id: tuple, address: str, window: int) -> None:
         self.id = task_id
@@ -286,6 +286,11 @@ class Peer:
         self.unreturned = 0
         # Of ``unreturned``, about how much came as answers to our requests (``check_window``).
         self.answered = 0
+        # As its consumer: what its pushes whose header we admitted and whose payload is
+        # still arriving will cost, on all of its connections (``Core.admit``).  It counts
+        # against the window with ``unreturned``, so parallel large pushes on several
+        # connections are bounded before their memory is reserved.
+        self.arriving = 0
         self.asked = False                          # we asked it for credit it holds back
         # Pushes waiting for the link, credit or the socket, in call order:
         # (done future, step, route, value, dtype code, shape, nbytes).
@@ -479,6 +484,9 @@ class Wire:
         # large) goes to the transport's ``tune_read`` (which may raise its wake-up
         # threshold); see ``buffer_updated``.
         self.tune_from = NEVER
+        # What the push whose payload arrives now reserved of its peer's window
+        # (``Core.admit``); given back when it has arrived or the connection closes.
+        self.arriving = 0
         if decoder is not None:
             decoder.admit = self.admit
             decoder.stop_at_handshake = True
@@ -536,6 +544,10 @@ class Wire:
         except ProtocolError as exc:
             self.fail(exc)
             return
+        if self.arriving != 0 and self.decoder.payload_left() == 0:
+            # The push admitted at its header is whole, in ``events``: from its dispatch on
+            # it counts in ``unreturned`` instead.
+            self.core.arrived(self)
         while events:
             if not self.ready:
                 # The handshake (HELLO, then AUTH with a secret) goes frame by frame: it says
@@ -1074,7 +1086,18 @@ class Core:
                 return
             if self.cancelled.get(request_id) is peer:
                 return
-        self.check_window(peer, nbytes + MESSAGE_COST)  # not asked for: a push
+        cost = nbytes + MESSAGE_COST  # not asked for: a push
+        self.check_window(peer, cost)
+        peer.arriving += cost
+        conn.arriving = cost
+
+    def arrived(self, conn: Wire) -> None:
+        """The push ``conn`` admitted has arrived, or never will (the connection closed):
+        what it reserved of its peer's window is free again."""
+        cost = conn.arriving
+        if cost != 0:
+            conn.arriving = 0
+            conn.peer.arriving -= cost
 
     def check_window(self, peer: Peer, cost: Any) -> None:
         """A push of ``cost`` arrives: refuse a producer that ignores the window we granted.
@@ -1087,8 +1110,10 @@ class Core:
         written straight into its destination), so the producer had not counted it when
         it pushed.  ``answered`` holds their bytes until that much credit went back (an
         upper bound on what of ``unreturned`` was pushed: the limit never tightens).
+        Pushes still arriving on any of its connections (``arriving``) count as well: a
+        producer that starts large pushes on several connections at once gets one.
         """
-        before = peer.unreturned - peer.answered
+        before = peer.unreturned - peer.answered + peer.arriving
         # (``cost`` alone stays a Python int: from a frame's header it may exceed any C type)
         if before > 0 and cost > 2 * peer.window - before:
             raise ProtocolError(f"{peer.name} pushed beyond the push window: {before} bytes "
