@@ -1269,7 +1269,10 @@ class Node(_NodeCalls):
         core = self._core
         if level is None:
             level = logging.INFO if isinstance(err.__cause__, NodeClosed) else logging.WARNING
-        log.log(level, "%s: %s", self.name, err)
+        if isinstance(err.__cause__, AuthError):  # refused at each try: said in sum
+            self._repeats.log(f"refused by {peer.name}", level, f"{self.name}: {err}")
+        else:
+            log.log(level, "%s: %s", self.name, err)
         for conn in peer.live_connections():
             if conn is not keep:
                 conn.fail(err)
@@ -1690,6 +1693,9 @@ class Node(_NodeCalls):
             self._peer_lost(peer, err, keep=conn)
             self._forget_dead_steps_of(peer, old)
             self._drop_values_of(peer, old)
+            # Requests we cancelled on the old process are never settled by the new one.
+            core = self._core
+            core.cancelled = {i: p for i, p in core.cancelled.items() if p is not peer}
         # Nothing of the old process counts.
         peer.unreturned = 0
         peer.answered = 0

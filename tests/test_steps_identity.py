@@ -234,6 +234,41 @@ def test_the_real_process_is_taken_back_once_an_impostor_left(run, secret) -> No
     run(body(), timeout=40)
 
 
+def test_a_process_refused_again_and_again_logs_it_in_sum(run, caplog) -> None:  # type: ignore[no-untyped-def]
+    """While an impostor holds worker:0's identity, each try of the real worker:0 is
+    refused; both sides say so in one line and a count, not a line per try."""
+    async def body() -> None:
+        cluster = three_tasks()
+        async with pair(cluster, "send", claim_timeout=None) as (w, p):
+            await w.send(key("before"), np.arange(2))
+            assert (await p.recv(key("before"), timeout=5)).tolist() == [0, 1]
+            h = await Hostile.connect(p.address)
+            try:
+                await h.hello("worker", 0, 0xBAD)
+                await eventually(lambda: p._core.peers[W0].incarnation == 0xBAD,
+                                 "the impostor replaced worker:0")
+                with caplog.at_level(logging.WARNING, logger="rvz"):
+                    for _ in range(20):  # each dials again and is refused
+                        try:
+                            await w.send(key("refused"), np.arange(1), timeout=5)
+                            await asyncio.sleep(0.05)  # the refusal comes after the push
+                        except (rvz.PeerLost, rvz.AuthError):
+                            pass
+                    await eventually(lambda: sum("two processes run as" in r.getMessage()
+                                                 for r in caplog.records) >= 1, "a refusal")
+            finally:
+                h.close()
+            said = [r.getMessage() for r in caplog.records if "two processes run as" in r.getMessage()]
+            on_w = [line for line in said if line.startswith(w.name)]
+            on_p = [line for line in said if line.startswith(p.name)]
+            assert 1 <= len(on_w) <= 2 and 1 <= len(on_p) <= 2, said
+            # ... while many more were counted, to be said in the next summary line
+            counted = w._repeats.counted.get(f"refused by {p.name}", [0])[0]
+            assert counted + len(on_w) >= 5, (counted, said)
+
+    run(body(), timeout=60)
+
+
 # -- certificates that name their task -------------------------------------------------------
 
 
