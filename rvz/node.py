@@ -1875,7 +1875,7 @@ class Node(_NodeCalls):
     def _note_dead_step_owner(self, step: int, peers: set[Any], origin: Any) -> None:
         """Remember a dead step whose only other party was one peer's process: it dies with
         that process (``_forget_dead_steps_of``)."""
-        parties = peers | {origin} if origin is not None else peers
+        parties = (peers | {origin}) if origin is not None else peers
         if len(parties) == 1:
             peer = next(iter(parties))
             if peer.incarnation is not None:

@@ -81,7 +81,8 @@ async def exchange(w: rvz.Node, p: rvz.Node, name: str, mode: str | None = None,
 def test_new_options_have_the_documented_defaults() -> None:
     params = inspect.signature(rvz.Node).parameters
     expected = {"secret": None, "ssl": None, "max_parked": 65536, "max_steps": 65536,
-                "step_idle": 600.0, "max_unidentified": 64, "answer_backlog": 32 << 20}
+                "step_idle": 600.0, "max_unidentified": 64, "answer_backlog": 32 << 20,
+                "tls_identity": False}
     assert {name: params[name].default for name in expected} == expected
     assert 0 < params["hello_timeout"].default <= 10
     assert issubclass(rvz.AuthError, rvz.RvzError)

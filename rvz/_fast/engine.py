@@ -893,7 +893,7 @@ class Core:
         # connection): looked at again once it is back (``regroup``), not at every pass.
         self.lost_claims: dict = {}
         self.max_parked = max_parked       # a peer's parked requests on one connection
-        self.max_steps = max_steps         # tables at once
+        self.max_steps = max_steps         # tables peers may open at once, shared (step_share)
         self.answer_backlog = answer_backlog  # unsent output beyond which answers wait
         self.waits_producer = 0            # how often a send had to wait (window, hold limit)
         self.waits_consumer = 0            # how often a recv had to wait for its value
