@@ -43,6 +43,7 @@ import os
 import socket
 import ssl as _ssl
 import sys
+import time
 import warnings
 import weakref
 from collections import deque
@@ -76,10 +77,14 @@ _keys = _impl.keys
 _table = _impl.table
 _engine = _impl.engine
 if TYPE_CHECKING:  # the annotated source; at run time, the variant _impl loaded
+    from typing_extensions import Unpack
+
     from ._fast.calls import NodeCalls as _NodeCalls
+    from .types import NodeOptions
 else:
     _NodeCalls = _impl.calls.NodeCalls
 EMPTY = _table.EMPTY
+_seconds = _table.seconds  # a duration as a message says it
 nbytes_of = _engine.nbytes_of
 
 MODES = ("recv", "send")
@@ -100,6 +105,11 @@ _ABORT_TEXT_MAX = 1024  # characters of a peer's step clean-up message that are 
 # after peer_timeout + size / MIN_RATE at most, and has to send real bytes meanwhile.
 MIN_RATE = 64 << 10
 
+# Bytes a secret must have at least.  An AUTH frame is an HMAC over nonces anyone on the
+# path sees, so one captured handshake lets a guesser test keys offline at full speed:
+# 16 bytes (128 bits of a random key) put that out of reach; an empty key proves nothing.
+SECRET_MIN_BYTES = 16
+
 TaskId = tuple  # (job, task)
 
 
@@ -108,6 +118,82 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def _check_secret(secret: str | bytes | None) -> bytes | None:
+    """``secret=`` (or ``RVZ_SECRET`` when it is None) as the HMAC key, or None: no secret.
+    A set ``RVZ_SECRET`` counts even when empty: an empty key would prove nothing."""
+    where = "secret"
+    if secret is None:
+        secret = os.environ.get("RVZ_SECRET")
+        where = "RVZ_SECRET"
+        if secret is None:
+            return None
+    if not isinstance(secret, (str, bytes)):
+        raise ConfigError(f"secret must be str or bytes, not {type(secret).__name__}")
+    key = secret.encode("utf-8") if isinstance(secret, str) else secret
+    if len(key) < SECRET_MIN_BYTES:
+        raise ConfigError(f"{where} must be at least {SECRET_MIN_BYTES} bytes long (a random "
+                          f"key: 16 bytes of os.urandom, or secrets.token_hex(16)), not "
+                          f"{len(key)}")
+    return key
+
+
+def certificate_names(job: str, task: int) -> set[str]:
+    """The names a TLS certificate may give a task with ``tls_identity``: as a CN or a DNS
+    or URI subject alternative name, ``/job:worker/task:2`` or ``worker-2``."""
+    return {f"/job:{job}/task:{task}", f"{job}-{task}"}
+
+
+def _certificate_names(cert: dict[str, Any]) -> list[str]:
+    """The CNs of a certificate's subject and its DNS and URI alternative names, as
+    ``ssl.SSLSocket.getpeercert()`` decodes them."""
+    names = [value for rdn in cert.get("subject", ()) for name, value in rdn
+             if name == "commonName"]
+    names += [value for kind, value in cert.get("subjectAltName", ()) if kind in ("DNS", "URI")]
+    return names
+
+
+# Seconds over which a repeated event (a refused connection) is said in one line.
+REPEAT_INTERVAL = 10.0
+
+
+class _Repeats:
+    """One log line per ``REPEAT_INTERVAL`` for an event that may repeat many times a second.
+
+    The first occurrence is logged as it happens, with its detail; those that follow within
+    the interval are counted, and ``flush`` (at each heartbeat) says how many in one line
+    with the first of them, at the highest level among them."""
+
+    def __init__(self) -> None:
+        self.began: dict[str, float] = {}               # kind -> when its interval began
+        self.counted: dict[str, list[Any]] = {}         # kind -> [count, level, first text]
+
+    def log(self, kind: str, level: int, text: str) -> None:
+        if kind not in self.began:
+            self.began[kind] = time.monotonic()
+            log.log(level, "%s", text)
+            return
+        entry = self.counted.get(kind)
+        if entry is None:
+            self.counted[kind] = [1, level, text]
+        else:
+            entry[0] += 1
+            entry[1] = max(entry[1], level)
+
+    def flush(self, force: bool = False) -> None:
+        now = time.monotonic()
+        for kind, began in list(self.began.items()):
+            if not force and now - began < REPEAT_INTERVAL:
+                continue
+            entry = self.counted.pop(kind, None)
+            if entry is None:
+                del self.began[kind]  # a quiet interval: the next one is logged at once
+                continue
+            count, level, text = entry
+            log.log(level, "%d more like this in the last %.0fs, the first: %s", count,
+                    now - began, text)
+            self.began[kind] = now
 
 
 def _log_unclaimed_failure(done: asyncio.Future[None]) -> None:
@@ -248,7 +334,7 @@ class Node(_NodeCalls):
                  max_parked: int = 65536, max_steps: int = 65536, step_idle: float | None = 600.0,
                  hello_timeout: float = 10.0, max_unidentified: int = 64,
                  answer_backlog: int = 32 << 20, busy_poll: float = 0.0,
-                 min_rate: int = MIN_RATE) -> None:
+                 min_rate: int = MIN_RATE, tls_identity: bool = False) -> None:
         if mode not in MODES:
             raise ConfigError(f"mode must be 'recv' or 'send', not {mode!r}")
         if transport not in TRANSPORTS:
@@ -300,12 +386,8 @@ class Node(_NodeCalls):
         self.mode = mode
         self.transport: str = transport  # onesided.Host declares it a str
         self._host = host
-        if secret is None:
-            secret = os.environ.get("RVZ_SECRET") or None
-        if secret is not None and not isinstance(secret, (str, bytes)):
-            raise ConfigError(f"secret must be str or bytes, not {type(secret).__name__}")
         # Kept only as the HMAC key; never logged, never part of an error message.
-        self._secret = secret.encode("utf-8") if isinstance(secret, str) else secret
+        self._secret = _check_secret(secret)
         self._ssl_server: _ssl.SSLContext | None
         self._ssl_client: _ssl.SSLContext | None
         if isinstance(ssl, tuple):
@@ -315,6 +397,12 @@ class Node(_NodeCalls):
         for ctx in (self._ssl_server, self._ssl_client):
             if ctx is not None and not isinstance(ctx, _ssl.SSLContext):
                 raise ConfigError("ssl must be an ssl.SSLContext or a (server, client) pair of them")
+        if tls_identity and (self._ssl_server is None or self._ssl_client is None
+                             or self._ssl_server.verify_mode != _ssl.CERT_REQUIRED
+                             or self._ssl_client.verify_mode != _ssl.CERT_REQUIRED):
+            raise ConfigError("tls_identity needs mutual TLS: ssl= contexts that both require "
+                              "the peer's certificate (verify_mode = ssl.CERT_REQUIRED)")
+        self.tls_identity = bool(tls_identity)
         self.max_parked = max_parked
         self.max_steps = max_steps
         self.step_idle = step_idle
@@ -348,6 +436,8 @@ class Node(_NodeCalls):
         self.lost_hold_limit = self._core.lost_hold_limit  # (None: the core's default)
         self._idle_since: dict[int, tuple[Any, float]] = {}  # step -> (activity mark, since)
         self._dead_order: deque[int] = deque()  # core.dead_steps' keys, oldest first
+        # dead step -> (task id, incarnation) of the one peer process that took part in it
+        self._dead_owner: dict[int, tuple[TaskId, int]] = {}
         # step -> (table, stamp, puts) of the tables the last tick found empty
         self._empty_seen: dict[int, tuple[Any, Any, Any]] = {}
         self._conns: set[Connection] = set()
@@ -360,6 +450,7 @@ class Node(_NodeCalls):
         self._onesided_options = onesided
         self._onesided: Any = None
         self._closing_pushes: list[Any] = []
+        self._repeats = _Repeats()  # events that may repeat many times a second, logged in sum
         self._said_bye = False  # close() said BYE: a connection made since says it at once
         # task id -> incarnations of that task a newer one replaced (the last few): one of
         # them back is a second process with the same task id, never a restart.
@@ -386,7 +477,7 @@ class Node(_NodeCalls):
         return int(self._core.held_count)
 
     @classmethod
-    def from_env(cls, **options: Any) -> Node:
+    def from_env(cls, **options: Unpack[NodeOptions]) -> Node:
         """A node for this process's task, from ``TF_CONFIG`` or from ``RVZ_CLUSTER`` (JSON),
         ``RVZ_JOB`` and ``RVZ_TASK`` (see ``rvz.cluster.from_env``); ``options`` are the
         other ``Node`` arguments."""
@@ -605,6 +696,8 @@ class Node(_NodeCalls):
         steps: dict[int, StepStats] = {}
         for step, table in core.tables.items():
             keys_queued, queued, keys_waiting, waiting = table.counts()
+            if not (keys_queued or keys_waiting):
+                continue  # a table that holds nothing is as good as gone (_drop_empty_tables)
             steps[step] = {"queued_values": queued, "queued_keys": keys_queued,
                            "waiting_recvs": waiting, "waiting_keys": keys_waiting}
         return {
@@ -719,7 +812,8 @@ class Node(_NodeCalls):
         """A connection closed; fails what depended on it (``Connection`` calls this)."""
         self._conns.discard(conn)
         if isinstance(conn.close_reason, AuthError) and not conn.outbound:
-            log.warning("%s refused a connection: %s", self.name, conn.close_reason)
+            self._repeats.log("refused", logging.WARNING,
+                              f"{self.name} refused a connection: {conn.close_reason}")
         waiter = conn.hello_waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(conn.lost_error())
@@ -913,6 +1007,7 @@ class Node(_NodeCalls):
         core.closed = True
         if self._tick_handle is not None:
             self._tick_handle.cancel()
+        self._repeats.flush(force=True)
         message = f"node {self.name} closed"
         for step in list(core.tables):
             self._drop_table(step, message, cause, NodeClosed)
@@ -1001,7 +1096,7 @@ class Node(_NodeCalls):
                         await self._wait(core.hold_waiters, left, "hold limit")
                     except (TimeoutError, asyncio.TimeoutError):
                         raise TimeoutError(f"send of {route.text} to {peer.name} timed out "
-                                           f"after {said}s (hold limit: values not yet "
+                                           f"after {_seconds(said)}s (hold limit: values not yet "
                                            f"fetched{self._held_summary()})") from None
             except BaseException:
                 core.wake_holders()  # the sends behind it look again (once ``finally`` ran)
@@ -1029,7 +1124,7 @@ class Node(_NodeCalls):
                 raise
             what = (f"send of {dropped[1][2].text} to {dropped[0].name}"
                     if dropped is not None else "send")
-            raise TimeoutError(f"{what} timed out after {said}s "
+            raise TimeoutError(f"{what} timed out after {_seconds(said)}s "
                                "(connection, push window or socket)") from None
 
     def _start_link(self, peer: Any) -> None:
@@ -1069,7 +1164,7 @@ class Node(_NodeCalls):
             else:
                 await _wait_for(waiter, timeout)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"{what}: timed out after {timeout}s") from None
+            raise TimeoutError(f"{what}: timed out after {_seconds(timeout)}s") from None
         finally:
             try:
                 waiters.remove(waiter)
@@ -1288,7 +1383,10 @@ class Node(_NodeCalls):
         core = self._core
         if level is None:
             level = logging.INFO if isinstance(err.__cause__, NodeClosed) else logging.WARNING
-        log.log(level, "%s: %s", self.name, err)
+        if isinstance(err.__cause__, AuthError):  # refused at each try: said in sum
+            self._repeats.log(f"refused by {peer.name}", level, f"{self.name}: {err}")
+        else:
+            log.log(level, "%s: %s", self.name, err)
         for conn in peer.live_connections():
             if conn is not keep:
                 conn.fail(err)
@@ -1419,6 +1517,7 @@ class Node(_NodeCalls):
         for peer in core.peers.values():
             if peer.owed > 0:  # a batch below a quarter window still goes back when idle
                 core.flush_credit_now(peer)
+        self._repeats.flush()
         self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
 
     def _drop_empty_tables(self) -> None:
@@ -1469,6 +1568,8 @@ class Node(_NodeCalls):
         opened steps and never cleaned them up cannot keep them forever)."""
         assert self.step_idle is not None
         seen = self._idle_since
+        expired = more = values_lost = recvs_failed = 0
+        level = logging.INFO
         for step, table in list(self._core.tables.items()):
             if step == 0:
                 continue
@@ -1481,10 +1582,21 @@ class Node(_NodeCalls):
                 keys, values, _, recvs = table.counts()
                 # What it held is lost (values never received, recvs that now fail): worth
                 # a warning, not the INFO line of a step that only kept its table.
-                level = logging.WARNING if values or recvs else logging.INFO
-                log.log(level, "%s: %s; dropped %d value(s) of %d key(s), failed %d recv(s)",
-                        self.name, message, values, keys, recvs)
+                this = logging.WARNING if values or recvs else logging.INFO
+                expired += 1
+                if expired == 1:  # the first with its detail, the others in one line
+                    log.log(this, "%s: %s; dropped %d value(s) of %d key(s), failed %d recv(s)",
+                            self.name, message, values, keys, recvs)
+                else:
+                    more += 1
+                    values_lost += values
+                    recvs_failed += recvs
+                    level = max(level, this)
                 self._drop_table(step, message, None)
+        if more:
+            log.log(level, "%s: %d more step(s) expired after %ss without activity; dropped "
+                    "%d value(s), failed %d recv(s)", self.name, more, self.step_idle,
+                    values_lost, recvs_failed)
 
     def _push_held(self) -> list[Any]:
         """At close: push every Recv-Driven value still held to its consumer."""
@@ -1627,16 +1739,8 @@ class Node(_NodeCalls):
         incarnation, window, parks, _, fields = conn.hello
         window = min(window, self.push_window)
         peer = conn.peer
-        replaced = self._replaced.get(peer.id)
-        if replaced is not None and incarnation in replaced:
-            # A restarted process has a new incarnation and the old one never comes back:
-            # this is a second live process with the peer's task id (two nodes started as
-            # one task).  Taking it would replace the other one, which would replace it in
-            # turn, each time failing what the other held: refused, as a failed handshake
-            # (the dialler does not retry).
-            raise AuthError(f"{peer.name} incarnation {incarnation:#x} was replaced by "
-                            f"incarnation {peer.incarnation:#x}: two processes run as "
-                            f"{peer.name} (give each task its own job and task index)")
+        self._check_certificate(conn, peer)
+        self._check_replaced(peer, incarnation)
         if not conn.outbound:
             if len([c for c in peer.inbound if not c.closed]) >= _MAX_INBOUND_PER_PEER:
                 raise ProtocolError(f"{peer.name} opened more than {_MAX_INBOUND_PER_PEER} "
@@ -1644,13 +1748,8 @@ class Node(_NodeCalls):
             peer.inbound.add(conn)
         if self._onesided is not None:  # agree on the transport; TransportError fails conn
             self._onesided.on_hello(conn, fields)
-        if peer.incarnation is not None and peer.incarnation != incarnation:
-            self._replaced.setdefault(peer.id, deque(maxlen=_REPLACED_KEPT)).append(peer.incarnation)
-            err = PeerLost(f"peer {peer.name} restarted (new incarnation)")
-            err.__cause__ = ConnectionResetError(f"{peer.name} restarted")
-            self._peer_lost(peer, err, keep=conn)
-        if peer.incarnation != incarnation:  # a new process: nothing of the old one counts
-            self._core.new_incarnation(peer, window)
+        if peer.incarnation != incarnation:
+            self._replace_incarnation(peer, conn, incarnation, window)
         else:
             if window != peer.window:
                 peer.credit += window - peer.window
@@ -1670,6 +1769,83 @@ class Node(_NodeCalls):
             waiter.set_result(None)
         if peer.mode == "recv" and self.mode == "send":
             self._ask_holder(peer)
+
+    def _check_certificate(self, conn: Connection, peer: Any) -> None:
+        """With ``tls_identity``, the peer's certificate must name the task it claims: its
+        subject's CN or one of its DNS or URI subject alternative names is
+        ``/job:<job>/task:<task>`` or ``<job>-<task>`` (``certificate_names``)."""
+        if not self.tls_identity:
+            return
+        transport = getattr(conn, "transport", None)
+        cert = transport.get_extra_info("peercert") if transport is not None else None
+        wanted = certificate_names(*peer.id)
+        names = _certificate_names(cert) if cert else []
+        if not wanted.intersection(names):
+            raise AuthError(f"{peer.name}'s TLS certificate does not name it (tls_identity): "
+                            f"it names {sorted(names)[:8]}, not one of {sorted(wanted)}")
+
+    def _check_replaced(self, peer: Any, incarnation: int) -> None:
+        """Refuse an incarnation of ``peer`` that a newer one replaced while that newer one
+        is connected; take it back when the newer one has no live connection left.
+
+        A restarted process never comes back, so an old incarnation that completes a
+        handshake is alive: a second process run as the same task, or the real process
+        after something claimed its identity with a new incarnation.  While the newer one
+        is connected, the old one is refused, so two live processes are not taken in turns
+        (each replacement fails what the other held).  Once the newer one is gone, refusing
+        the old one for good would lock the real process out after an impostor left: the
+        old one, live and proving it (with a secret, by the secret), is taken back.  A
+        newcomer is not refused while the current process is connected: a restart whose
+        old process is frozen, not dead, must not wait for its connection to time out."""
+        replaced = self._replaced.get(peer.id)
+        if replaced is None or incarnation not in replaced:
+            return
+        if any(c.ready and not c.bye_received for c in peer.live_connections()):
+            raise AuthError(f"{peer.name} incarnation {incarnation:#x} was replaced by "
+                            f"incarnation {peer.incarnation:#x}: two processes run as "
+                            f"{peer.name} (give each task its own job and task index)")
+        replaced.remove(incarnation)  # taken back: the newer one goes in its place
+
+    def _replace_incarnation(self, peer: Any, conn: Connection, incarnation: int,
+                             window: int) -> None:
+        """``peer`` is a new process (``incarnation``), or a replaced one taken back: fail
+        what depended on the one it replaces and drop everything kept for that one."""
+        old = peer.incarnation
+        if old is not None:
+            self._replaced.setdefault(peer.id, deque(maxlen=_REPLACED_KEPT)).append(old)
+            err = PeerLost(f"peer {peer.name} restarted (new incarnation)")
+            err.__cause__ = ConnectionResetError(f"{peer.name} restarted")
+            self._peer_lost(peer, err, keep=conn)
+            self._forget_dead_steps_of(peer, old)
+            self._drop_values_of(peer, old)
+            # Requests we cancelled on the old process are never settled by the new one.
+            core = self._core
+            core.cancelled = {i: p for i, p in core.cancelled.items() if p is not peer}
+        self._core.new_incarnation(peer, window)  # nothing of the old process counts
+
+    def _drop_values_of(self, peer: Any, incarnation: int) -> None:
+        """Drop the values ``peer``'s replaced processes pushed here that nobody took.
+
+        Called as its new incarnation is accepted, before any frame of that one is read, so
+        every value from that task still queued came from a process that is gone.  Kept,
+        a peer restarting again and again while nobody receives made the node hold up to a
+        push window per incarnation, for ever.  Their steps' tables, empty now, go at the
+        next heartbeats.  (A recv of such a value fails or times out as for any value a
+        crashed process never sent.)"""
+        core = self._core
+        count = nbytes = 0
+        for table in list(core.tables.values()):
+            for key in table.queued_keys():
+                if core.route(key).src != peer.id:
+                    continue
+                for _ in range(table.queued(key)):
+                    nbytes += nbytes_of(table.take(key))
+                    count += 1
+        if count:
+            self._repeats.log("replaced-values", logging.WARNING,
+                              f"{self.name}: dropped {count} value(s) ({nbytes} bytes) that "
+                              f"{peer.name} incarnation {incarnation:#x} pushed and nobody "
+                              "received: a newer incarnation replaced it")
 
     def _ask_holder(self, peer: Any) -> None:
         """Request what we already wait for from a peer we just learned holds its values."""
@@ -1743,7 +1919,9 @@ class Node(_NodeCalls):
         # length that names a reason, not one that fills memory.
         message = message[:_ABORT_TEXT_MAX]
         # Said once: a message relayed from node to node already names who started it.
-        text = message if " by /job:" in message else f"{message} (by {name})"
+        incarnation = conn.peer.incarnation if conn.peer is not None else None
+        text = (message if " by /job:" in message
+                else f"{message} (by {name}, incarnation {incarnation:#x})")
         self._abort_step(step, text, RemoteError(message, name), origin=conn.peer)
 
     # -- steps ---------------------------------------------------------------------------------
@@ -1751,6 +1929,18 @@ class Node(_NodeCalls):
     def step(self, step_id: int) -> Step:
         """A view of this node bound to one step id."""
         return Step(self, step_id)
+
+    def new_step(self) -> Step:
+        """A step with a fresh random 64-bit id (never 0, none in use or dead here).
+
+        A counter starts again at 1 when its process restarts, and the ids its earlier
+        incarnation cleaned up stay dead on the other nodes; 64 random bits do not collide
+        across restarts (TensorFlow names its steps the same way)."""
+        core = self._core
+        while True:
+            step_id = int.from_bytes(os.urandom(8), "little")
+            if step_id and step_id not in core.tables and step_id not in core.dead_steps:
+                return Step(self, step_id)
 
     async def cleanup_step(self, step_id: int, message: str | None = None) -> None:
         """Abort ``step_id`` here and on every node that took part in it.
@@ -1768,7 +1958,7 @@ class Node(_NodeCalls):
         core = self._core
         # The step and who cleaned it up lead every message, a custom one too: code that
         # catches Aborted across many steps must be able to tell which one failed.
-        text = f"step {step_id} was cleaned up by {self.name}"
+        text = f"step {step_id} was cleaned up by {self.name} (incarnation {self.incarnation:#x})"
         if message:
             text = f"{text}: {message}"
         if step_id not in core.dead_steps:
@@ -1792,21 +1982,54 @@ class Node(_NodeCalls):
             # The oldest by a queue of its own: next(iter()) of a dict whose front was
             # deleted steps over every slot freed since its last resize, up to 100k of
             # them, at each clean-up.
-            del core.dead_steps[self._dead_order.popleft()]
+            oldest = self._dead_order.popleft()
+            del core.dead_steps[oldest]
+            self._dead_owner.pop(oldest, None)
         core.dead_steps[step] = message
         self._dead_order.append(step)
         self._drop_table(step, message, cause)
+        peers = core.step_peers.pop(step, set())
+        self._note_dead_step_owner(step, peers, origin)
         for peer in core.peers.values():
             if peer.queue:  # Send-Driven sends of the step still waiting for credit or a link
                 self._fail_queued_pushes(
                     peer, lambda key: _table.aborted_error(message, cause, key), step)
         core.drop_outstanding(step)
-        for peer in core.step_peers.pop(step, ()):
+        for peer in peers:
             peer.joined_step = None
             if peer is origin:
                 continue
             for conn in peer.live_connections()[:1]:
                 conn.write_frame(_codec.encode_abort_step(step, message))
+
+    def _note_dead_step_owner(self, step: int, peers: set[Any], origin: Any) -> None:
+        """Remember a dead step whose only other party was one peer's process: it dies with
+        that process (``_forget_dead_steps_of``)."""
+        parties = (peers | {origin}) if origin is not None else peers
+        if len(parties) == 1:
+            peer = next(iter(parties))
+            if peer.incarnation is not None:
+                self._dead_owner[step] = (peer.id, peer.incarnation)
+
+    def _forget_dead_steps_of(self, peer: Any, incarnation: int) -> None:
+        """``peer``'s process ``incarnation`` was replaced by a new one: the step ids that
+        died with only that process taking part (here) are free again.
+
+        A restarted process that names its steps by a counter uses the same ids again, and
+        would find them dead, cleaned up by its earlier self.  Forgetting them is safe: the
+        old process's connections are closed, so no late frame of the old step can come from
+        it, and no other peer took part in the step here.  Steps another peer took part in
+        stay dead: a late frame from that peer would land in the new step.  (Code of this
+        node still running the old step is no longer told it is dead.)"""
+        owner = (peer.id, incarnation)
+        gone = [step for step, who in self._dead_owner.items() if who == owner]
+        if not gone:
+            return
+        core = self._core
+        for step in gone:
+            del self._dead_owner[step]
+            core.dead_steps.pop(step, None)
+        self._dead_order = deque(core.dead_steps)  # (dicts keep their insertion order)
 
     def _drop_table(self, step: int, message: str, cause: BaseException | None,
                     kind: type[Aborted] = Aborted) -> None:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import ssl as _ssl
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypedDict
 
 import numpy as np
@@ -41,6 +42,37 @@ TransportName: TypeAlias = Literal["tcp", "shm", "verbs", "auto"]
 LoopName: TypeAlias = Literal["auto", "uvloop", "asyncio"]
 """The event loops of ``rvz.run(loop=...)`` and ``rvz.new_event_loop``."""
 
+
+class NodeOptions(TypedDict, total=False):
+    """The keyword options of ``Node`` after its cluster, job and task, as
+    ``Node.from_env(**options)`` takes them (``Node`` documents each)."""
+
+    mode: Mode
+    transport: TransportName
+    host: str | None
+    connect_timeout: float
+    heartbeat: float
+    peer_timeout: float
+    linger: float
+    push_window: int
+    hold_limit: int
+    lost_hold_limit: int | None
+    claim_timeout: float | None
+    incarnation: int | None
+    max_payload: int
+    recv_pool: int
+    onesided: dict[str, Any] | None
+    secret: str | bytes | None
+    ssl: _ssl.SSLContext | tuple[_ssl.SSLContext, _ssl.SSLContext] | None
+    max_parked: int
+    max_steps: int
+    step_idle: float | None
+    hello_timeout: float
+    max_unidentified: int
+    answer_backlog: int
+    busy_poll: float
+    min_rate: int
+    tls_identity: bool
 
 
 class PeerStats(TypedDict):
@@ -116,5 +148,5 @@ class NodeStats(TypedDict):
     busy_poll: BusyPollStats | None
 
 
-__all__ = ["BusyPollStats", "HeldStats", "KeyLike", "LoopName", "Mode", "NodeStats", "PeerStats",
-           "SendValue", "StepStats", "TransportName", "Value", "WaitStats"]
+__all__ = ["BusyPollStats", "HeldStats", "KeyLike", "LoopName", "Mode", "NodeOptions", "NodeStats",
+           "PeerStats", "SendValue", "StepStats", "TransportName", "Value", "WaitStats"]

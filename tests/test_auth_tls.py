@@ -84,7 +84,8 @@ def test_new_options_have_the_documented_defaults() -> None:
     params = inspect.signature(rvz.Node).parameters
     expected = {"secret": None, "ssl": None, "max_parked": 65536, "max_steps": 65536,
                 "step_idle": 600.0, "max_unidentified": 64, "answer_backlog": 32 << 20,
-                "min_rate": 64 << 10}
+                "min_rate": 64 << 10,
+                "tls_identity": False}
     assert {name: params[name].default for name in expected} == expected
     assert 0 < params["hello_timeout"].default <= 10
     assert issubclass(rvz.AuthError, rvz.RvzError)
@@ -208,6 +209,31 @@ def test_a_dialler_that_rejects_the_listener_s_proof_still_sends_its_own(run) ->
                 conn.connection_lost(None)
 
     run(body(), timeout=20)
+
+
+@pytest.mark.parametrize("secret", ["", b"", "short", "x" * 15, b"z" * 15],
+                         ids=["empty", "empty-bytes", "short", "15-chars", "15-bytes"])
+def test_an_empty_or_short_secret_is_a_config_error(secret, monkeypatch) -> None:
+    """An empty key proved nothing (the HELLO said auth=True and a peer with the same empty
+    key got in); a short one falls to offline guessing.  Both are refused when the node is
+    built, saying the minimum, from ``secret=`` and from ``RVZ_SECRET`` (set but empty too)."""
+    monkeypatch.delenv("RVZ_SECRET", raising=False)
+    cluster = three_tasks()
+    with pytest.raises(rvz.ConfigError, match="at least 16 bytes") as info:
+        rvz.Node(cluster, "ps", 0, secret=secret)
+    text = secret if isinstance(secret, str) else secret.decode("latin-1")
+    if text.isalnum():  # (an empty or all-zero one is in any text, as its hex form)
+        assert_secret_free(info.value, text)
+    monkeypatch.setenv("RVZ_SECRET", text)
+    with pytest.raises(rvz.ConfigError, match="RVZ_SECRET must be at least 16 bytes"):
+        rvz.Node(cluster, "ps", 0)
+    monkeypatch.setenv("RVZ_CLUSTER", '{"ps": ["127.0.0.1:1"]}')
+    monkeypatch.setenv("RVZ_JOB", "ps")
+    monkeypatch.setenv("RVZ_TASK", "0")
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(rvz.ConfigError, match="RVZ_SECRET must be at least 16 bytes"):
+        rvz.Node.from_env()
+    rvz.Node(cluster, "ps", 0, secret="x" * 16)  # 16 bytes are enough
 
 
 def test_rvz_secret_in_the_environment_is_the_secret(run, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -70,7 +70,7 @@ def peer_stats(stats: dict[str, Any], name: str = W1_NAME) -> dict[str, Any]:
 # -- identity: who may take what ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("secret", [None, "s3cret"], ids=["no-secret", "secret"])
+@pytest.mark.parametrize("secret", [None, "s3cret-hostile-test"], ids=["no-secret", "secret"])
 def test_a_request_for_another_tasks_value_gets_wrong_endpoint(run, secret) -> None:  # type: ignore[no-untyped-def]
     async def body() -> None:
         cluster = three_tasks()

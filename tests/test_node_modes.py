@@ -459,7 +459,8 @@ async def test_step_cleanup_aborts_the_step_on_both_nodes(cluster, mode, by) -> 
             # the step and who cleaned it up lead, then the caller's text: on both nodes, in
             # both modes (a Recv-Driven consumer's led with "<producer> could not answer")
             said = str(info.value)
-            assert said.startswith(f"step 7 was cleaned up by {cleaner.name}: failed on purpose"), said
+            assert said.startswith(f"step 7 was cleaned up by {cleaner.name} (incarnation "
+                                   f"{cleaner.incarnation:#x}): failed on purpose"), said
         with pytest.raises(rvz.Aborted):
             await ws.send(key("x"), np.array([2]))
         with pytest.raises(rvz.Aborted):

@@ -68,6 +68,7 @@ cdef class Peer:
     cdef public bint stuck
     cdef public object pushes_on
     cdef public object joined_step
+    cdef public Py_ssize_t steps_opened
     cdef public Py_ssize_t window
     cdef public Py_ssize_t unreturned
     cdef public Py_ssize_t answered
@@ -217,6 +218,8 @@ cdef class Core:
     cdef Table _last_table
     cdef public dict dead_steps
     cdef public dict step_peers
+    cdef public dict step_openers
+    cdef public Py_ssize_t step_share
     cdef public dict routes
     cdef public dict devices
     cdef public dict requests
@@ -250,6 +253,7 @@ cdef class Core:
     cpdef Route own_route(self, object key, bint sending)
     cpdef Peer peer(self, tuple task_id)
     cpdef Table table(self, object step)
+    @cython.locals(peer=Peer)
     cpdef object remote_table(self, object step, Wire conn)
     @cython.locals(route=Route, peer=Peer)
     cpdef admit(self, Wire conn, object step, object request_id, str key, object nbytes)

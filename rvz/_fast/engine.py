@@ -257,7 +257,7 @@ class Peer:
 
     __slots__ = ("id", "name", "address", "out", "dialling", "inbound", "incarnation", "mode",
                  "link", "credit", "asked", "queue", "owed", "owed_scheduled", "owe_now",
-                 "stuck", "pushes_on", "joined_step", "window", "unreturned", "answered",
+                 "stuck", "pushes_on", "joined_step", "steps_opened", "window", "unreturned", "answered",
                  "parks", "asking", "held_back", "held_back_mark", "lost", "held_bytes",
                  "held_count", "hold_reserved", "arriving", "tx_seq", "unacked", "credit_in",
                  "credited", "rx_floor", "rx_above", "acked_sent", "__weakref__")
@@ -305,6 +305,7 @@ class Peer:
         # where our requests go (``request_link``).
         self.pushes_on: Any = None
         self.joined_step: Any = None                # the step it was last added to (a cache)
+        self.steps_opened = 0                       # tables its frames made (``remote_table``)
         # As its consumer: it parks at most ``parks`` of our requests (its max_parked, from
         # its HELLO) and closes the connection past that.  ``asking`` maps each request of
         # ours it may hold parked (sent, neither answered nor cancelled) to its connection;
@@ -913,6 +914,11 @@ class Core:
         self._last_table: Any = None
         self.dead_steps: dict = {}         # step -> why it was cleaned up
         self.step_peers: dict = {}         # step -> peers that took part in it
+        # step -> the peer whose frame made its table, each peer making at most
+        # ``step_share`` (``remote_table``): one peer cannot take every step for all.
+        self.step_openers: dict = {}
+        others = max(1, len(cluster.tasks()) - 1) if cluster is not None else 1
+        self.step_share = max(1, max_steps // others)
         self.routes: dict = {}             # key text -> Route
         self.devices: dict = {}            # device name -> (job, task)
         self.requests: dict = {}           # request id -> Request
@@ -955,7 +961,7 @@ class Core:
         # connection): looked at again once it is back (``regroup``), not at every pass.
         self.lost_claims: dict = {}
         self.max_parked = max_parked       # a peer's parked requests on one connection
-        self.max_steps = max_steps         # tables at once
+        self.max_steps = max_steps         # tables peers may open at once, shared (step_share)
         self.answer_backlog = answer_backlog  # unsent output beyond which answers wait
         self.waits_producer = 0            # how often a send had to wait (window, hold limit)
         self.waits_consumer = 0            # how often a recv had to wait for its value
@@ -1048,18 +1054,24 @@ class Core:
 
     def remote_table(self, step: Any, conn: Wire) -> Any:
         """The table of ``step`` for a frame from a peer: None if the step was cleaned up; a
-        new table only while fewer than ``max_steps`` exist."""
+        new table only while that peer made fewer than its share of ``max_steps`` (the
+        option over the cluster's other tasks) of the tables that exist: past it, that
+        peer's connection closes, and no other peer's frames are refused for it."""
         if step is self._last_step:
             return self._last_table
         table = self.tables.get(step)
         if table is None:
             if step in self.dead_steps:
                 return None
-            if len(self.tables) >= self.max_steps:
-                raise ProtocolError(f"{_peer_name(conn)} opened more than {self.max_steps} steps "
-                                    "(max_steps)")
+            peer = conn.peer
+            if peer.steps_opened >= self.step_share:
+                raise ProtocolError(f"{_peer_name(conn)} opened more than its share of "
+                                    f"{self.step_share} steps (max_steps {self.max_steps} over "
+                                    "the cluster's other tasks)")
             table = Table()
             self.tables[step] = table
+            self.step_openers[step] = peer
+            peer.steps_opened += 1
         self._last_step = step
         self._last_table = table
         return table
@@ -1933,6 +1945,9 @@ class Core:
         requests goes too when nothing is asked in it any more (else the last answer's
         ``_drop_key`` drops it)."""
         table = self.tables.pop(step, None)
+        opener = self.step_openers.pop(step, None)
+        if opener is not None:
+            opener.steps_opened -= 1
         self._last_step = _NO_STEP
         self._last_table = None
         keys = self.outstanding.get(step)

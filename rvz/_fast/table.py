@@ -43,6 +43,15 @@ def check_timeout(timeout: Any) -> None:
         raise ValueError(f"timeout must be None or >= 0 seconds, not {timeout!r}")
 
 
+def seconds(timeout: Any) -> str:
+    """A duration for a message: at most three decimals (a timeout left over from a
+    deadline is 9.896000000000186 seconds, said as 9.896)."""
+    t = float(timeout)
+    if t != 0 and abs(t) < 0.001:
+        return f"{t:.1g}"
+    return f"{t:.3f}".rstrip("0").rstrip(".")
+
+
 def aborted_error(message: str, cause: Any, key: str, kind: Any = Aborted) -> Aborted:
     """The ``Aborted`` (``kind``: the class, an ``Aborted``) every operation on ``key`` of an
     aborted table (or step) fails with."""
@@ -552,7 +561,7 @@ def _expire(table: Table, key: str, waiter: Any, timeout: Any, source: Any, step
     if not waiter.done():
         table.remove_waiter(key, waiter)
         where = (f" from {source}" if source else "") + (f" in step {step}" if step else "")
-        waiter.set_exception(TimeoutError(f"recv of {key}{where} timed out after {timeout}s"))
+        waiter.set_exception(TimeoutError(f"recv of {key}{where} timed out after {seconds(timeout)}s"))
 
 
 def expire_batch(batch: Batch, timeout: Any, where: Any = None) -> None:
@@ -563,5 +572,5 @@ def expire_batch(batch: Batch, timeout: Any, where: Any = None) -> None:
     shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
     context = where(keys) if where is not None else ""
     batch.future.set_exception(TimeoutError(
-        f"recv_many of {len(batch.keys)} keys{context} timed out after {timeout}s waiting for "
+        f"recv_many of {len(batch.keys)} keys{context} timed out after {seconds(timeout)}s waiting for "
         f"{shown}"))

@@ -11,6 +11,8 @@ KEY = rvz.Key("/job:w/replica:0/task:0/device:CPU:0", "/job:w/replica:0/task:0/d
 async def main() -> None:
     node = rvz.Node(CLUSTER, "w", 0, mode="pushh")  # E: arg-type
     rvz.Node(CLUSTER, "w", 0, transport="tpc")  # E: arg-type
+    rvz.Node.from_env(mode="pushh")  # E: arg-type
+    rvz.Node.from_env(max_stesp=4)  # E: call-arg
     await node.send(KEY, b"x", mode="sned")  # E: arg-type
     print(KEY.nmae)  # E: attr-defined
     count: int = await node.recv(KEY)  # E: assignment

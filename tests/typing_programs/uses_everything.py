@@ -117,6 +117,9 @@ def main() -> None:
     pairs: list[tuple[str, int]] = cluster.tasks()
     try:
         env_cluster, job, task = from_env()
+        env_node: rvz.Node = rvz.Node.from_env(mode="send", max_steps=1024, secret=None)
+        step: rvz.Step = env_node.new_step()
+        log.info("%s %d", env_node, step.id)
         tf = rvz.ClusterSpec.from_tf_config()
         log.info("%s %s %d %s", env_cluster, job, task, tf)
     except rvz.ConfigError:
