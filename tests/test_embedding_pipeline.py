@@ -345,11 +345,13 @@ def train_config(staleness: int, workers: int, steps: int, **kw: Any) -> TrainCo
 
 async def in_process(cols: Columns, cfg: TrainConfig, *, mode: str = "send", shards: int = 2,
                      held_out: HeldOut | None = None, optimizer: str = "adagrad",
-                     patch: Callable[[Worker], None] | None = None) -> list[RunResult | BaseException]:
-    """PS shards and workers as Nodes of this loop; one result (or error) per worker."""
+                     patch: Callable[[Worker], None] | None = None, min_count: int = 0,
+                     summaries: list[dict[str, Any]] | None = None) -> list[RunResult | BaseException]:
+    """PS shards and workers as Nodes of this loop; one result (or error) per worker (and the
+    shards' summaries into ``summaries``)."""
     cluster = local_cluster(shards, cfg.num_workers)
     ps = ps_config(PSConfig(dim=DIM, optimizer=optimizer, lr=SPARSE_LR[optimizer], seed=0, mode=mode,
-                            node_options=FAST_NODE), cfg.num_workers)
+                            node_options=FAST_NODE, min_count=min_count), cfg.num_workers)
     serving = [asyncio.ensure_future(run_shard(cluster, s, ps)) for s in range(shards)]
 
     async def worker(w: int) -> RunResult:
@@ -365,7 +367,9 @@ async def in_process(cols: Columns, cfg: TrainConfig, *, mode: str = "send", sha
 
     try:
         results = await asyncio.gather(*(worker(w) for w in range(cfg.num_workers)), return_exceptions=True)
-        await asyncio.wait_for(asyncio.gather(*serving), 10)
+        done = await asyncio.wait_for(asyncio.gather(*serving), 10)
+        if summaries is not None:
+            summaries.extend(done)
         return list(results)
     finally:
         for task in serving:
@@ -378,6 +382,29 @@ def ok(results: list[RunResult | BaseException]) -> list[RunResult]:
         if isinstance(r, BaseException):
             raise r
     return results  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("min_count", [0, 2])
+def test_evaluation_changes_no_row_admission_or_loss(run, planted, min_count) -> None:  # type: ignore[no-untyped-def]
+    # Held-out reads create no row and count toward no admission: the same rows live on
+    # every shard, and the same losses, with evaluation every 2 steps as without any.
+    cols, ev = planted
+    held_out = HeldOut(ev.rows(0, len(ev)))
+    runs = []
+    for evaluate in (False, True):
+        summaries: list[dict[str, Any]] = []
+        # One worker: with two, which worker's pull of an id reaches MinCount's threshold
+        # first depends on arrival order, evaluation or not.
+        results = ok(run(in_process(cols, train_config(1, 1, 8, eval_every=2 if evaluate else 0),
+                                    held_out=held_out if evaluate else None, min_count=min_count,
+                                    summaries=summaries), timeout=40))
+        runs.append(([s["tables"]["default"]["live"] for s in summaries],
+                     [s["tables"]["default"]["created"] for s in summaries],
+                     [r.losses for r in results], results[0].history))
+    (live, created, losses, _), (live_eval, created_eval, losses_eval, history) = runs
+    assert live_eval == live and created_eval == created and sum(live) > 0
+    assert losses_eval == losses
+    assert [h["step"] for h in history] == [2, 4, 6, 8] and 0.0 < history[-1]["auc"] < 1.0
 
 
 @pytest.mark.parametrize("mode", ["send", "recv"])

@@ -23,21 +23,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-# One BLAS thread per process, set before numpy loads. On a small machine OpenBLAS's own
-# threads spin while they wait and steal the cores that EG, MG and the PS shards need.
-# Child processes inherit the setting.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+import numpy as np  # the thread settings are applied by the package (examples/__init__.py)
 
-import numpy as np  # noqa: E402
+import rvz
 
-import rvz  # noqa: E402
-
-from ..common import Stopped, stop_on_signals  # noqa: E402
-from ..param_server.launch import PSConfig  # noqa: E402
-from .criteo import Columns, LoadStats, encode  # noqa: E402
-from .launch import JobFailed, JobSpec, run_job  # noqa: E402
-from .synthetic import Planted  # noqa: E402
-from .trainer import TrainConfig  # noqa: E402
+from ..common import Stopped, add_log_option, configure_logging, stop_on_signals
+from ..param_server.launch import PSConfig
+from .criteo import Columns, LoadStats, encode
+from .launch import JobFailed, JobSpec, run_job
+from .synthetic import Planted
+from .trainer import TrainConfig
 
 
 def int_list(text: str) -> list[int]:
@@ -58,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--out", required=True, help="directory for train.tsv.gz and eval.tsv.gz")
     g.add_argument("--plain", action="store_true", help="write .tsv instead of .tsv.gz")
     g.add_argument("--seed", type=int, default=0)
+    add_log_option(g)
 
     t = sub.add_parser("train", help="train and evaluate (see the description)")
     data = t.add_argument_group("data")
@@ -101,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out.add_argument("--eval-every", type=int, default=0, help="held-out evaluation every N steps")
     out.add_argument("--json", help="write the report here")
     out.add_argument("--plot", help="draw loss and AUC against step here (needs matplotlib)")
+    out.add_argument("--progress-every", type=float, default=10.0, metavar="S",
+                     help="seconds between progress lines of each worker (0: none)")
+    add_log_option(out)
     args = p.parse_args(argv)
     try:
         check_args(args)
@@ -145,7 +144,7 @@ def check_args(args: argparse.Namespace) -> None:
         at_least("--eval-samples", 1)
     for name in ("--workers", "--shards", "--dim", "--batch-size", "--repeat", "--hidden"):
         at_least(name, 1)
-    for name in ("--staleness", "--eval-every"):
+    for name in ("--staleness", "--eval-every", "--progress-every"):
         at_least(name, 0)
     if args.max_steps is not None:
         at_least("--max-steps", 1)
@@ -324,7 +323,8 @@ def train(args: argparse.Namespace) -> int:
             for _ in range(args.repeat):
                 cfg = TrainConfig(staleness=k, num_workers=workers, global_batch=args.batch_size,
                                   hidden=tuple(args.hidden), dense_lr=args.dense_lr, seed=args.seed,
-                                  eval_every=args.eval_every, timeout=args.timeout, max_steps=args.max_steps)
+                                  eval_every=args.eval_every, timeout=args.timeout, max_steps=args.max_steps,
+                                  progress_every=args.progress_every)
                 spec = JobSpec(train_dir, eval_dir, cfg, ps, shards=args.shards, timeout=args.run_timeout,
                                kill_worker=args.kill_worker, switch_interval=args.switch_interval)
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -375,6 +375,7 @@ def train(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    configure_logging(args.log_level)
     if args.command == "generate":
         return generate(args)
     stop_on_signals()  # no child, and no temporary cache, outlives the launcher

@@ -73,7 +73,8 @@ async def train_worker(cluster: dict[str, list[str]], w: int, spec: JobSpec) -> 
     # Leave the node's ``async with`` normally even on failure: a graceful close delivers
     # the step clean-up and END messages to the others before the connections go.
     # Dialling a peer that is not up (yet) is bounded by --timeout too.
-    options = {"connect_timeout": min(10.0, spec.train.timeout), **spec.node_options}
+    options = {"connect_timeout": min(10.0, spec.train.timeout), **spec.node_options,
+               **spec.ps.node_kwargs()}
     async with rvz.Node(cluster, WORKER_JOB, w, mode=spec.ps.mode, **options) as node:
         # The run's shards are never restarted: a lost one fails the step at once instead of
         # being waited for.

@@ -22,10 +22,14 @@ is where the speed comes from. Every PS clock of EG is a PS step that other work
 cannot interleave with, so for any k and any N two runs with the same seed give
 bit-identical losses; for N = 1 and k = 0 they are those of a plain sequential loop.
 
-Evaluation (worker 0): at every ``eval_every``-th step t, EG adds the held-out set's unique
-ids to the pull of step t, so the held-out embeddings are exactly those step t trains with;
-MG scores the held-out set before training step t (AUC by ranks, logloss). The final
-evaluation pulls after the last push is acknowledged.
+Evaluation (worker 0): at every ``eval_every``-th step t, right after its pull of step t
+(and before its push of step t - k, which every worker's update of t - k waits for), EG reads
+the held-out set's unique ids with the PS's read-only lookup: no clock, no row created, no
+access counted, an unknown id read as its initial row. So the held-out embeddings are
+exactly those step t trains with, and training is the same with or without evaluation (the
+same rows, admission counts and evictions). MG scores the held-out set before training
+step t (AUC by ranks, logloss). The final evaluation reads after the last push is
+acknowledged.
 
 Failures: a failure in EG or MG at step t aborts step t through rvz step clean-up (the
 other side of this worker and the other workers waiting in step t's all-reduce fail with the
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -61,6 +66,8 @@ from .exchange import (
 )
 from .metrics import auc, logloss
 from .model import MLP
+
+log = logging.getLogger(__name__)
 
 # Seconds a dial may take once every process of the run has been up (see
 # ``Worker._everyone_was_up``): a live peer on loopback answers in milliseconds.
@@ -87,6 +94,7 @@ class TrainConfig:
     timeout: float = 60.0        # bound on every wait
     compute_in_thread: bool = True
     max_steps: int | None = None
+    progress_every: float = 0.0  # seconds between progress lines (0: none)
 
 
 @dataclass
@@ -220,25 +228,33 @@ class Worker:
     # -- EG -------------------------------------------------------------------------------------
 
     async def _pull(self, batch_ids: list[int]) -> None:
-        """One PS pull for ``batch_ids`` (and the held-out ids at an evaluation step); hands
-        each batch's embeddings (and the held-out rows) to MG."""
+        """One PS pull for ``batch_ids``; hands each batch's embeddings to MG, and at an
+        evaluation step the held-out rows, read without a clock right after that pull."""
         uniques = []
         for b in batch_ids:
             ids = self.exchange.samples(b).ids
             unique, inverse = np.unique(ids.reshape(-1), return_inverse=True)
             self.exchange.set_index(b, unique, inverse.reshape(ids.shape))
             uniques.append(unique)
-        evals = [b for b in batch_ids if self.eval_step(b)]
-        wanted = uniques + ([self.held_out.unique] if evals and self.held_out is not None else [])
-        union = wanted[0] if len(wanted) == 1 else np.unique(np.concatenate(wanted))
+        union = uniques[0] if len(uniques) == 1 else np.unique(np.concatenate(uniques))
         rows = await self._ps_call("lookup", self.ps.lookup_unique(union))
         for b, unique in zip(batch_ids, uniques, strict=True):
             _, inverse = self.exchange.index(b)
             mine = rows if unique is union else rows[np.searchsorted(union, unique)]
             await self.exchange.send(EMBEDDINGS, b, mine[inverse])
-        for b in evals:
-            assert self.held_out is not None
-            await self.exchange.send(EVAL_EMBEDDINGS, b, rows[np.searchsorted(union, self.held_out.unique)])
+        evals = [b for b in batch_ids if self.eval_step(b)]
+        if evals:
+            held_out = await self._read_held_out()
+            for b in evals:
+                await self.exchange.send(EVAL_EMBEDDINGS, b, held_out)
+
+    async def _read_held_out(self) -> np.ndarray:
+        """The held-out ids' current rows, by the PS's read-only lookup (changes nothing)."""
+        assert self.held_out is not None
+        started = time.perf_counter()
+        rows = await self.ps.read_unique(self.held_out.unique)
+        self.result.eg_ps += time.perf_counter() - started
+        return rows
 
     async def embedding_graph(self) -> None:
         k = self.cfg.staleness
@@ -283,8 +299,16 @@ class Worker:
     async def main_graph(self) -> None:
         n = self.cfg.num_workers
         t = 0
+        every = self.cfg.progress_every
+        started = time.perf_counter()
+        next_progress = time.monotonic() + every
         try:
             for t in self.dataset.iterator("mg"):
+                if every and time.monotonic() >= next_progress and self.result.losses:
+                    next_progress = time.monotonic() + every
+                    log.info("worker %d: step %d of %d (PS clock %d), loss %.4f, %.1f steps/s",
+                             self.w, t, self.steps, self.ps.next_step["push"], self.result.losses[-1],
+                             t / (time.perf_counter() - started))
                 if self.eval_step(t):
                     await self._evaluate(t, await self.exchange.recv(EVAL_EMBEDDINGS, t))
                 waited = time.perf_counter()
@@ -362,8 +386,7 @@ class Worker:
         self.result.freed = self.exchange.freed
         if self.held_out is not None:
             # Every worker's last push was applied before ours was acknowledged (bsp).
-            rows = await self._ps_call("lookup", self.ps.lookup_unique(self.held_out.unique))
-            await self._evaluate(self.steps, rows)
+            await self._evaluate(self.steps, await self._read_held_out())
             self.result.auc = self.result.history[-1]["auc"]
             self.result.logloss = self.result.history[-1]["logloss"]
         return self.result

@@ -29,7 +29,14 @@ from typing import Any
 import rvz
 from rvz.poll import check_budget
 
-from ..common import Stopped, stop_on_signals
+from ..common import (
+    Stopped,
+    add_log_option,
+    add_tls_options,
+    configure_logging,
+    stop_on_signals,
+    tls_files,
+)
 from .launch import (
     Processes,
     PSConfig,
@@ -99,6 +106,10 @@ def add_service_options(p: argparse.ArgumentParser) -> None:
                    "each process has a CPU of its own")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2, help="worker processes (tasks of the worker job)")
+    p.add_argument("--progress-every", type=float, default=10.0, metavar="S",
+                   help="seconds between progress lines of each shard and worker (0: none)")
+    add_log_option(p)
+    add_tls_options(p)
 
 
 def add_worker_options(p: argparse.ArgumentParser) -> None:
@@ -139,6 +150,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bench.add_argument("--json", default=None, help="write the figures here")
     bench.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     bench.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto")
+    add_log_option(bench)
     if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         argv = ["demo", *argv]  # the old single-command form still runs the demo
     args = p.parse_args(argv)
@@ -160,13 +172,14 @@ def check_args(args: argparse.Namespace) -> None:
 
     for name in ("--dim", "--full-every"):
         at_least(name, 1)
-    for name in ("--staleness", "--min-count", "--evict-every", "--checkpoint-every"):
+    for name in ("--staleness", "--min-count", "--evict-every", "--checkpoint-every", "--progress-every"):
         at_least(name, 0)
     for name in ("--ttl", "--max-rows"):
         at_least(name, 1, optional=True)
     if args.lr is not None and not args.lr > 0:
         raise ValueError(f"--lr must be positive, not {args.lr}")
     args.table_specs = parse_tables(args.tables, args.dim, args.optimizer, args.lr)
+    args.tls = tls_files(args)
     if args.checkpoint_every and not args.checkpoint_dir:
         raise ValueError("--checkpoint-every needs --checkpoint-dir (where to write them)")
     if args.command in ("demo", "train"):
@@ -243,7 +256,8 @@ def service_config(args: argparse.Namespace, num_workers: int) -> PSConfig:
                     num_workers=num_workers, consistency=args.consistency, staleness=args.staleness,
                     evict_every=args.evict_every, checkpoint_dir=args.checkpoint_dir,
                     checkpoint_every=args.checkpoint_every, full_every=args.full_every,
-                    mode=args.mode, loop=args.loop, node_options=node_options(args))
+                    mode=args.mode, loop=args.loop, node_options=node_options(args),
+                    progress_every=args.progress_every, tls=args.tls)
 
 
 def node_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -258,7 +272,8 @@ def node_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(steps=args.steps, batch=args.batch, bag=args.bag, vocab=args.vocab,
-                        seed=args.seed, restart_timeout=args.restart_timeout)
+                        seed=args.seed, restart_timeout=args.restart_timeout,
+                        progress_every=args.progress_every)
 
 
 def print_shard(r: dict[str, Any]) -> None:
@@ -271,12 +286,18 @@ def print_shard(r: dict[str, Any]) -> None:
           + ("" if r.get("busy_poll_spins") is None else f", busy-poll spins {r['busy_poll_spins']}"))
 
 
+def describe_tables(ps: PSConfig) -> str:
+    """``"user (dim 4, adam lr 0.05), item (dim 8, adagrad)"``: what each table really uses."""
+    return ", ".join(f"{t.name} (dim {t.dim}, {t.optimizer}{'' if t.lr is None else f' lr {t.lr:g}'})"
+                     for t in ps.table_specs())
+
+
 def demo(args: argparse.Namespace) -> int:
     ps = service_config(args, args.workers)
     work = worker_config(args)
     cluster = local_cluster(args.shards, args.workers)
     print(f"param_server: {args.shards} PS shards, {args.workers} workers, mode={args.mode}, "
-          f"consistency={args.consistency}, tables={ps.dims()}, optimizer={args.optimizer}, "
+          f"consistency={args.consistency}, tables {describe_tables(ps)}, "
           f"rvz {rvz.implementation()}", flush=True)
     with Processes() as procs:
         crash = (args.kill_shard, args.kill_at_step) if args.kill_at_step is not None else None
@@ -333,6 +354,7 @@ def one_task(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    configure_logging(args.log_level)
     if args.command == "bench":
         from .bench import main as bench_main
         return bench_main(args)

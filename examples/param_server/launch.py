@@ -24,7 +24,7 @@ from typing import Any
 
 import rvz
 
-from ..common import child_signals, free_ports, starting_child
+from ..common import child_signals, free_ports, starting_child, tls_contexts
 from .checkpoint import has_checkpoint
 from .optimizers import make_optimizer
 from .protocol import PS_JOB, WORKER_JOB
@@ -71,6 +71,13 @@ class PSConfig:
     loop: str = "auto"
     worker_job: str = WORKER_JOB
     node_options: dict[str, Any] = field(default_factory=dict)
+    progress_every: float = 0.0  # seconds between a shard's progress lines (0: none)
+    tls: tuple[str, str, str] | None = None  # (ca, cert, key) files: mutual TLS between nodes
+
+    def node_kwargs(self) -> dict[str, Any]:
+        """Options of every node of the service (TLS contexts built here, in the process
+        that runs the node)."""
+        return {**self.node_options, **({"ssl": tls_contexts(self.tls)} if self.tls else {})}
 
     def table_specs(self) -> tuple[TableSpec, ...]:
         return self.tables or (TableSpec("default", self.dim, self.optimizer, self.lr),)
@@ -165,12 +172,12 @@ async def run_shard(cluster: dict[str, Any], shard: int, cfg: PSConfig,
     """Run PS shard ``shard`` until every worker left; returns its summary. ``crash_at``: the
     process kills itself (SIGKILL) when the slowest worker reaches that clock (a demo)."""
     tables, epoch, restored = open_shard(cfg, shard, restore)
-    async with rvz.Node(cluster, PS_JOB, shard, mode=cfg.mode, **cfg.node_options) as node:
+    async with rvz.Node(cluster, PS_JOB, shard, mode=cfg.mode, **cfg.node_kwargs()) as node:
         server = ShardServer(node, tables, cfg.num_workers, worker_job=cfg.worker_job,
                              consistency=cfg.consistency, staleness=cfg.staleness,
                              evict_every=cfg.evict_every, checkpoint_dir=shard_dir(cfg, shard),
                              checkpoint_every=cfg.checkpoint_every, full_every=cfg.full_every,
-                             epoch=epoch, fsync=cfg.fsync)
+                             epoch=epoch, fsync=cfg.fsync, progress_every=cfg.progress_every)
         if restored:
             # The next save may add an increment to the restored chain. Without a full
             # checkpoint of every table on disk (a crash before the first save) it must be a

@@ -238,6 +238,20 @@ class EmbeddingTable:
             out[pos] = init[which, :self.dim]  # only the embeddings are copied out
         return out
 
+    def peek(self, ids: Any) -> np.ndarray:
+        """Embeddings of ``ids`` as a training lookup would read them, without its side
+        effects: no row is created, no access counted (admission, TTL/LRU) and no stamp
+        changed. An absent id reads as the initial row it would get, or as zeros under an
+        admission policy (what a first training lookup reads for an id not admitted yet)."""
+        ids = as_ids(ids)
+        out = np.empty((len(ids), self.dim), dtype=np.float32)
+        rows = np.empty(len(ids), dtype=np.int32)
+        missing = self._core.lookup(ids, out, rows, self._step_stamp(), False)
+        if missing and self.admission is None:
+            absent = np.flatnonzero(rows < 0)
+            out[absent] = self._initial_rows(ids[absent])[:, :self.dim]
+        return out
+
     def rows(self, ids: Any) -> np.ndarray:
         """Whole rows (embedding then slots) of ``ids``, zeros for absent ones; no side effects."""
         ids = as_ids(ids)

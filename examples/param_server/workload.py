@@ -8,6 +8,7 @@ Its gradient couples the ids of a bag, so it is a real (if small) learning probl
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,8 @@ from ..common import child_signals
 from .client import PSClient
 from .launch import PSConfig, keep_freed_memory
 from .sparse import mix64, seeded_uniform
+
+log = logging.getLogger(__name__)
 
 
 class ZipfIds:
@@ -48,6 +51,7 @@ class WorkerConfig:
     seed: int = 0
     timeout: float = 30.0
     restart_timeout: float = 60.0
+    progress_every: float = 0.0  # seconds between progress lines (0: none)
 
 
 def teacher(ids: np.ndarray, dim: int, seed: int) -> np.ndarray:
@@ -64,7 +68,15 @@ async def train_worker(client: PSClient, cfg: WorkerConfig) -> dict[str, Any]:
     losses = []
     started = time.perf_counter()
     acks = np.zeros((client.num_shards, len(client.names)), dtype=np.int64)
+    log.info("worker %d: training %d steps of %d samples on %d PS shards", worker, cfg.steps,
+             cfg.batch, client.num_shards)
+    next_progress = time.monotonic() + cfg.progress_every
     for step in range(cfg.steps):
+        if cfg.progress_every and time.monotonic() >= next_progress:
+            next_progress = time.monotonic() + cfg.progress_every
+            log.info("worker %d: step %d of %d, clock %d, loss %.4f, %.0f steps/s, shard restarts %d",
+                     worker, step, cfg.steps, client.next_step["push"], losses[-1],
+                     step / (time.perf_counter() - started), client.restarts)
         ids = {name: s.sample(rng, (cfg.batch, cfg.bag)) for name, s in samplers.items()}
         emb = await client.pull(ids, step)                       # name -> [batch, bag, dim]
         loss = 0.0
@@ -89,7 +101,7 @@ async def train_worker(client: PSClient, cfg: WorkerConfig) -> dict[str, Any]:
 async def run_worker(cluster: dict[str, Any], worker: int, ps: PSConfig,
                      cfg: WorkerConfig) -> dict[str, Any]:
     num_shards = len(cluster["ps"])
-    async with rvz.Node(cluster, ps.worker_job, worker, mode=ps.mode, **ps.node_options) as node:
+    async with rvz.Node(cluster, ps.worker_job, worker, mode=ps.mode, **ps.node_kwargs()) as node:
         client = PSClient(node, num_shards, ps.dims(), timeout=cfg.timeout,
                           restart_timeout=cfg.restart_timeout, worker_job=ps.worker_job)
         return await train_worker(client, cfg)
