@@ -39,6 +39,9 @@ async def run_together(*coros: Coroutine[Any, Any, Any]) -> list[Any]:
 
 free_ports = rvz.cluster.free_ports
 
+# Where the processes of a one-machine run listen, unless told otherwise (``--host``).
+LOCAL_HOST = "127.0.0.1"
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # The level the launcher chose, for its child processes (they inherit the environment).
 LOG_LEVEL_ENV = "EXAMPLES_LOG_LEVEL"

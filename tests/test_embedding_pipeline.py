@@ -14,9 +14,11 @@ import asyncio
 import contextlib
 import gzip
 import json
+import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -628,6 +630,43 @@ def test_cli_compares_staleness_and_workers_and_writes_json(tmp_path: Path, loop
         assert r["history"][-1]["auc"] == r["auc"] and r["steps"] == 25 and len(r["losses"]) == 25
         # 25 small steps learn something, and stay below the planted model's own ranking.
         assert 0.5 < r["auc"] < report["oracle"]["auc"]
+
+
+def test_cli_runs_one_process_per_host_and_role_as_a_local_run_does(tmp_path: Path) -> None:
+    # One process per role from --cluster (and one from TF_CONFIG): the same bits as the
+    # launcher's own run of the same settings.
+    common = ["train", "--samples", "960", "--eval-samples", "200", "--batch-size", "96", "--max-steps", "6",
+              "--dim", "4", "--hidden", "8", "--staleness", "1", "--eval-every", "3", "--timeout", "20",
+              "--log-level", "WARNING"]
+    local = run_cli(*common, "--workers", "2", "--shards", "1", "--json", str(tmp_path / "local.json"))
+    assert local.returncode == 0, local.stdout + local.stderr
+    cluster = local_cluster(1, 2)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("TF_CONFIG", None)
+    argv = [sys.executable, "-m", "examples.embedding_pipeline", *common]
+    by_cluster = ["--cluster", json.dumps(cluster)]
+    tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 1}})
+    procs = [subprocess.Popen(argv + by_cluster + ["--job", "ps", "--task", "0"], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+             subprocess.Popen(argv + by_cluster + ["--job", "worker", "--task", "0", "--json",
+                                                   str(tmp_path / "w0.json")], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+             subprocess.Popen(argv, env=dict(env, TF_CONFIG=tf_config), cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    try:
+        outputs = [p.communicate(timeout=40) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, (out, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, out + err
+    assert '"done": "ps"' in outputs[0][0] and "worker 1 of 2: 6 steps" in outputs[2][0]
+    mine = json.loads((tmp_path / "w0.json").read_text())
+    theirs = json.loads((tmp_path / "local.json").read_text())
+    assert mine["losses"] == theirs["losses"] and mine["loss_digest"] == theirs["loss_digest"]
+    assert mine["auc"] == theirs["auc"] and mine["history"] == theirs["history"]
 
 
 def test_cli_generate_and_the_plot_option(tmp_path: Path) -> None:

@@ -269,3 +269,16 @@ def test_tls_needs_all_three_files() -> None:
     with pytest.raises(SystemExit):
         parse_args(["serve", "--job", "ps", "--task", "0", "--cluster", json.dumps(loopback_cluster(1, 1)),
                     "--tls-ca", "ca.pem"])
+
+
+@pytest.mark.parametrize("package", ["examples.param_server", "examples.embedding_pipeline"])
+def test_every_entry_point_runs_with_one_blas_thread(package: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    env["PYTHONPATH"] = str(REPO)
+    code = (f"import runpy, sys, os; sys.argv = ['x', '--help']\n"
+            f"try:\n    runpy.run_module('{package}', run_name='__main__')\n"
+            f"except SystemExit:\n    pass\n"
+            f"print('threads', os.environ['OPENBLAS_NUM_THREADS'], os.environ['OMP_NUM_THREADS'])")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=30)
+    assert proc.stdout.splitlines()[-1] == "threads 1 1", proc.stdout + proc.stderr

@@ -8,6 +8,10 @@ processes and N worker processes: ``--compare-staleness 0,1,2`` and ``--compare-
 1,2`` run the same data at each setting and print them side by side, with throughput ratios
 measured in this run. ``--reference`` also runs the sequential reference in this process
 and checks that staleness 0 with one worker reproduces its losses bit for bit.
+
+On several hosts, ``train --cluster JSON --job ps|worker --task N`` (or the cluster and the
+task from ``TF_CONFIG``) runs one process of one run: a PS shard, or a worker (which
+prepares its own copy of the data). Every process gets the same options.
 """
 
 from __future__ import annotations
@@ -27,10 +31,19 @@ import numpy as np  # the thread settings are applied by the package (examples/_
 
 import rvz
 
-from ..common import Stopped, add_log_option, configure_logging, stop_on_signals
-from ..param_server.launch import PSConfig
+from ..common import (
+    LOCAL_HOST,
+    Stopped,
+    add_log_option,
+    add_tls_options,
+    configure_logging,
+    stop_on_signals,
+    tls_files,
+)
+from ..param_server.launch import PSConfig, resolve_task, run_shard
+from ..param_server.protocol import PS_JOB, WORKER_JOB
 from .criteo import Columns, LoadStats, encode
-from .launch import JobFailed, JobSpec, run_job
+from .launch import JobFailed, JobSpec, ps_config, run_job, train_worker, worker_threads
 from .synthetic import Planted
 from .trainer import TrainConfig
 
@@ -91,6 +104,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     infra.add_argument("--run-timeout", type=float, default=3600.0, help="bound on each run, seconds")
     infra.add_argument("--switch-interval", type=float, default=0.0005,
                        help="the GIL switch interval of the worker processes, seconds")
+    infra.add_argument("--host", default=LOCAL_HOST, help="the address the run's processes listen on "
+                       "(one machine)")
+    infra.add_argument("--cluster", default=None, help="several hosts: the cluster JSON (or a file "
+                       "holding it), else TF_CONFIG's; this process runs --job/--task of it")
+    infra.add_argument("--job", choices=(PS_JOB, WORKER_JOB), default=None)
+    infra.add_argument("--task", type=int, default=None)
+    add_tls_options(infra)
     infra.add_argument("--kill-worker", help="W:STEP: worker W kills itself (SIGKILL) at STEP (a demo "
                        "of the failure report)")
     out = t.add_argument_group("output")
@@ -135,6 +155,19 @@ def check_args(args: argparse.Namespace) -> None:
         at_least("--samples", 1)
         at_least("--eval-samples", 1)
         return
+    args.tls = tls_files(args)
+    args.cluster_spec = None
+    if args.cluster or args.job is not None or os.environ.get("TF_CONFIG"):
+        args.cluster_spec, args.job, args.task = resolve_task(
+            args.cluster, args.job, args.task, (PS_JOB, WORKER_JOB), "train")
+        for name in ("compare_staleness", "compare_workers", "reference", "kill_worker", "plot"):
+            if getattr(args, name):
+                raise ValueError(f"--{name.replace('_', '-')} runs several processes itself: not with "
+                                 f"--cluster (one process of one run)")
+        if args.repeat != 1:
+            raise ValueError("--repeat runs several processes itself: not with --cluster")
+        args.workers = len(args.cluster_spec[WORKER_JOB])
+        args.shards = len(args.cluster_spec[PS_JOB])
     if args.data:
         for name, path in (("--data", args.data), ("--eval-data", args.eval_data)):
             if path and not os.path.isfile(path):
@@ -299,18 +332,73 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def ps_settings(args: argparse.Namespace) -> PSConfig:
+    return PSConfig(dim=args.dim, optimizer=args.optimizer, lr=args.lr, seed=args.seed, mode=args.mode,
+                    loop=args.loop, tls=args.tls)
+
+
+def train_settings(args: argparse.Namespace, workers: int, k: int) -> TrainConfig:
+    return TrainConfig(staleness=k, num_workers=workers, global_batch=args.batch_size,
+                       hidden=tuple(args.hidden), dense_lr=args.dense_lr, seed=args.seed,
+                       eval_every=args.eval_every, timeout=args.timeout, max_steps=args.max_steps,
+                       progress_every=args.progress_every)
+
+
+def steps_of(args: argparse.Namespace, train_dir: str) -> tuple[int, int]:
+    """(training samples, steps of the run); UsageError when not one step fits."""
+    n = len(Columns.open(train_dir))
+    steps = n // args.batch_size if args.max_steps is None else min(args.max_steps, n // args.batch_size)
+    if steps == 0:
+        raise UsageError(f"--batch-size {args.batch_size} is more than the {n} training samples: "
+                         f"not one step to train")
+    return n, steps
+
+
+def one_task(args: argparse.Namespace) -> int:
+    """One process of a run on several hosts: a PS shard, or a worker."""
+    cluster, job, task = args.cluster_spec, args.job, args.task
+    ps = ps_settings(args)
+    if job == PS_JOB:
+        summary = rvz.run(run_shard(cluster, task, ps_config(ps, args.workers)), loop=args.loop)
+        print(json.dumps({"done": job, "task": task, "live": summary["live"],
+                          "global_step": summary["global_step"]}), flush=True)
+        return 0
+    cache = Path(args.cache_dir) if args.cache_dir else Path(tempfile.mkdtemp(prefix="rvz-pipeline-"))
+    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        train_dir, eval_dir, _ = prepare(args, cache)
+        steps_of(args, train_dir)
+        spec = JobSpec(train_dir, eval_dir, train_settings(args, args.workers, args.staleness), ps,
+                       shards=args.shards, timeout=args.run_timeout, switch_interval=args.switch_interval)
+        worker_threads(spec)
+        result = rvz.run(train_worker(cluster, task, spec), loop=args.loop)
+        print(f"worker {task} of {args.workers}: {result['steps']} steps, {result['steps_per_s']:.2f} "
+              f"steps/s" + ("" if result["auc"] is None else
+                            f", AUC {result['auc']:.4f}, logloss {result['logloss']:.4f}")
+              + f"; losses {result['loss_digest']}", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({k: result[k] for k in REPORT if k in result}, indent=1))
+        return 0
+    finally:
+        if not args.cache_dir:
+            shutil.rmtree(cache, ignore_errors=True)
+
+
+# What --json keeps of a run.
+REPORT = ("auc", "logloss", "steps_per_s", "samples_per_s", "staleness", "workers", "history",
+          "steps", "samples", "seconds", "eval_seconds", "mg_waiting", "mg_compute", "eg_ps",
+          "cpu_seconds", "loss_digest", "losses")
+
+
 def train(args: argparse.Namespace) -> int:
+    if args.cluster_spec is not None:
+        return one_task(args)
     cache = Path(args.cache_dir) if args.cache_dir else Path(tempfile.mkdtemp(prefix="rvz-pipeline-"))
     cache.mkdir(parents=True, exist_ok=True)
     try:
         train_dir, eval_dir, oracle = prepare(args, cache)
-        ps = PSConfig(dim=args.dim, optimizer=args.optimizer, lr=args.lr, seed=args.seed, mode=args.mode,
-                      loop=args.loop)
-        n = len(Columns.open(train_dir))
-        steps = n // args.batch_size if args.max_steps is None else min(args.max_steps, n // args.batch_size)
-        if steps == 0:
-            raise UsageError(f"--batch-size {args.batch_size} is more than the {n} training samples: "
-                             f"not one step to train")
+        ps = ps_settings(args)
+        n, steps = steps_of(args, train_dir)
         if args.kill_worker and args.kill_worker[1] >= steps:
             raise UsageError(f"--kill-worker {args.kill_worker[0]}:{args.kill_worker[1]}: the runs have "
                              f"{steps} steps (0 to {steps - 1})")
@@ -321,12 +409,10 @@ def train(args: argparse.Namespace) -> int:
         runs: list[dict[str, Any]] = []
         for workers, k in settings(args):
             for _ in range(args.repeat):
-                cfg = TrainConfig(staleness=k, num_workers=workers, global_batch=args.batch_size,
-                                  hidden=tuple(args.hidden), dense_lr=args.dense_lr, seed=args.seed,
-                                  eval_every=args.eval_every, timeout=args.timeout, max_steps=args.max_steps,
-                                  progress_every=args.progress_every)
+                cfg = train_settings(args, workers, k)
                 spec = JobSpec(train_dir, eval_dir, cfg, ps, shards=args.shards, timeout=args.run_timeout,
-                               kill_worker=args.kill_worker, switch_interval=args.switch_interval)
+                               kill_worker=args.kill_worker, switch_interval=args.switch_interval,
+                               host=args.host)
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 result = run_job(spec)
                 after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -358,10 +444,7 @@ def train(args: argparse.Namespace) -> int:
             print(f"sequential reference: {ref.steps} steps, losses {ref.loss_digest()}: {verdict}")
             ok &= verdict != "DIFFERENT"
         if args.json:
-            keep = ("auc", "logloss", "steps_per_s", "samples_per_s", "staleness", "workers", "history",
-                    "steps", "samples", "seconds", "eval_seconds", "mg_waiting", "mg_compute", "eg_ps",
-                    "cpu_seconds", "loss_digest", "losses")
-            reports = [{k: r[k] for k in keep} for r in runs]
+            reports = [{k: r[k] for k in REPORT} for r in runs]
             doc: dict[str, Any] = dict(reports[0]) if len(reports) == 1 else {"runs": reports}
             doc["oracle"] = oracle
             Path(args.json).write_text(json.dumps(doc, indent=1))

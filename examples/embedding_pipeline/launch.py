@@ -20,10 +20,11 @@ from typing import Any
 
 import rvz
 
-from ..common import child_signals, free_ports, starting_child
+from ..common import LOCAL_HOST, child_signals, starting_child
 from ..param_server.client import PSClient
 from ..param_server.launch import PSConfig, run_shard
-from ..param_server.protocol import PS_JOB, WORKER_JOB
+from ..param_server.launch import local_cluster as ps_cluster
+from ..param_server.protocol import WORKER_JOB
 from .criteo import Columns
 from .trainer import HeldOut, TrainConfig, Worker
 
@@ -44,16 +45,15 @@ class JobSpec:
     kill_worker: tuple[int, int] | None = None   # (worker, step): that worker kills itself (tests, demo)
     kill_shard: tuple[int, int] | None = None    # (shard, step): that shard kills itself once step is applied
     switch_interval: float = 0.0005              # seconds, in the worker processes (see worker_process)
+    host: str = LOCAL_HOST                       # where run_job's processes listen
 
     @property
     def workers(self) -> int:
         return self.train.num_workers
 
 
-def local_cluster(shards: int, workers: int) -> dict[str, list[str]]:
-    ports = free_ports(shards + workers)
-    return {PS_JOB: [f"127.0.0.1:{p}" for p in ports[:shards]],
-            WORKER_JOB: [f"127.0.0.1:{p}" for p in ports[shards:]]}
+def local_cluster(shards: int, workers: int, host: str = LOCAL_HOST) -> dict[str, list[str]]:
+    return ps_cluster(shards, workers, WORKER_JOB, host)
 
 
 def ps_config(base: PSConfig, workers: int) -> PSConfig:
@@ -125,17 +125,21 @@ def arm_kill(worker: Worker, step: int) -> None:
 
 
 def worker_process(cluster: dict[str, list[str]], w: int, spec: JobSpec, results: Any) -> None:
-    # MG's numpy calls run in a thread and release the GIL, but need it back between calls;
-    # while EG's event loop holds it, the default 5 ms switch interval would be added to
-    # many of those calls. A short interval keeps MG's thread moving.
     child_signals()
-    sys.setswitchinterval(spec.switch_interval)
+    worker_threads(spec)
     try:
         out = rvz.run(train_worker(cluster, w, spec), loop=spec.ps.loop)
     except BaseException as exc:
         results.put(("worker", w, {"error": describe_error(exc)}))
         raise SystemExit(1) from None
     results.put(("worker", w, out))
+
+
+def worker_threads(spec: JobSpec) -> None:
+    """In a worker's process. MG's numpy calls run in a thread and release the GIL, but need
+    it back between calls; while EG's event loop holds it, the default 5 ms switch interval
+    would be added to many of those calls. A short interval keeps MG's thread moving."""
+    sys.setswitchinterval(spec.switch_interval)
 
 
 def shard_process(cluster: dict[str, list[str]], shard: int, cfg: PSConfig, results: Any,
@@ -160,7 +164,7 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
     """Run one training job in child processes; worker 0's result (plus the shards' summaries)."""
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
-    cluster = local_cluster(spec.shards, spec.workers)
+    cluster = local_cluster(spec.shards, spec.workers, spec.host)
     cfg = ps_config(spec.ps, spec.workers)
     procs: dict[tuple[str, int], Any] = {}
     reports: dict[tuple[str, int], Any] = {}

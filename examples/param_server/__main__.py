@@ -30,6 +30,7 @@ import rvz
 from rvz.poll import check_budget
 
 from ..common import (
+    LOCAL_HOST,
     Stopped,
     add_log_option,
     add_tls_options,
@@ -41,9 +42,9 @@ from .launch import (
     Processes,
     PSConfig,
     TableSpec,
-    cluster_from_args,
     keep_freed_memory,
     local_cluster,
+    resolve_task,
     restarter,
     run_shard,
     start_shards,
@@ -137,6 +138,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     demo.add_argument("--kill-after", type=float, default=None,
                       help="kill the shard after this many seconds instead of at a step")
     demo.add_argument("--timeout", type=float, default=120.0, help="bound on the whole run, seconds")
+    demo.add_argument("--host", default=LOCAL_HOST, help="the address every process listens on")
     for name in ("serve", "train"):
         one = sub.add_parser(name, help=f"{name} one task (multi-host)")
         add_service_options(one)
@@ -217,36 +219,9 @@ def check_args(args: argparse.Namespace) -> None:
     else:
         if args.restore and not args.checkpoint_dir:
             raise ValueError("--restore needs --checkpoint-dir (where the checkpoints are)")
-        args.cluster_spec, args.job, args.task = resolve_task(args)
-
-
-def resolve_task(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
-    """The cluster and this process's (job, task), checked: ValueError says what is wrong."""
-    try:
-        cluster, task = cluster_from_args(args.cluster)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"the cluster is not valid JSON: {exc}") from None
-    except OSError as exc:
-        raise ValueError(f"cannot read the cluster: {exc}") from None
-    if not isinstance(cluster, dict):
-        raise ValueError(f"the cluster must be a JSON object of job -> list of \"host:port\", "
-                         f"not {type(cluster).__name__}")
-    for name in (PS_JOB, WORKER_JOB):
-        tasks = cluster.get(name)
-        if not isinstance(tasks, list) or not tasks or not all(isinstance(t, str) for t in tasks):
-            raise ValueError(f"the cluster needs a non-empty list of \"host:port\" for job {name!r}")
-    if task is not None and not isinstance(task, dict):
-        raise ValueError("TF_CONFIG's task must be an object {\"type\": ..., \"index\": ...}")
-    job: Any = args.job or (task or {}).get("type")
-    index: Any = args.task if args.task is not None else (task or {}).get("index")
-    if job is None or index is None:
-        raise ValueError("say which task this is: --job and --task, or TF_CONFIG's task")
-    wanted = PS_JOB if args.command == "serve" else WORKER_JOB
-    if job != wanted:
-        raise ValueError(f"{args.command} runs a {wanted!r} task, not {job!r}")
-    if not isinstance(index, int) or not 0 <= index < len(cluster[job]):
-        raise ValueError(f"task {index!r}: job {job!r} has tasks 0 to {len(cluster[job]) - 1}")
-    return cluster, job, index
+        args.cluster_spec, args.job, args.task = resolve_task(
+            args.cluster, args.job, args.task, PS_JOB if args.command == "serve" else WORKER_JOB,
+            args.command)
 
 
 def service_config(args: argparse.Namespace, num_workers: int) -> PSConfig:
@@ -295,7 +270,7 @@ def describe_tables(ps: PSConfig) -> str:
 def demo(args: argparse.Namespace) -> int:
     ps = service_config(args, args.workers)
     work = worker_config(args)
-    cluster = local_cluster(args.shards, args.workers)
+    cluster = local_cluster(args.shards, args.workers, host=args.host)
     print(f"param_server: {args.shards} PS shards, {args.workers} workers, mode={args.mode}, "
           f"consistency={args.consistency}, tables {describe_tables(ps)}, "
           f"rvz {rvz.implementation()}", flush=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 import rvz
 
-from ..common import child_signals, free_ports, starting_child, tls_contexts
+from ..common import LOCAL_HOST, child_signals, free_ports, starting_child, tls_contexts
 from .checkpoint import has_checkpoint
 from .optimizers import make_optimizer
 from .protocol import PS_JOB, WORKER_JOB
@@ -124,11 +124,13 @@ def make_store(cfg: PSConfig) -> EmbeddingTable:
     return make_table(cfg, cfg.table_specs()[0])
 
 
-def local_cluster(num_shards: int, num_workers: int, worker_job: str = WORKER_JOB) -> dict[str, list[str]]:
-    """A loopback cluster spec: ``num_shards`` ps tasks and ``num_workers`` worker tasks."""
-    ports = free_ports(num_shards + num_workers)
-    return {PS_JOB: [f"127.0.0.1:{p}" for p in ports[:num_shards]],
-            worker_job: [f"127.0.0.1:{p}" for p in ports[num_shards:]]}
+def local_cluster(num_shards: int, num_workers: int, worker_job: str = WORKER_JOB,
+                  host: str = LOCAL_HOST) -> dict[str, list[str]]:
+    """A one-machine cluster spec: ``num_shards`` ps tasks and ``num_workers`` worker tasks,
+    on free ports of ``host``."""
+    ports = free_ports(num_shards + num_workers, host)
+    return {PS_JOB: [f"{host}:{p}" for p in ports[:num_shards]],
+            worker_job: [f"{host}:{p}" for p in ports[num_shards:]]}
 
 
 def shard_dir(cfg: PSConfig, shard: int) -> Path | None:
@@ -311,3 +313,35 @@ def cluster_from_args(cluster_json: str | None) -> tuple[dict[str, Any], dict[st
         raise ValueError("no cluster: pass --cluster JSON or set TF_CONFIG")
     config = json.loads(tf_config)
     return config["cluster"], config.get("task")
+
+
+def resolve_task(cluster_json: str | None, job: str | None, index: int | None, wanted: str | tuple[str, ...],
+                 command: str) -> tuple[dict[str, Any], str, int]:
+    """The cluster (``--cluster``, else ``TF_CONFIG``) and this process's (job, task), from
+    ``--job``/``--task`` or TF_CONFIG's task, checked: ValueError says what is wrong. The job
+    must be one of ``wanted``."""
+    try:
+        cluster, task = cluster_from_args(cluster_json)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the cluster is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read the cluster: {exc}") from None
+    if not isinstance(cluster, dict):
+        raise ValueError(f"the cluster must be a JSON object of job -> list of \"host:port\", "
+                         f"not {type(cluster).__name__}")
+    for name in (PS_JOB, WORKER_JOB):
+        tasks = cluster.get(name)
+        if not isinstance(tasks, list) or not tasks or not all(isinstance(t, str) for t in tasks):
+            raise ValueError(f"the cluster needs a non-empty list of \"host:port\" for job {name!r}")
+    if task is not None and not isinstance(task, dict):
+        raise ValueError("TF_CONFIG's task must be an object {\"type\": ..., \"index\": ...}")
+    name: Any = job or (task or {}).get("type")
+    number: Any = index if index is not None else (task or {}).get("index")
+    if name is None or number is None:
+        raise ValueError("say which task this is: --job and --task, or TF_CONFIG's task")
+    wanted = (wanted,) if isinstance(wanted, str) else wanted
+    if name not in wanted:
+        raise ValueError(f"{command} runs a {' or '.join(map(repr, wanted))} task, not {name!r}")
+    if not isinstance(number, int) or not 0 <= number < len(cluster[name]):
+        raise ValueError(f"task {number!r}: job {name!r} has tasks 0 to {len(cluster[name]) - 1}")
+    return cluster, name, number
