@@ -669,6 +669,59 @@ def test_cli_runs_one_process_per_host_and_role_as_a_local_run_does(tmp_path: Pa
     assert mine["auc"] == theirs["auc"] and mine["history"] == theirs["history"]
 
 
+RESUMABLE = ["train", "--samples", "960", "--eval-samples", "200", "--batch-size", "48", "--max-steps", "12",
+             "--workers", "2", "--shards", "2", "--staleness", "1", "--eval-every", "4", "--dim", "4",
+             "--hidden", "8", "--timeout", "20"]
+
+
+def test_a_job_killed_whole_resumes_from_its_last_cut_bit_for_bit(tmp_path: Path) -> None:
+    # Every process of the job (launcher, shards, workers) is SIGKILLed at step 8; resumed
+    # from the cut at step 6 with fresh processes, the job ends with the bits of a job that
+    # never stopped: every step's loss, every evaluation, the final AUC and logloss.
+    full = run_cli(*RESUMABLE, "--json", str(tmp_path / "full.json"))
+    assert full.returncode == 0, full.stdout + full.stderr
+    ck = tmp_path / "ck"
+    crashed = run_cli(*RESUMABLE, "--checkpoint-every", "3", "--checkpoint-dir", str(ck),
+                      "--crash-job-at", "8")
+    assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
+    assert sorted(p.name for p in ck.iterdir()) == ["JOB.json", "cut-00000003", "cut-00000006"]
+    resumed = run_cli(*RESUMABLE, "--resume", str(ck), "--json", str(tmp_path / "resumed.json"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "cut-00000006 (step 6)" in resumed.stderr, resumed.stderr
+    want = json.loads((tmp_path / "full.json").read_text())
+    got = json.loads((tmp_path / "resumed.json").read_text())
+    assert got["losses"] == want["losses"] and len(got["losses"]) == 12
+    assert got["loss_digest"] == want["loss_digest"] and got["history"] == want["history"]
+    assert (got["auc"], got["logloss"]) == (want["auc"], want["logloss"])
+    # A resume with other settings is refused, naming the option and the value to give.
+    other = run_cli(*RESUMABLE[:-2], "--timeout", "20", "--staleness", "2", "--resume", str(ck))
+    assert other.returncode == 2 and "give --staleness 1 to resume it" in other.stderr, other.stderr
+
+
+def test_an_incomplete_cut_is_never_used_and_the_error_names_what_it_lacks(tmp_path: Path) -> None:
+    from examples.param_server import cut
+
+    table = EmbeddingTable(4, Adagrad(0.1), "normal", 0)
+    table.lookup(np.arange(10))
+    for clock in (3, 6):
+        cut.write_shard_part(tmp_path, clock, 0, {"default": table.snapshot()}, fsync=False)
+        for w in range(2):
+            if (clock, w) != (6, 1):  # worker 1 died before writing its part of the cut at 6
+                cut.write_worker_part(tmp_path, clock, w, {"x": np.arange(3)}, {"w": w}, fsync=False)
+    clock, where = cut.latest(tmp_path, 1, 2)
+    assert clock == 3 and where.name == "cut-00000003"
+    (tmp_path / "cut-00000003" / "worker0.npz").write_bytes(b"cut short")
+    with pytest.raises(cut.CutError) as info:
+        cut.latest(tmp_path, 1, 2)
+    assert "cut-00000006 (step 6), lacks worker1" in str(info.value), info.value
+    assert "so do the 1 older ones" in str(info.value)
+    with pytest.raises(cut.CutError, match="no checkpoint"):
+        cut.latest(tmp_path / "none", 1, 2)
+    restored = cut.load_shard_part(tmp_path / "cut-00000006", 0)["default"]
+    np.testing.assert_array_equal(restored.rows(np.arange(10)), table.rows(np.arange(10)))
+    assert restored.global_step == table.global_step and len(restored) == 10
+
+
 def test_cli_generate_and_the_plot_option(tmp_path: Path) -> None:
     proc = run_cli("generate", "--samples", "300", "--eval-samples", "100", "--out", str(tmp_path), "--plain")
     assert proc.returncode == 0, proc.stderr

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import resource
 import shutil
@@ -40,6 +41,7 @@ from ..common import (
     stop_on_signals,
     tls_files,
 )
+from ..param_server import cut
 from ..param_server.launch import PSConfig, resolve_task, run_shard
 from ..param_server.protocol import PS_JOB, WORKER_JOB
 from .criteo import Columns, LoadStats, encode
@@ -111,6 +113,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     infra.add_argument("--job", choices=(PS_JOB, WORKER_JOB), default=None)
     infra.add_argument("--task", type=int, default=None)
     add_tls_options(infra)
+    ckpt = t.add_argument_group("whole-job checkpoints")
+    ckpt.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                      help="every N steps, a consistent cut of every shard and worker (0: none)")
+    ckpt.add_argument("--checkpoint-dir", default=None, help="where the cuts go (default: --resume's)")
+    ckpt.add_argument("--resume", default=None, metavar="DIR",
+                      help="restart the whole job, with fresh processes, from DIR's newest complete cut")
+    ckpt.add_argument("--crash-job-at", type=int, default=None, metavar="STEP",
+                      help="a demo: worker 0 SIGKILLs every process of the job (its process group) at "
+                      "STEP, once the last cut before it is complete")
     infra.add_argument("--kill-worker", help="W:STEP: worker W kills itself (SIGKILL) at STEP (a demo "
                        "of the failure report)")
     out = t.add_argument_group("output")
@@ -198,6 +209,22 @@ def check_args(args: argparse.Namespace) -> None:
         if args.batch_size % n:
             raise ValueError(f"--batch-size {args.batch_size} does not split into {n} equal shares "
                              f"(one per worker)")
+    at_least("--checkpoint-every", 0)
+    if args.resume and not args.checkpoint_dir and args.checkpoint_every:
+        args.checkpoint_dir = args.resume  # go on writing cuts where they were
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir (where to write the cuts)")
+    if args.resume or args.checkpoint_every:
+        for name in ("compare_staleness", "compare_workers", "reference"):
+            if getattr(args, name):
+                raise ValueError(f"--{name.replace('_', '-')} runs several jobs: not with --resume or "
+                                 f"--checkpoint-every (one job)")
+        if args.repeat != 1:
+            raise ValueError("--repeat runs several jobs: not with --resume or --checkpoint-every")
+    if args.resume and not os.path.isdir(args.resume):
+        raise ValueError(f"--resume {args.resume}: no such directory")
+    if args.crash_job_at is not None:
+        at_least("--crash-job-at", 1)
     if args.kill_worker:
         try:
             w, step = (int(x) for x in args.kill_worker.split(":"))
@@ -333,15 +360,49 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
 
 
 def ps_settings(args: argparse.Namespace) -> PSConfig:
+    """The PS settings of the run; resuming, the cut to start from (its settings checked)."""
+    where, clock = resume_point(args)
     return PSConfig(dim=args.dim, optimizer=args.optimizer, lr=args.lr, seed=args.seed, mode=args.mode,
-                    loop=args.loop, tls=args.tls)
+                    loop=args.loop, tls=args.tls, cut_every=args.checkpoint_every,
+                    cut_root=args.checkpoint_dir, resume_cut=where, start_clock=clock)
 
 
 def train_settings(args: argparse.Namespace, workers: int, k: int) -> TrainConfig:
     return TrainConfig(staleness=k, num_workers=workers, global_batch=args.batch_size,
                        hidden=tuple(args.hidden), dense_lr=args.dense_lr, seed=args.seed,
                        eval_every=args.eval_every, timeout=args.timeout, max_steps=args.max_steps,
-                       progress_every=args.progress_every)
+                       progress_every=args.progress_every, checkpoint_every=args.checkpoint_every,
+                       checkpoint_dir=args.checkpoint_dir)
+
+
+# What must be the same for a job to resume from another's cut (--max-steps may grow).
+JOB_SETTINGS = ("workers", "shards", "staleness", "batch_size", "dim", "hidden", "optimizer", "lr",
+                "dense_lr", "seed", "data", "eval_data", "samples", "eval_samples", "eval_every")
+
+
+def job_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in JOB_SETTINGS}
+
+
+def resume_point(args: argparse.Namespace) -> tuple[str | None, int]:
+    """(cut directory, its clock) to resume from, or (None, 0); UsageError when the job's
+    settings differ from the checkpoint's, CutError when no cut is complete."""
+    if not args.resume:
+        if args.checkpoint_every:
+            cut.write_job(args.checkpoint_dir, job_settings(args))
+        return None, 0
+    saved = cut.read_job(args.resume)
+    mine = job_settings(args)
+    for name in JOB_SETTINGS:
+        if saved.get(name) != mine[name]:
+            option = "--" + name.replace("_", "-")
+            raise UsageError(f"--resume {args.resume}: its job ran with {option} {saved.get(name)}, this "
+                             f"one with {mine[name]}; give {option} {saved.get(name)} to resume it")
+    clock, where = cut.latest(args.resume, args.shards, args.workers)
+    if args.checkpoint_every and os.path.abspath(args.checkpoint_dir) != os.path.abspath(args.resume):
+        cut.write_job(args.checkpoint_dir, mine)
+    logging.getLogger(__name__).info("resuming the job from %s (step %d)", where, clock)
+    return str(where), clock
 
 
 def steps_of(args: argparse.Namespace, train_dir: str) -> tuple[int, int]:
@@ -412,7 +473,7 @@ def train(args: argparse.Namespace) -> int:
                 cfg = train_settings(args, workers, k)
                 spec = JobSpec(train_dir, eval_dir, cfg, ps, shards=args.shards, timeout=args.run_timeout,
                                kill_worker=args.kill_worker, switch_interval=args.switch_interval,
-                               host=args.host)
+                               host=args.host, crash_job_at=args.crash_job_at)
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 result = run_job(spec)
                 after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -422,6 +483,8 @@ def train(args: argparse.Namespace) -> int:
                                          - before.ru_utime - before.ru_stime)
                 print(summary_line(result), flush=True)
                 runs.append(result)
+                if args.checkpoint_every:
+                    cut.prune(args.checkpoint_dir, args.shards, workers)
         ok = True
         if len(runs) > 1:
             print(table(runs, oracle))
@@ -470,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"python -m examples.embedding_pipeline train: error: {exc}", file=sys.stderr)
         return 2
+    except cut.CutError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except Stopped as exc:
         print(f"embedding_pipeline: stopped by {exc}; every child process was stopped", file=sys.stderr)
         return exc.exit_code

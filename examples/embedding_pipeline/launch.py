@@ -10,23 +10,27 @@ names the step that was aborted) and every exit code are gathered into one ``Job
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import queue
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import rvz
 
 from ..common import LOCAL_HOST, child_signals, starting_child
+from ..param_server import cut
 from ..param_server.client import PSClient
+from ..param_server.cut import CutError, load_worker_part
 from ..param_server.launch import PSConfig, run_shard
 from ..param_server.launch import local_cluster as ps_cluster
 from ..param_server.protocol import WORKER_JOB
 from .criteo import Columns
-from .trainer import HeldOut, TrainConfig, Worker
+from .trainer import HeldOut, TrainConfig, Worker, WorkerCut
 
 
 class JobFailed(RuntimeError):
@@ -46,6 +50,7 @@ class JobSpec:
     kill_shard: tuple[int, int] | None = None    # (shard, step): that shard kills itself once step is applied
     switch_interval: float = 0.0005              # seconds, in the worker processes (see worker_process)
     host: str = LOCAL_HOST                       # where run_job's processes listen
+    crash_job_at: int | None = None              # worker 0 SIGKILLs the job at this step (a demo)
 
     @property
     def workers(self) -> int:
@@ -80,9 +85,15 @@ async def train_worker(cluster: dict[str, list[str]], w: int, spec: JobSpec) -> 
         # being waited for.
         ps = PSClient(node, spec.shards, spec.ps.dim, timeout=spec.train.timeout, restart_timeout=0)
         try:
-            worker = Worker(node, ps, data, spec.train, held_out)
+            resume = None
+            if spec.ps.resume_cut is not None:
+                arrays, meta = load_worker_part(Path(spec.ps.resume_cut), w)
+                resume = WorkerCut(spec.ps.start_clock, arrays, meta)
+            worker = Worker(node, ps, data, spec.train, held_out, resume=resume)
             if spec.kill_worker is not None and spec.kill_worker[0] == w:
                 arm_kill(worker, spec.kill_worker[1])
+            if spec.crash_job_at is not None and w == 0:
+                arm_job_kill(worker, spec)
             result = await worker.run()
         except Exception as exc:  # reported below, once the node is closed
             error = exc
@@ -119,6 +130,33 @@ def arm_kill(worker: Worker, step: int) -> None:
     def forward_backward(*args: Any) -> Any:
         if worker.model.steps == step:
             os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args)
+
+    worker.model.forward_backward = forward_backward  # type: ignore[method-assign]
+
+
+def arm_job_kill(worker: Worker, spec: JobSpec) -> None:
+    """Make worker 0 kill every process of the job (SIGKILL to its process group: the
+    launcher, the shards, the workers) when MG starts ``spec.crash_job_at``, once the last
+    whole-job cut before that step is complete (so that there is one to resume from)."""
+    import os
+
+    original = worker.model.forward_backward
+    every, root = spec.train.checkpoint_every, spec.train.checkpoint_dir
+    step = spec.crash_job_at
+    assert step is not None
+
+    def forward_backward(*args: Any) -> Any:
+        if worker.model.steps == step:
+            if every and root and step >= every:
+                wanted = step // every * every
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    with contextlib.suppress(CutError):
+                        if cut.latest(root, spec.shards, spec.workers)[0] >= wanted:
+                            break
+                    time.sleep(0.02)
+            os.killpg(os.getpgrp(), signal.SIGKILL)
         return original(*args)
 
     worker.model.forward_backward = forward_backward  # type: ignore[method-assign]

@@ -103,6 +103,14 @@ class PSClient:
         self._resync_lock = [asyncio.Lock() for _ in range(num_shards)]
         self._gone: list[str | None] = [None] * num_shards  # why we gave up on a lost shard
 
+    def start_at(self, clock: int) -> None:
+        """Continue a job resumed from a whole-job cut at ``clock`` (its shards serve every
+        worker from there); before the first call."""
+        if self._greeted is not None or any(self.next_step[c] for c in TRAINING):
+            raise RuntimeError("start_at() comes before the client's first call")
+        for channel in TRAINING:
+            self.next_step[channel] = clock
+
     # -- the handshake ---------------------------------------------------------------------
 
     async def connect(self) -> None:

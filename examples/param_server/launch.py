@@ -26,6 +26,7 @@ import rvz
 
 from ..common import LOCAL_HOST, child_signals, free_ports, starting_child, tls_contexts
 from .checkpoint import has_checkpoint
+from .cut import load_shard_part
 from .optimizers import make_optimizer
 from .protocol import PS_JOB, WORKER_JOB
 from .server import ShardServer
@@ -73,6 +74,10 @@ class PSConfig:
     node_options: dict[str, Any] = field(default_factory=dict)
     progress_every: float = 0.0  # seconds between a shard's progress lines (0: none)
     tls: tuple[str, str, str] | None = None  # (ca, cert, key) files: mutual TLS between nodes
+    cut_every: int = 0               # whole-job cuts every this many clocks (bsp; see cut.py)
+    cut_root: str | None = None      # ... written under this directory
+    resume_cut: str | None = None    # start from this cut directory (and its clock) instead of empty
+    start_clock: int = 0             # the clock of ``resume_cut``
 
     def node_kwargs(self) -> dict[str, Any]:
         """Options of every node of the service (TLS contexts built here, in the process
@@ -173,13 +178,19 @@ async def run_shard(cluster: dict[str, Any], shard: int, cfg: PSConfig,
                     restore: bool = False, crash_at: int | None = None) -> dict[str, Any]:
     """Run PS shard ``shard`` until every worker left; returns its summary. ``crash_at``: the
     process kills itself (SIGKILL) when the slowest worker reaches that clock (a demo)."""
-    tables, epoch, restored = open_shard(cfg, shard, restore)
+    if cfg.resume_cut is not None:
+        # A whole job resumed from a cut: a fresh start (epoch 0) of every process, at the
+        # cut's clock; the shard's own checkpoint directory is not involved.
+        tables, epoch, restored = load_shard_part(Path(cfg.resume_cut), shard), 0, False
+    else:
+        tables, epoch, restored = open_shard(cfg, shard, restore)
     async with rvz.Node(cluster, PS_JOB, shard, mode=cfg.mode, **cfg.node_kwargs()) as node:
         server = ShardServer(node, tables, cfg.num_workers, worker_job=cfg.worker_job,
                              consistency=cfg.consistency, staleness=cfg.staleness,
                              evict_every=cfg.evict_every, checkpoint_dir=shard_dir(cfg, shard),
                              checkpoint_every=cfg.checkpoint_every, full_every=cfg.full_every,
-                             epoch=epoch, fsync=cfg.fsync, progress_every=cfg.progress_every)
+                             epoch=epoch, fsync=cfg.fsync, progress_every=cfg.progress_every,
+                             start_clock=cfg.start_clock, cut_every=cfg.cut_every, cut_root=cfg.cut_root)
         if restored:
             # The next save may add an increment to the restored chain. Without a full
             # checkpoint of every table on disk (a crash before the first save) it must be a

@@ -27,6 +27,12 @@ traffic that is not rvz at all) is logged and waited out: the shard retries that
 channel until a well-configured process serves as that worker, and goes on serving the
 others meanwhile. A message that does not decode is logged and counts as an aborted step.
 Every ``progress_every`` seconds the shard logs where its clocks stand.
+
+Whole-job cuts (``cut_every``, bsp only; see cut.py): when the pushes of clock C - 1 are
+applied and C is a multiple of ``cut_every``, the shard copies its tables out at once (before
+it acknowledges clock C - 1, so before any worker pulls again) and writes the copy in a
+helper thread while it goes on serving. A shard started from a cut at C (``start_clock``)
+serves every worker from clock C.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import numpy as np
 import rvz
 
 from ..common import run_together
+from .cut import write_shard_part
 from .protocol import (
     HELLO,
     PULL_IDS,
@@ -103,7 +110,8 @@ class ShardServer:
                  staleness: int = 0, evict_every: int = 0, checkpoint_dir: str | Path | None = None,
                  checkpoint_every: int = 0, full_every: int = 4, epoch: int = 0,
                  rejoin_timeout: float = 30.0, record: bool = False, fsync: bool = True,
-                 progress_every: float = 0.0) -> None:
+                 progress_every: float = 0.0, start_clock: int = 0, cut_every: int = 0,
+                 cut_root: str | Path | None = None) -> None:
         if consistency not in CONSISTENCY:
             raise ValueError(f"consistency must be one of {CONSISTENCY}, not {consistency!r}")
         self.node = node
@@ -126,12 +134,18 @@ class ShardServer:
         self.stats = ShardStats()
         self.progress_every = progress_every
         self._next_progress = time.monotonic() + progress_every
-        self.clock = [0] * num_workers        # pushes done (applied or aborted) per worker
+        if cut_every and consistency != "bsp":
+            raise ValueError("whole-job cuts need bsp: with asp or ssp no clock is one state")
+        self.start_clock = start_clock
+        self.cut_every = cut_every
+        self.cut_root = Path(cut_root) if cut_root is not None else None
+        self._writes: list[asyncio.Future[Any]] = []
+        self.clock = [start_clock] * num_workers  # pushes done (applied or aborted) per worker
         self.active = set(range(num_workers))
         self._changed: asyncio.Event | None = None
         self._bsp: dict[int, dict[int, tuple[list[np.ndarray], list[np.ndarray]] | None]] = {}
         self._bsp_done: dict[int, asyncio.Future[None]] = {}
-        self._housekept = 0
+        self._housekept = start_clock
         self._saves = 0
         self._rejoining = num_workers if epoch > 0 else 0
         # Demo hook (``demo --kill-shard``): this process kills itself with SIGKILL once the
@@ -159,7 +173,10 @@ class ShardServer:
         log.info("%s: serving %d workers, tables %s, %s", self.who, self.num_workers,
                  ", ".join(f"{n} (dim {t.dim}, {t.optimizer.name}, {len(t)} rows)"
                            for n, t in self.tables.items()), self.consistency)
-        await run_together(*(self._serve_worker(w) for w in range(self.num_workers)))
+        try:
+            await run_together(*(self._serve_worker(w) for w in range(self.num_workers)))
+        finally:
+            await asyncio.gather(*self._writes)  # the last cut is on disk before we return
         log.info("%s: every worker left; %d pulls, %d pushes served", self.who, self.stats.lookups,
                  self.stats.pushes)
         return self.stats
@@ -184,7 +201,8 @@ class ShardServer:
         hello = np.array([self.epoch, *[t.global_step for t in self.tables.values()]], dtype=np.int64)
         key = edge(HELLO, worker, self.shard, self.epoch, 0, self.worker_job)
         await self._patient(worker, 0, "greeting", lambda: self.node.send(key, hello))
-        pull_clock = push_clock = read_seq = 0
+        pull_clock = push_clock = self.start_clock
+        read_seq = 0
         if self.epoch > 0:
             # Restarted: until the worker says where its clocks stand, it counts as clock 0
             # (the consistency bound then holds back the others, never lets them run ahead).
@@ -398,9 +416,26 @@ class ShardServer:
             self.tables[name].apply_gradients(
                 np.concatenate([np.zeros(0, dtype=np.int64), *ids]),
                 np.concatenate([np.zeros((0, dim), dtype=np.float32), *grads]), create=False)
+        if self.cut_every and (clock + 1) % self.cut_every == 0:
+            self._cut(clock + 1)  # before the acknowledgements: no worker pulls past it
         done = self._bsp_done.pop(clock)
         if not done.done():
             done.set_result(None)
+
+    def _cut(self, clock: int) -> None:
+        """This shard's part of the whole-job cut at ``clock``: copied out now, written by a
+        helper thread."""
+        root = self.cut_root
+        assert root is not None
+        snapshots = {name: table.snapshot() for name, table in self.tables.items()}
+        started = time.perf_counter()
+
+        def write() -> None:
+            write_shard_part(root, clock, self.shard, snapshots, fsync=self.fsync)
+            log.info("%s: its part of the cut at clock %d is written (%d rows, %.3f s)", self.who, clock,
+                     sum(len(s.ids) for s in snapshots.values()), time.perf_counter() - started)
+
+        self._writes.append(asyncio.get_running_loop().run_in_executor(None, write))
 
     def _lost(self, worker: int, clock: int | None) -> None:
         if worker in self.active:
