@@ -10,7 +10,6 @@ names the step that was aborted) and every exit code are gathered into one ``Job
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import multiprocessing as mp
 import queue
 import signal
@@ -25,7 +24,7 @@ import rvz
 from ..common import LOCAL_HOST, child_signals, starting_child
 from ..param_server import cut
 from ..param_server.client import PSClient
-from ..param_server.cut import CutError, load_worker_part
+from ..param_server.cut import load_worker_part
 from ..param_server.launch import PSConfig, run_shard
 from ..param_server.launch import local_cluster as ps_cluster
 from ..param_server.protocol import WORKER_JOB
@@ -138,25 +137,16 @@ def arm_kill(worker: Worker, step: int) -> None:
 def arm_job_kill(worker: Worker, spec: JobSpec) -> None:
     """Make worker 0 kill every process of the job (SIGKILL to its process group: the
     launcher, the shards, the workers) when MG starts ``spec.crash_job_at``, once the last
-    whole-job cut before that step is complete (so that there is one to resume from)."""
-    import os
-
+    whole-job cut before that step is complete (so that there is one to resume from). MG
+    runs in a thread: waiting there leaves EG free to finish that cut."""
     original = worker.model.forward_backward
-    every, root = spec.train.checkpoint_every, spec.train.checkpoint_dir
     step = spec.crash_job_at
     assert step is not None
 
     def forward_backward(*args: Any) -> Any:
         if worker.model.steps == step:
-            if every and root and step >= every:
-                wanted = step // every * every
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline:
-                    with contextlib.suppress(CutError):
-                        if cut.latest(root, spec.shards, spec.workers)[0] >= wanted:
-                            break
-                    time.sleep(0.02)
-            os.killpg(os.getpgrp(), signal.SIGKILL)
+            cut.kill_job_after_cut(spec.train.checkpoint_dir, spec.train.checkpoint_every, step,
+                                   spec.shards, spec.workers)
         return original(*args)
 
     worker.model.forward_backward = forward_backward  # type: ignore[method-assign]

@@ -38,6 +38,7 @@ from ..common import (
     stop_on_signals,
     tls_files,
 )
+from . import cut
 from .launch import (
     Processes,
     PSConfig,
@@ -109,6 +110,11 @@ def add_service_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=2, help="worker processes (tasks of the worker job)")
     p.add_argument("--progress-every", type=float, default=10.0, metavar="S",
                    help="seconds between progress lines of each shard and worker (0: none)")
+    p.add_argument("--cut-every", type=int, default=0, metavar="N",
+                   help="whole-job cuts (bsp): every N clocks, every shard and worker at one clock")
+    p.add_argument("--cut-dir", default=None, help="where the cuts go (default: --resume's)")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="restart the whole job, with fresh processes, from DIR's newest complete cut")
     add_log_option(p)
     add_tls_options(p)
 
@@ -139,6 +145,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                       help="kill the shard after this many seconds instead of at a step")
     demo.add_argument("--timeout", type=float, default=120.0, help="bound on the whole run, seconds")
     demo.add_argument("--host", default=LOCAL_HOST, help="the address every process listens on")
+    demo.add_argument("--crash-job-at", type=int, default=None, metavar="STEP",
+                      help="a demo of --resume: worker 0 SIGKILLs every process of the job (its "
+                      "process group) at STEP, once the last cut before it is complete")
     for name in ("serve", "train"):
         one = sub.add_parser(name, help=f"{name} one task (multi-host)")
         add_service_options(one)
@@ -184,6 +193,16 @@ def check_args(args: argparse.Namespace) -> None:
     args.tls = tls_files(args)
     if args.checkpoint_every and not args.checkpoint_dir:
         raise ValueError("--checkpoint-every needs --checkpoint-dir (where to write them)")
+    at_least("--cut-every", 0)
+    if args.resume and args.cut_every and not args.cut_dir:
+        args.cut_dir = args.resume  # go on writing cuts where they were
+    if args.cut_every and not args.cut_dir:
+        raise ValueError("--cut-every needs --cut-dir (where to write the cuts)")
+    if (args.cut_every or args.resume) and args.consistency != "bsp":
+        raise ValueError("whole-job cuts and --resume need --consistency bsp: with asp or ssp the "
+                         "shards never stand at one clock together")
+    if args.resume and not os.path.isdir(args.resume):
+        raise ValueError(f"--resume {args.resume}: no such directory")
     if args.command in ("demo", "train"):
         for name in ("--steps", "--batch", "--bag", "--vocab"):
             at_least(name, 1)
@@ -222,6 +241,49 @@ def check_args(args: argparse.Namespace) -> None:
         args.cluster_spec, args.job, args.task = resolve_task(
             args.cluster, args.job, args.task, PS_JOB if args.command == "serve" else WORKER_JOB,
             args.command)
+    if args.command == "demo":
+        shards, workers = args.shards, args.workers
+        if args.crash_job_at is not None and not 1 <= args.crash_job_at < args.steps:
+            raise ValueError(f"--crash-job-at {args.crash_job_at}: not a step of the run (1 to "
+                             f"{args.steps - 1})")
+    else:
+        shards, workers = len(args.cluster_spec[PS_JOB]), len(args.cluster_spec[WORKER_JOB])
+    args.resume_cut, args.start_clock = resume_point(args, shards, workers)
+
+
+# What must be the same for a job to resume from another's cut (--steps may grow).
+JOB_SETTINGS = ("tables", "dim", "optimizer", "lr", "consistency", "seed", "min_count", "ttl", "max_rows",
+                "evict_every", "batch", "bag", "vocab")
+
+
+def resume_point(args: argparse.Namespace, shards: int, workers: int) -> tuple[str | None, int]:
+    """(cut directory, clock) to resume from, or (None, 0); ValueError when the job's
+    settings differ from the checkpoint's (naming what to give), or no cut is complete."""
+    mine = {name: getattr(args, name) for name in JOB_SETTINGS if hasattr(args, name)}
+    mine.update(shards=shards, workers=workers, sharding=cut.SHARDING)
+    if not args.resume:
+        if args.cut_every:
+            cut.write_job(args.cut_dir, mine)
+        return None, 0
+    try:
+        saved = cut.read_job(args.resume)
+        if saved.get("shards") != shards:
+            raise ValueError(
+                f"--resume {args.resume}: its job ran with {saved.get('shards')} shards, this one has "
+                f"{shards}; run {saved.get('shards')} shards, or reshard the checkpoint first: python -m "
+                f"examples.param_server reshard --from {args.resume} --shards {shards} --to NEW_DIR, then "
+                f"--resume NEW_DIR")
+        for name, value in mine.items():
+            if name in saved and saved[name] != value:
+                option = "--" + name.replace("_", "-")
+                raise ValueError(f"--resume {args.resume}: its job ran with {option} {saved[name]}, this "
+                                 f"one with {value}; give {option} {saved[name]} to resume it")
+        clock, where = cut.latest(args.resume, shards, workers)
+    except cut.CutError as exc:
+        raise ValueError(str(exc)) from None
+    if args.cut_every and os.path.abspath(args.cut_dir) != os.path.abspath(args.resume):
+        cut.write_job(args.cut_dir, {**saved, **mine})
+    return str(where), clock
 
 
 def service_config(args: argparse.Namespace, num_workers: int) -> PSConfig:
@@ -232,7 +294,8 @@ def service_config(args: argparse.Namespace, num_workers: int) -> PSConfig:
                     evict_every=args.evict_every, checkpoint_dir=args.checkpoint_dir,
                     checkpoint_every=args.checkpoint_every, full_every=args.full_every,
                     mode=args.mode, loop=args.loop, node_options=node_options(args),
-                    progress_every=args.progress_every, tls=args.tls)
+                    progress_every=args.progress_every, tls=args.tls, cut_every=args.cut_every,
+                    cut_root=args.cut_dir, resume_cut=args.resume_cut, start_clock=args.start_clock)
 
 
 def node_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -248,7 +311,9 @@ def node_options(args: argparse.Namespace) -> dict[str, Any]:
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(steps=args.steps, batch=args.batch, bag=args.bag, vocab=args.vocab,
                         seed=args.seed, restart_timeout=args.restart_timeout,
-                        progress_every=args.progress_every)
+                        progress_every=args.progress_every, cut_every=args.cut_every,
+                        cut_root=args.cut_dir, resume_cut=args.resume_cut, start_clock=args.start_clock,
+                        crash_job_at=getattr(args, "crash_job_at", None))
 
 
 def print_shard(r: dict[str, Any]) -> None:
@@ -258,7 +323,8 @@ def print_shard(r: dict[str, Any]) -> None:
     print(f"ps {r['shard']}: served {r['lookups']} pulls ({r['ids_looked_up']} ids), {r['pushes']} "
           f"pushes, {r['aborted_steps']} aborted steps, {len(r['checkpoints'])} checkpoints, "
           f"{r['consistency']} max staleness {r['max_staleness']}"
-          + ("" if r.get("busy_poll_spins") is None else f", busy-poll spins {r['busy_poll_spins']}"))
+          + ("" if r.get("busy_poll_spins") is None else f", busy-poll spins {r['busy_poll_spins']}")
+          + ("" if r.get("rows_digest") is None else f", rows {r['rows_digest']}"))
 
 
 def describe_tables(ps: PSConfig) -> str:
@@ -302,7 +368,8 @@ def demo(args: argparse.Namespace) -> int:
         r = results[(WORKER_JOB, worker)]
         print(f"worker {worker}: {r['steps']} steps in {r['seconds']:.2f} s "
               f"({r['steps'] / r['seconds']:.0f} steps/s, {r['ids_per_s'] / 1e3:.0f}k ids/s); "
-              f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}; shard restarts seen {r['restarts']}")
+              f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}; shard restarts seen {r['restarts']}; "
+              f"losses {r['loss_digest']}")
     for shard in range(args.shards):
         print_shard(results[(PS_JOB, shard)])
     steps = {results[(PS_JOB, s)]["global_step"] for s in range(args.shards)}
@@ -322,7 +389,8 @@ def one_task(args: argparse.Namespace) -> int:
     else:
         r = rvz.run(run_worker(cluster, index, ps, worker_config(args)), loop=args.loop)
         print(f"worker {r['worker']}: {r['steps']} steps in {r['seconds']:.2f} s; loss "
-              f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}; shard restarts seen {r['restarts']}")
+              f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}; shard restarts seen {r['restarts']}; "
+              f"losses {r['loss_digest']}")
     print(json.dumps({"done": job, "task": index}), flush=True)
     return 0
 

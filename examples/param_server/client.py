@@ -65,6 +65,12 @@ FRESH_HINT = ("; if that shard was restarted, was it with --restore? A shard sta
               "does not know its workers' clocks")
 
 
+# A fresh worker waits for epoch 0; a shard started with --restore greets with its next
+# epoch, and only workers that knew it answer.
+WHOLE_JOB_HINT = ("; a shard started with --restore greets only the workers it knew: to restart "
+                  "a whole job, resume it from a whole-job cut (--cut-every, then --resume)")
+
+
 class ShardRestarted(Exception):
     """The shard greeted us from a new incarnation while we waited for it."""
 
@@ -143,7 +149,8 @@ class PSClient:
                     raise type(exc)(
                         f"worker {self.worker}: no greeting from PS shard {shard} (epoch {epoch}, at "
                         f"{self.node.cluster.address(PS_JOB, shard)}) within {timeout:g} s "
-                        f"(waited {loop.time() - started:.1f} s): {exc}") from None
+                        f"(waited {loop.time() - started:.1f} s): {exc}"
+                        + (WHOLE_JOB_HINT if epoch == 0 else "")) from None
                 if isinstance(exc, TimeoutError):
                     raise
                 await asyncio.sleep(0.05)

@@ -23,6 +23,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,9 @@ import numpy as np
 from .table import EmbeddingTable, TableSnapshot, write_snapshot
 
 JOB = "JOB.json"
+# How ids map to shards, recorded with every job: a cut can only be served by as many shards,
+# mapped the same way (``reshard`` changes the count).
+SHARDING = "mix64(id ^ 0x5BD1E9955BD1E995) % shards"
 _CUT = re.compile(r"cut-(\d{8})")
 
 
@@ -167,6 +172,24 @@ def latest(root: str | Path, num_shards: int, num_workers: int) -> tuple[int, Pa
     raise CutError(f"no complete checkpoint in {root}: the newest, {where.name} (step {clock}), lacks "
                    + ", ".join(missing(where, num_shards, num_workers))
                    + (f"; so do the {len(found) - 1} older ones" if len(found) > 1 else ""))
+
+
+def kill_job_after_cut(root: str | Path | None, every: int, step: int, num_shards: int,
+                       num_workers: int, timeout: float = 30.0) -> None:
+    """SIGKILL every process of this process group (a whole job, started in a group of its
+    own) once the last cut at or before ``step`` is complete: a demo of ``--resume``, and its
+    test. Blocks (call it from a thread, or where blocking is fine)."""
+    if every and root is not None and step >= every:
+        wanted = step // every * every
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if latest(root, num_shards, num_workers)[0] >= wanted:
+                    break
+            except CutError:
+                pass
+            time.sleep(0.02)
+    os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 def prune(root: str | Path, num_shards: int, num_workers: int, keep: int = 2) -> None:

@@ -38,6 +38,7 @@ serves every worker from clock C.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import signal
@@ -498,7 +499,19 @@ class ShardServer:
                 "aborted_steps": self.stats.aborted_steps, "lost_workers": self.stats.lost_workers,
                 "checkpoints": list(self.stats.checkpoints), "evicted": self.stats.evicted,
                 "max_staleness": self.stats.max_staleness, "consistency": self.consistency,
-                "busy_poll_spins": (self.node.stats()["busy_poll"] or {}).get("spins")}
+                "busy_poll_spins": (self.node.stats()["busy_poll"] or {}).get("spins"),
+                "rows_digest": self.rows_digest() if self.consistency == "bsp" else None}
+
+    def rows_digest(self) -> str:
+        """A hash of every table's ids and whole rows (embedding and slots), in id order: equal
+        digests, identical tables (what a resumed job is compared by)."""
+        h = hashlib.sha256()
+        for name in self.names:
+            ids = np.sort(self.tables[name].ids())
+            h.update(name.encode())
+            h.update(ids.tobytes())
+            h.update(self.tables[name].rows(ids).tobytes())
+        return h.hexdigest()[:16]
 
 
 async def _drop(receive: asyncio.Future[Any]) -> None:
