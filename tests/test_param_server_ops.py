@@ -314,3 +314,65 @@ def test_a_ps_job_killed_whole_resumes_from_its_last_cut_bit_for_bit(tmp_path: P
     three = [*RESUMABLE[:4], "3", *RESUMABLE[5:]]  # --shards 3
     other = run_module("examples.param_server", *three, "--resume", str(ck), cwd=str(REPO), timeout=60)
     assert other.returncode == 2 and "reshard --from" in other.stderr, other.stderr
+
+
+def reshard_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "examples.param_server", "reshard", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=30, env=env)
+
+
+def test_a_cut_resharded_from_2_to_3_shards_keeps_every_row_on_its_new_shard(tmp_path: Path) -> None:
+    from examples.param_server import cut
+    from examples.param_server.optimizers import Adam
+    from examples.param_server.sparse import shard_of
+    from examples.param_server.table import EmbeddingTable, MinCount
+
+    tables = []
+    for s in range(2):  # each shard's rows, Adam slots that moved, and admission counts
+        table = EmbeddingTable(4, Adam(0.05), "normal", 3, admission=MinCount(2))
+        ids = np.arange(400, dtype=np.int64)
+        ids = ids[shard_of(ids, 2) == s]
+        table.lookup(np.concatenate([ids, ids[:150], np.arange(1000, 1010)]))  # 1000+: seen once
+        table.apply_gradients(ids[:50], np.full((50, 4), 0.5, np.float32))
+        tables.append(table)
+        cut.write_shard_part(tmp_path / "a", 6, s, {"default": table.snapshot()}, fsync=False)
+    cut.write_worker_part(tmp_path / "a", 6, 0, {"x": np.arange(3)}, {"rng": 1}, fsync=False)
+    cut.write_job(tmp_path / "a", {"shards": 2, "workers": 1, "sharding": cut.SHARDING})
+    out = reshard_cli("--from", str(tmp_path / "a"), "--shards", "3", "--to", str(tmp_path / "b"))
+    assert out.returncode == 0 and "into 3 shards" in out.stdout, out.stdout + out.stderr
+
+    def contents(root: Path, shards: int) -> tuple[dict[int, bytes], list[int]]:
+        found: dict[int, bytes] = {}
+        counted: list[int] = []
+        for s in range(shards):
+            table = cut.load_shard_part(cut.cut_dir(root, 6), s)["default"]
+            ids = table.ids()
+            assert (shard_of(ids, shards) == s).all()  # every id on its new shard
+            for i, row in zip(ids.tolist(), table.rows(ids), strict=True):
+                assert i not in found
+                found[i] = row.tobytes()  # embedding and optimizer slots, bit for bit
+            counted += table._candidate_counts()[0].tolist()
+        return found, sorted(counted)
+
+    before, after = contents(tmp_path / "a", 2), contents(tmp_path / "b", 3)
+    assert set(after[0]) == set(before[0]), set(after[0]) ^ set(before[0])
+    assert after[0] == before[0] and after[1] == before[1] and len(after[0]) > 0 and len(after[1]) > 0
+    assert cut.read_job(tmp_path / "b")["shards"] == 3 and cut.latest(tmp_path / "b", 3, 1)[0] == 6
+    refused = reshard_cli("--from", str(tmp_path / "a"), "--shards", "3", "--to", str(tmp_path / "b"))
+    assert refused.returncode == 1 and "new directory" in refused.stderr, refused.stderr
+
+
+def test_a_resharded_ps_job_resumes_on_3_shards_with_the_same_losses(tmp_path: Path) -> None:
+    full = run_module("examples.param_server", *RESUMABLE, cwd=str(REPO), timeout=60)
+    ck = tmp_path / "ck"
+    crashed = run_module("examples.param_server", *RESUMABLE, "--cut-every", "10", "--cut-dir", str(ck),
+                         "--crash-job-at", "25", cwd=str(REPO), timeout=60)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
+    assert reshard_cli("--from", str(ck), "--shards", "3", "--to", str(tmp_path / "ck3")).returncode == 0
+    three = [*RESUMABLE[:4], "3", *RESUMABLE[5:]]  # --shards 3
+    resumed = run_module("examples.param_server", *three, "--resume", str(tmp_path / "ck3"), cwd=str(REPO),
+                         timeout=60)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    losses = re.findall(r"losses (\w+)$", full.stdout, re.M)
+    assert len(losses) == 2 and re.findall(r"losses (\w+)$", resumed.stdout, re.M) == losses

@@ -396,8 +396,11 @@ def resume_point(args: argparse.Namespace) -> tuple[str | None, int]:
     for name in JOB_SETTINGS:
         if saved.get(name) != mine[name]:
             option = "--" + name.replace("_", "-")
+            also = (f", or reshard the checkpoint first: python -m examples.param_server reshard --from "
+                    f"{args.resume} --shards {mine[name]} --to NEW_DIR, then --resume NEW_DIR"
+                    if name == "shards" else "")
             raise UsageError(f"--resume {args.resume}: its job ran with {option} {saved.get(name)}, this "
-                             f"one with {mine[name]}; give {option} {saved.get(name)} to resume it")
+                             f"one with {mine[name]}; give {option} {saved.get(name)} to resume it{also}")
     clock, where = cut.latest(args.resume, args.shards, args.workers)
     if args.checkpoint_every and os.path.abspath(args.checkpoint_dir) != os.path.abspath(args.resume):
         cut.write_job(args.checkpoint_dir, mine)

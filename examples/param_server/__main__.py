@@ -10,6 +10,8 @@
 * ``train --job worker --task N``: one worker.
 * ``bench --json out.json``: table, pull, push and checkpoint figures, each next to a
   baseline measured in the same run (see bench.py).
+* ``reshard --from DIR --shards M --to DIR2``: the newest complete whole-job cut of DIR (see
+  ``--cut-every``), for M shards: every row moves, unchanged, to its shard among M.
 
 ``serve`` and ``train`` take the cluster from ``--cluster`` (JSON, or a file holding it) or
 from ``TF_CONFIG`` (``{"cluster": {...}, "task": {"type": "ps", "index": 0}}``); every
@@ -54,7 +56,7 @@ from .optimizers import OPTIMIZERS
 from .protocol import PS_JOB, WORKER_JOB
 from .workload import WorkerConfig, run_worker, worker_process
 
-COMMANDS = ("demo", "serve", "train", "bench")
+COMMANDS = ("demo", "serve", "train", "bench", "reshard")
 
 
 def parse_tables(text: str | None, dim: int, optimizer: str, lr: float | None) -> tuple[TableSpec, ...]:
@@ -162,6 +164,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bench.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     bench.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto")
     add_log_option(bench)
+    reshard = sub.add_parser("reshard", help="a whole-job checkpoint for another number of shards")
+    reshard.add_argument("--from", dest="source", required=True, metavar="DIR",
+                         help="the job's cut directory")
+    reshard.add_argument("--shards", type=int, required=True, help="the new number of shards")
+    reshard.add_argument("--to", dest="target", required=True, metavar="DIR2", help="a new directory")
+    add_log_option(reshard)
     if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         argv = ["demo", *argv]  # the old single-command form still runs the demo
     args = p.parse_args(argv)
@@ -401,6 +409,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from .bench import main as bench_main
         return bench_main(args)
+    if args.command == "reshard":
+        try:
+            clock, rows = cut.reshard(args.source, args.target, args.shards)
+        except cut.CutError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(f"resharded the cut at clock {clock} ({rows} rows) into {args.shards} shards in {args.target}; "
+              f"resume with --shards {args.shards} --resume {args.target}", flush=True)
+        return 0
     if args.command in ("serve", "train"):
         return one_task(args)
     stop_on_signals()  # the demo's children must not outlive it, whatever ends it

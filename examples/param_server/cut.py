@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .sparse import shard_of
 from .table import EmbeddingTable, TableSnapshot, write_snapshot
 
 JOB = "JOB.json"
@@ -190,6 +191,52 @@ def kill_job_after_cut(root: str | Path | None, every: int, step: int, num_shard
                 pass
             time.sleep(0.02)
     os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def reshard(src: str | Path, dst: str | Path, num_shards: int, fsync: bool = True) -> tuple[int, int]:
+    """Write ``src``'s newest complete cut into ``dst`` for ``num_shards`` shards: every row
+    (embedding, optimizer slots, stamp) and admission count moves, unchanged, to the shard
+    ``sparse.shard_of`` gives it among ``num_shards``; the workers' parts are copied as they
+    are; ``dst``'s JOB.json says the new count. Returns (clock, rows moved). The tables'
+    counters: the global step is the same on every shard and stays; ``created`` becomes the
+    rows a shard holds and ``evicted``/``dropped`` start at 0 (they were per shard)."""
+    job = read_job(src)
+    old, workers = int(job["shards"]), int(job["workers"])
+    if num_shards < 1:
+        raise CutError(f"--shards {num_shards}: a job needs at least one shard")
+    clock, where = latest(src, old, workers)
+    out = cut_dir(dst, clock)
+    if out.exists() or (Path(dst) / JOB).exists():
+        raise CutError(f"{dst} already holds a job checkpoint: reshard into a new directory")
+    names = json.loads((where / "ps0.done.json").read_text())["tables"]
+    moved = 0
+    new: list[dict[str, TableSnapshot]] = [{} for _ in range(num_shards)]
+    for name in names:
+        snaps = [EmbeddingTable.load(where / f"ps{s}" / name).snapshot() for s in range(old)]
+        steps = {snap.state["global_step"] for snap in snaps}
+        if len(steps) != 1 or len({json.dumps(snap.config, sort_keys=True) for snap in snaps}) != 1:
+            raise CutError(f"{where}: table {name!r} differs between shards (global steps {sorted(steps)}): "
+                           f"not one job's cut")
+        ids = np.concatenate([snap.ids for snap in snaps])
+        rows = np.concatenate([snap.rows for snap in snaps])
+        stamps = np.concatenate([snap.stamps for snap in snaps])
+        cand_ids = np.concatenate([snap.cand_ids for snap in snaps])
+        cand_counts = np.concatenate([snap.cand_counts for snap in snaps])
+        owner, cand_owner = shard_of(ids, num_shards), shard_of(cand_ids, num_shards)
+        for s in range(num_shards):
+            mine = owner == s
+            state = {**snaps[0].state, "created": int(mine.sum()), "evicted": 0, "dropped": 0,
+                     "version": max(snap.state["version"] for snap in snaps)}
+            new[s][name] = TableSnapshot(ids[mine], rows[mine], stamps[mine], cand_ids[cand_owner == s],
+                                         cand_counts[cand_owner == s], snaps[0].config, state)
+        moved += len(ids)
+    for s in range(num_shards):
+        write_shard_part(dst, clock, s, new[s], fsync)
+    for w in range(workers):
+        for suffix in (".npz", ".done.json"):
+            shutil.copyfile(where / f"worker{w}{suffix}", out / f"worker{w}{suffix}")
+    write_job(dst, {**job, "shards": num_shards})
+    return clock, moved
 
 
 def prune(root: str | Path, num_shards: int, num_workers: int, keep: int = 2) -> None:
