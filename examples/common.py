@@ -48,13 +48,13 @@ LOG_LEVEL_ENV = "EXAMPLES_LOG_LEVEL"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def add_log_option(parser: argparse.ArgumentParser) -> None:
+def add_log_option(parser: argparse._ActionsContainer) -> None:
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="INFO", type=str.upper,
                         help="log messages of this level and above to stderr: progress (INFO), "
                         "rvz's own warnings (a lost peer, a refused handshake) (WARNING)")
 
 
-def add_tls_options(parser: argparse.ArgumentParser) -> None:
+def add_tls_options(parser: argparse._ActionsContainer) -> None:
     parser.add_argument("--tls-ca", default=None, metavar="PEM",
                         help="mutual TLS: the CA that signed every node's certificate")
     parser.add_argument("--tls-cert", default=None, metavar="PEM", help="this node's certificate")

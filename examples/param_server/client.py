@@ -325,11 +325,15 @@ class PSClient:
         evaluation read) the shards create no row: absent ids read as zeros."""
         clock = self._take_step("lookup", step)
         await self.connect()
+        return await self._by_table(ids, lambda unique: self._pull_unique(unique, clock, create))
+
+    async def _by_table(self, ids: dict[str, Any], fetch: Any) -> dict[str, np.ndarray]:
+        """``fetch(unique ids of each table)`` -> their rows, expanded back to ``ids``'s shapes."""
         flat = {name: np.asarray(ids.get(name, np.zeros(0)), dtype=np.int64) for name in self.names}
         uniq, inverse = {}, {}
         for name, arr in flat.items():
             uniq[name], inverse[name] = np.unique(arr.reshape(-1), return_inverse=True)
-        rows = await self._pull_unique([uniq[n] for n in self.names], clock, create)
+        rows = await fetch([uniq[n] for n in self.names])
         return {name: rows[t][inverse[name].reshape(-1)].reshape(flat[name].shape + (self.dims[name],))
                 for t, name in enumerate(self.names) if name in ids}
 
@@ -397,13 +401,7 @@ class PSClient:
         counted; an absent id reads as the initial row it would get (zeros under admission)."""
         seq = self._take_step("read", None)
         await self.connect()
-        flat = {name: np.asarray(ids.get(name, np.zeros(0)), dtype=np.int64) for name in self.names}
-        uniq, inverse = {}, {}
-        for name, arr in flat.items():
-            uniq[name], inverse[name] = np.unique(arr.reshape(-1), return_inverse=True)
-        rows = await self._read_unique([uniq[n] for n in self.names], seq)
-        return {name: rows[t][inverse[name].reshape(-1)].reshape(flat[name].shape + (self.dims[name],))
-                for t, name in enumerate(self.names) if name in ids}
+        return await self._by_table(ids, lambda unique: self._read_unique(unique, seq))
 
     async def read_unique(self, unique: np.ndarray) -> np.ndarray:
         """``read`` of ids the caller already made unique, first table: ``[len(unique), dim]``."""

@@ -83,6 +83,7 @@ CONSISTENCY = ("asp", "ssp", "bsp")
 # shard logs it and tries again every ``REFUSED_RETRY`` seconds, for as long as it serves.
 REFUSED = (rvz.AuthError, rvz.ProtocolError)
 REFUSED_RETRY = 0.5
+SKIP, STOP = object(), object()  # what ``_request`` returns instead of a request
 
 
 @dataclass
@@ -217,7 +218,7 @@ class ShardServer:
             self._bsp_recheck()
         await run_together(self._serve_pulls(worker, pull_clock),
                            self._serve_pushes(worker, push_clock),
-                           self._serve_reads(worker, read_seq))
+                           self._serve_pulls(worker, read_seq, read=True))
 
     async def _rejoin(self, worker: int) -> tuple[int, int, int]:
         """The clocks (pull, push) and read sequence ``worker`` continues at after this shard
@@ -260,81 +261,66 @@ class ShardServer:
 
     # -- pulls ----------------------------------------------------------------------------------
 
-    async def _serve_pulls(self, worker: int, clock: int) -> None:
+    async def _request(self, worker: int, clock: int, what: str, kind: str, step: int) -> Any:
+        """The next ``kind`` message of ``worker`` at ``clock`` (a pull's or a read's ids),
+        decoded: ``SKIP`` when the worker cleaned that step up or sent what does not decode,
+        ``STOP`` at its END or when it is lost (``_lost`` for a pull)."""
+        key = self._edge(kind, worker, clock)
+        try:
+            msg = await self._patient(worker, clock, what, lambda: self.node.recv(key, step=step))
+        except rvz.Aborted:
+            return SKIP  # the worker cleaned this step up before (or while) sending it
+        except rvz.PeerLost:
+            if kind == PULL_IDS:
+                self._lost(worker, clock)  # (a read's loss: the pull and push loops see it too)
+            return STOP
+        if is_end(msg):
+            return STOP
+        try:
+            return unpack_pull(msg, len(self.names))
+        except ValueError as exc:
+            self._bad_message(worker, clock, what, exc)
+            return SKIP
+
+    async def _serve_pulls(self, worker: int, clock: int, read: bool = False) -> None:
+        """``worker``'s pulls from ``clock`` on; with ``read``, its read-only lookups instead
+        (numbered by their own sequence): answered at once from the current rows
+        (``EmbeddingTable.peek``), whatever the consistency bound, and they change nothing."""
+        kinds = (READ_IDS, READ_ROWS) if read else (PULL_IDS, PULL_ROWS)
         while True:
-            step = step_id(worker, clock)
-            key = self._edge(PULL_IDS, worker, clock)
-            try:
-                msg = await self._patient(worker, clock, "pull",
-                                          lambda: self.node.recv(key, step=step))  # noqa: B023
-            except rvz.Aborted:
-                clock += 1  # the worker cleaned this step up before (or while) pulling
-                continue
-            except rvz.PeerLost:
-                self._lost(worker, clock)
+            step = (read_step_id if read else step_id)(worker, clock)
+            request = await self._request(worker, clock, "read" if read else "pull", kinds[0], step)
+            if request is STOP:
                 return
-            if is_end(msg):
-                return
-            try:
-                parts, create = unpack_pull(msg, len(self.names))
-            except ValueError as exc:
-                self._bad_message(worker, clock, "pull", exc)
+            if request is SKIP:
                 clock += 1
                 continue
-            if self.consistency != "asp":
-                while self.slowest() < clock - self.staleness:
-                    assert self._changed is not None
-                    await self._changed.wait()
-            slowest = self.slowest()
-            self.stats.max_staleness = max(self.stats.max_staleness, clock - min(slowest, clock))
-            if self.record:
-                self.stats.served.append((worker, clock, slowest))
-            rows = [self.tables[name].lookup(ids, create)
-                    for name, ids in zip(self.names, parts, strict=True)]
-            self.stats.lookups += 1
-            self.stats.ids_looked_up += sum(len(p) for p in parts)
+            parts, create = request
+            if read:
+                rows = [self.tables[name].peek(ids) for name, ids in zip(self.names, parts, strict=True)]
+                self.stats.reads += 1
+            else:
+                if self.consistency != "asp":
+                    while self.slowest() < clock - self.staleness:
+                        assert self._changed is not None
+                        await self._changed.wait()
+                slowest = self.slowest()
+                self.stats.max_staleness = max(self.stats.max_staleness, clock - min(slowest, clock))
+                if self.record:
+                    self.stats.served.append((worker, clock, slowest))
+                rows = [self.tables[name].lookup(ids, create)
+                        for name, ids in zip(self.names, parts, strict=True)]
+                self.stats.lookups += 1
+                self.stats.ids_looked_up += sum(len(p) for p in parts)
             try:
-                await self.node.send(self._edge(PULL_ROWS, worker, clock), pack_rows(rows), step=step)
+                await self.node.send(self._edge(kinds[1], worker, clock), pack_rows(rows), step=step)
             except rvz.Aborted:
                 pass
             except rvz.PeerLost:
-                self._lost(worker, clock)
+                if not read:
+                    self._lost(worker, clock)
                 return
             clock += 1
-
-    # -- reads (no clock) -----------------------------------------------------------------------
-
-    async def _serve_reads(self, worker: int, seq: int) -> None:
-        """Read-only lookups: answered at once from the current rows (``EmbeddingTable.peek``),
-        whatever the consistency bound; they change nothing."""
-        while True:
-            step = read_step_id(worker, seq)
-            key = self._edge(READ_IDS, worker, seq)
-            try:
-                msg = await self._patient(worker, seq, "read",
-                                          lambda: self.node.recv(key, step=step))  # noqa: B023
-            except rvz.Aborted:
-                seq += 1
-                continue
-            except rvz.PeerLost:
-                return  # the pull and push loops account for the worker
-            if is_end(msg):
-                return
-            try:
-                parts = unpack_ids(msg, len(self.names))
-            except ValueError as exc:
-                self._bad_message(worker, seq, "read", exc)
-                seq += 1
-                continue
-            rows = [self.tables[name].peek(ids) for name, ids in zip(self.names, parts, strict=True)]
-            self.stats.reads += 1
-            try:
-                await self.node.send(self._edge(READ_ROWS, worker, seq), pack_rows(rows), step=step)
-            except rvz.Aborted:
-                pass
-            except rvz.PeerLost:
-                return
-            seq += 1
 
     # -- pushes ---------------------------------------------------------------------------------
 
