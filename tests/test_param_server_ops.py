@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -376,3 +377,30 @@ def test_a_resharded_ps_job_resumes_on_3_shards_with_the_same_losses(tmp_path: P
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     losses = re.findall(r"losses (\w+)$", full.stdout, re.M)
     assert len(losses) == 2 and re.findall(r"losses (\w+)$", resumed.stdout, re.M) == losses
+
+
+def test_a_killed_shard_is_given_up_about_the_restart_timeout_after_it_died(tmp_path: Path) -> None:
+    # rvz redials a lost peer for its start-up allowance (10 s): without a shorter dial once
+    # every shard answered, --restart-timeout 1 gave up 11 s after the kill.
+    cluster = json.dumps(loopback_cluster(2, 1))
+    common = ["--cluster", cluster, "--log-level", "WARNING"]
+    shards = [start("serve", "--job", "ps", "--task", str(s), *common, secret="s") for s in range(2)]
+    worker = start("train", "--job", "worker", "--task", "0", *common, "--steps", "1000000", "--batch", "8",
+                   "--restart-timeout", "1", "--progress-every", "0.05", "--log-level", "INFO", secret="s")
+    procs = [*shards, worker]
+    try:
+        assert worker.stderr is not None
+        deadline = time.monotonic() + 20
+        while "of 1000000, clock" not in worker.stderr.readline():  # it is training
+            assert time.monotonic() < deadline and worker.poll() is None, "the worker never trained"
+        shards[1].kill()
+        killed = time.monotonic()
+        _, err = worker.communicate(timeout=30)
+        gave_up = time.monotonic() - killed
+        assert worker.returncode == 1 and "PS shard 1 did not come back within 1 s" in err, err
+        assert gave_up < 3.5, f"gave up {gave_up:.1f} s after the kill, with --restart-timeout 1"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()

@@ -28,6 +28,8 @@ from .sparse import mix64, seeded_uniform
 
 log = logging.getLogger(__name__)
 
+LOST_DIAL_TIMEOUT = 1.0  # seconds a dial may take once every shard has answered
+
 
 class ZipfIds:
     """Samples int64 ids: rank r is drawn with probability ~ 1/(r+1)**exponent, then
@@ -116,6 +118,11 @@ async def train_worker(client: PSClient, cfg: WorkerConfig, num_workers: int = 1
             grads[name] = np.broadcast_to((err / cfg.batch)[:, None, :], emb[name].shape)
         losses.append(loss)
         acks = await client.push_tables(ids, grads, step)
+        if step == cfg.start_clock:
+            # Every shard answered: a dial refused from now on is a lost shard, not one still
+            # starting. Fail it within a second (rvz would redial for its whole start-up
+            # allowance) so that ``restart_timeout`` counts from about when the shard died.
+            client.node.connect_timeout = min(client.node.connect_timeout, LOST_DIAL_TIMEOUT)
         if cfg.cut_every and (step + 1) % cfg.cut_every == 0 and step + 1 < cfg.steps:
             assert cfg.cut_root is not None
             meta = {"rng": rng.bit_generator.state, "losses": list(losses)}
