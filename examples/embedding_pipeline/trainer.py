@@ -405,7 +405,9 @@ class Worker:
 
     def _cut_due(self, clock: int) -> bool:
         every = self.cfg.checkpoint_every
-        return bool(every) and clock % every == 0 and clock < self.steps
+        # The shards cut at the last step too: a finished job's final cut is complete (and a
+        # job resumed from it with more --max-steps goes on from there).
+        return bool(every) and clock % every == 0 and clock <= self.steps
 
     def _mg_half(self, clock: int) -> None:
         """MG's half of the cut at ``clock``: the dense model and Adam state after step

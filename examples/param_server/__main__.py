@@ -380,6 +380,8 @@ def demo(args: argparse.Namespace) -> int:
               f"losses {r['loss_digest']}")
     for shard in range(args.shards):
         print_shard(results[(PS_JOB, shard)])
+    if args.cut_every:
+        cut.prune(args.cut_dir, args.shards, args.workers)
     steps = {results[(PS_JOB, s)]["global_step"] for s in range(args.shards)}
     print(f"global step per shard: {sorted(steps)} "
           f"({'equal on every shard' if len(steps) == 1 else 'differs: a shard was restored'})")

@@ -123,7 +123,7 @@ async def train_worker(client: PSClient, cfg: WorkerConfig, num_workers: int = 1
             # starting. Fail it within a second (rvz would redial for its whole start-up
             # allowance) so that ``restart_timeout`` counts from about when the shard died.
             client.node.connect_timeout = min(client.node.connect_timeout, LOST_DIAL_TIMEOUT)
-        if cfg.cut_every and (step + 1) % cfg.cut_every == 0 and step + 1 < cfg.steps:
+        if cfg.cut_every and (step + 1) % cfg.cut_every == 0:  # the shards cut at the last step too
             assert cfg.cut_root is not None
             meta = {"rng": rng.bit_generator.state, "losses": list(losses)}
             writes.append(asyncio.ensure_future(asyncio.to_thread(
