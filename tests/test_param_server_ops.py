@@ -166,7 +166,7 @@ def test_a_shard_that_never_greets_is_reported_with_the_whole_wait(run) -> None:
                 await client.connect()
             text = str(info.value)
             assert "within 1 s" in text and "PS shard 0" in text and cluster["ps"][0] in text, text
-            assert "after 0.0s" not in text.split(": ", 1)[0], text
+            assert "after 0.0s" not in text and "(waited 1." in text, text
             await client.close()
 
     run(main(), timeout=20)

@@ -67,8 +67,9 @@ FRESH_HINT = ("; if that shard was restarted, was it with --restore? A shard sta
 
 # A fresh worker waits for epoch 0; a shard started with --restore greets with its next
 # epoch, and only workers that knew it answer.
-WHOLE_JOB_HINT = ("; a shard started with --restore greets only the workers it knew: to restart "
-                  "a whole job, resume it from a whole-job cut (--cut-every, then --resume)")
+WHOLE_JOB_HINT = ("; is that shard running, at that address? (One started with --restore greets "
+                  "only the workers it knew: to restart a whole job, resume it from a whole-job cut: "
+                  "--cut-every, then --resume.)")
 
 
 class ShardRestarted(Exception):
@@ -145,11 +146,13 @@ class PSClient:
                 return await self.node.recv(key, timeout=left)
             except (rvz.PeerLost, TimeoutError) as exc:
                 if deadline is not None and loop.time() >= deadline:
-                    # rvz's message gives the last retry's share of the wait, not the wait.
+                    # rvz's timeout gives the last retry's share of the wait, not the wait: left
+                    # out; why the last dial failed is kept.
+                    why = f": {exc}" if isinstance(exc, rvz.PeerLost) else ""
                     raise type(exc)(
                         f"worker {self.worker}: no greeting from PS shard {shard} (epoch {epoch}, at "
                         f"{self.node.cluster.address(PS_JOB, shard)}) within {timeout:g} s "
-                        f"(waited {loop.time() - started:.1f} s): {exc}"
+                        f"(waited {loop.time() - started:.1f} s){why}"
                         + (WHOLE_JOB_HINT if epoch == 0 else "")) from None
                 if isinstance(exc, TimeoutError):
                     raise
