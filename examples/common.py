@@ -1,11 +1,15 @@
 """Small helpers shared by the examples: running coroutines together, picking free ports,
-and the launchers' signal handling."""
+logging, and the launchers' signal handling."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import logging
+import os
 import signal
+import ssl
 import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any
@@ -34,6 +38,66 @@ async def run_together(*coros: Coroutine[Any, Any, Any]) -> list[Any]:
 
 
 free_ports = rvz.cluster.free_ports
+
+# Where the processes of a one-machine run listen, unless told otherwise (``--host``).
+LOCAL_HOST = "127.0.0.1"
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# The level the launcher chose, for its child processes (they inherit the environment).
+LOG_LEVEL_ENV = "EXAMPLES_LOG_LEVEL"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def add_log_option(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="INFO", type=str.upper,
+                        help="log messages of this level and above to stderr: progress (INFO), "
+                        "rvz's own warnings (a lost peer, a refused handshake) (WARNING)")
+
+
+def add_tls_options(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument("--tls-ca", default=None, metavar="PEM",
+                        help="mutual TLS: the CA that signed every node's certificate")
+    parser.add_argument("--tls-cert", default=None, metavar="PEM", help="this node's certificate")
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="this node's private key")
+
+
+def tls_files(args: argparse.Namespace) -> tuple[str, str, str] | None:
+    """(ca, cert, key) from the command line, or None; ValueError if only some are given."""
+    files = (args.tls_ca, args.tls_cert, args.tls_key)
+    if not any(files):
+        return None
+    if not all(files):
+        raise ValueError("TLS needs --tls-ca, --tls-cert and --tls-key together")
+    return files  # type: ignore[return-value]
+
+
+def tls_contexts(files: tuple[str, str, str]) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """rvz's ``ssl=`` pair for mutual TLS: each node shows ``cert`` and requires a peer
+    certificate signed by ``ca``; a client checks the server's certificate against the host
+    of the address it dials. Built where the node starts (contexts do not pickle)."""
+    ca, cert, key = files
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert, key)
+    server.load_verify_locations(ca)
+    server.verify_mode = ssl.CERT_REQUIRED
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.load_cert_chain(cert, key)
+    client.load_verify_locations(ca)
+    return server, client
+
+
+def configure_logging(level: str | None = None) -> None:
+    """Log to stderr at ``level`` (in a child process: the launcher's level). Called by every
+    entry point: without it rvz's warnings (a peer lost, a node listening without a secret)
+    are never shown."""
+    if level is None:
+        level = os.environ.get(LOG_LEVEL_ENV, "INFO")
+    os.environ[LOG_LEVEL_ENV] = level
+    logging.basicConfig(level=level, format=LOG_FORMAT, force=True)
+    # rvz's INFO lines (every peer that closes) would drown the progress lines: its
+    # warnings and errors show at INFO, everything at DEBUG.
+    logging.getLogger("rvz").setLevel(level if level == "DEBUG" else max(logging.WARNING,
+                                                                          logging.getLevelName(level)))
 
 
 class Stopped(BaseException):
@@ -101,7 +165,8 @@ def starting_child() -> Iterator[None]:
 
 
 def child_signals() -> None:
-    """In a launcher's child process: ignore SIGINT. A Ctrl-C reaches the whole process
-    group; the launcher then stops its children itself (SIGTERM), without a traceback from
-    each of them."""
+    """In a launcher's child process: ignore SIGINT, and log at the launcher's level. A
+    Ctrl-C reaches the whole process group; the launcher then stops its children itself
+    (SIGTERM), without a traceback from each of them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging()

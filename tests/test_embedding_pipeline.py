@@ -14,9 +14,11 @@ import asyncio
 import contextlib
 import gzip
 import json
+import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -345,11 +347,13 @@ def train_config(staleness: int, workers: int, steps: int, **kw: Any) -> TrainCo
 
 async def in_process(cols: Columns, cfg: TrainConfig, *, mode: str = "send", shards: int = 2,
                      held_out: HeldOut | None = None, optimizer: str = "adagrad",
-                     patch: Callable[[Worker], None] | None = None) -> list[RunResult | BaseException]:
-    """PS shards and workers as Nodes of this loop; one result (or error) per worker."""
+                     patch: Callable[[Worker], None] | None = None, min_count: int = 0,
+                     summaries: list[dict[str, Any]] | None = None) -> list[RunResult | BaseException]:
+    """PS shards and workers as Nodes of this loop; one result (or error) per worker (and the
+    shards' summaries into ``summaries``)."""
     cluster = local_cluster(shards, cfg.num_workers)
     ps = ps_config(PSConfig(dim=DIM, optimizer=optimizer, lr=SPARSE_LR[optimizer], seed=0, mode=mode,
-                            node_options=FAST_NODE), cfg.num_workers)
+                            node_options=FAST_NODE, min_count=min_count), cfg.num_workers)
     serving = [asyncio.ensure_future(run_shard(cluster, s, ps)) for s in range(shards)]
 
     async def worker(w: int) -> RunResult:
@@ -365,7 +369,9 @@ async def in_process(cols: Columns, cfg: TrainConfig, *, mode: str = "send", sha
 
     try:
         results = await asyncio.gather(*(worker(w) for w in range(cfg.num_workers)), return_exceptions=True)
-        await asyncio.wait_for(asyncio.gather(*serving), 10)
+        done = await asyncio.wait_for(asyncio.gather(*serving), 10)
+        if summaries is not None:
+            summaries.extend(done)
         return list(results)
     finally:
         for task in serving:
@@ -378,6 +384,29 @@ def ok(results: list[RunResult | BaseException]) -> list[RunResult]:
         if isinstance(r, BaseException):
             raise r
     return results  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("min_count", [0, 2])
+def test_evaluation_changes_no_row_admission_or_loss(run, planted, min_count) -> None:  # type: ignore[no-untyped-def]
+    # Held-out reads create no row and count toward no admission: the same rows live on
+    # every shard, and the same losses, with evaluation every 2 steps as without any.
+    cols, ev = planted
+    held_out = HeldOut(ev.rows(0, len(ev)))
+    runs = []
+    for evaluate in (False, True):
+        summaries: list[dict[str, Any]] = []
+        # One worker: with two, which worker's pull of an id reaches MinCount's threshold
+        # first depends on arrival order, evaluation or not.
+        results = ok(run(in_process(cols, train_config(1, 1, 8, eval_every=2 if evaluate else 0),
+                                    held_out=held_out if evaluate else None, min_count=min_count,
+                                    summaries=summaries), timeout=40))
+        runs.append(([s["tables"]["default"]["live"] for s in summaries],
+                     [s["tables"]["default"]["created"] for s in summaries],
+                     [r.losses for r in results], results[0].history))
+    (live, created, losses, _), (live_eval, created_eval, losses_eval, history) = runs
+    assert live_eval == live and created_eval == created and sum(live) > 0
+    assert losses_eval == losses
+    assert [h["step"] for h in history] == [2, 4, 6, 8] and 0.0 < history[-1]["auc"] < 1.0
 
 
 @pytest.mark.parametrize("mode", ["send", "recv"])
@@ -601,6 +630,96 @@ def test_cli_compares_staleness_and_workers_and_writes_json(tmp_path: Path, loop
         assert r["history"][-1]["auc"] == r["auc"] and r["steps"] == 25 and len(r["losses"]) == 25
         # 25 small steps learn something, and stay below the planted model's own ranking.
         assert 0.5 < r["auc"] < report["oracle"]["auc"]
+
+
+def test_cli_runs_one_process_per_host_and_role_as_a_local_run_does(tmp_path: Path) -> None:
+    # One process per role from --cluster (and one from TF_CONFIG): the same bits as the
+    # launcher's own run of the same settings.
+    common = ["train", "--samples", "960", "--eval-samples", "200", "--batch-size", "96", "--max-steps", "6",
+              "--dim", "4", "--hidden", "8", "--staleness", "1", "--eval-every", "3", "--timeout", "20",
+              "--log-level", "WARNING"]
+    local = run_cli(*common, "--workers", "2", "--shards", "1", "--json", str(tmp_path / "local.json"))
+    assert local.returncode == 0, local.stdout + local.stderr
+    cluster = local_cluster(1, 2)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("TF_CONFIG", None)
+    argv = [sys.executable, "-m", "examples.embedding_pipeline", *common]
+    by_cluster = ["--cluster", json.dumps(cluster)]
+    tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 1}})
+    procs = [subprocess.Popen(argv + by_cluster + ["--job", "ps", "--task", "0"], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+             subprocess.Popen(argv + by_cluster + ["--job", "worker", "--task", "0", "--json",
+                                                   str(tmp_path / "w0.json")], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+             subprocess.Popen(argv, env=dict(env, TF_CONFIG=tf_config), cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    try:
+        outputs = [p.communicate(timeout=40) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, (out, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, out + err
+    assert '"done": "ps"' in outputs[0][0] and "worker 1 of 2: 6 steps" in outputs[2][0]
+    mine = json.loads((tmp_path / "w0.json").read_text())
+    theirs = json.loads((tmp_path / "local.json").read_text())
+    assert mine["losses"] == theirs["losses"] and mine["loss_digest"] == theirs["loss_digest"]
+    assert mine["auc"] == theirs["auc"] and mine["history"] == theirs["history"]
+
+
+RESUMABLE = ["train", "--samples", "960", "--eval-samples", "200", "--batch-size", "48", "--max-steps", "12",
+             "--workers", "2", "--shards", "2", "--staleness", "1", "--eval-every", "4", "--dim", "4",
+             "--hidden", "8", "--timeout", "20"]
+
+
+def test_a_job_killed_whole_resumes_from_its_last_cut_bit_for_bit(tmp_path: Path) -> None:
+    # Every process of the job (launcher, shards, workers) is SIGKILLed at step 8; resumed
+    # from the cut at step 6 with fresh processes, the job ends with the bits of a job that
+    # never stopped: every step's loss, every evaluation, the final AUC and logloss.
+    full = run_cli(*RESUMABLE, "--json", str(tmp_path / "full.json"))
+    assert full.returncode == 0, full.stdout + full.stderr
+    ck = tmp_path / "ck"
+    crashed = run_cli(*RESUMABLE, "--checkpoint-every", "3", "--checkpoint-dir", str(ck),
+                      "--crash-job-at", "8")
+    assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
+    assert sorted(p.name for p in ck.iterdir()) == ["JOB.json", "cut-00000003", "cut-00000006"]
+    resumed = run_cli(*RESUMABLE, "--resume", str(ck), "--json", str(tmp_path / "resumed.json"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "cut-00000006 (step 6)" in resumed.stderr, resumed.stderr
+    want = json.loads((tmp_path / "full.json").read_text())
+    got = json.loads((tmp_path / "resumed.json").read_text())
+    assert got["losses"] == want["losses"] and len(got["losses"]) == 12
+    assert got["loss_digest"] == want["loss_digest"] and got["history"] == want["history"]
+    assert (got["auc"], got["logloss"]) == (want["auc"], want["logloss"])
+    # A resume with other settings is refused, naming the option and the value to give.
+    other = run_cli(*RESUMABLE[:-2], "--timeout", "20", "--staleness", "2", "--resume", str(ck))
+    assert other.returncode == 2 and "give --staleness 1 to resume it" in other.stderr, other.stderr
+
+
+def test_an_incomplete_cut_is_never_used_and_the_error_names_what_it_lacks(tmp_path: Path) -> None:
+    from examples.param_server import cut
+
+    table = EmbeddingTable(4, Adagrad(0.1), "normal", 0)
+    table.lookup(np.arange(10))
+    for clock in (3, 6):
+        cut.write_shard_part(tmp_path, clock, 0, {"default": table.snapshot()}, fsync=False)
+        for w in range(2):
+            if (clock, w) != (6, 1):  # worker 1 died before writing its part of the cut at 6
+                cut.write_worker_part(tmp_path, clock, w, {"x": np.arange(3)}, {"w": w}, fsync=False)
+    clock, where = cut.latest(tmp_path, 1, 2)
+    assert clock == 3 and where.name == "cut-00000003"
+    (tmp_path / "cut-00000003" / "worker0.npz").write_bytes(b"cut short")
+    with pytest.raises(cut.CutError) as info:
+        cut.latest(tmp_path, 1, 2)
+    assert "cut-00000006 (step 6), lacks worker1" in str(info.value), info.value
+    assert "so do the 1 older ones" in str(info.value)
+    with pytest.raises(cut.CutError, match="no checkpoint"):
+        cut.latest(tmp_path / "none", 1, 2)
+    restored = cut.load_shard_part(tmp_path / "cut-00000006", 0)["default"]
+    np.testing.assert_array_equal(restored.rows(np.arange(10)), table.rows(np.arange(10)))
+    assert restored.global_step == table.global_step and len(restored) == 10
 
 
 def test_cli_generate_and_the_plot_option(tmp_path: Path) -> None:

@@ -232,6 +232,49 @@ def test_a_read_only_pull_creates_no_row(run, shards) -> None:  # type: ignore[n
     run(main(), timeout=20)
 
 
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_read_takes_no_clock_creates_no_row_and_reads_unknown_ids_as_their_initial_row(
+        run, shards) -> None:  # type: ignore[no-untyped-def]
+    # bsp with two workers: worker 1 never pushes clock 0, yet worker 0's reads are answered.
+    cfg = PSConfig(tables=TABLES, seed=4, consistency="bsp")
+
+    async def main() -> None:
+        async with service("recv", cfg, shards=shards, workers=2) as ps:
+            client = ps.clients[0]
+            fresh = make_tables(cfg)
+            ids = batch(0, 0)
+            rows = await client.read(ids)
+            for name in ids:  # what a training lookup would create, without creating it
+                expected = fresh[name].lookup(ids[name]).reshape(ids[name].shape + (fresh[name].dim,))
+                np.testing.assert_array_equal(rows[name], expected)
+            assert all(len(t) == 0 and t.created == 0
+                       for server in ps.servers for t in server.tables.values())
+            pulled = await client.pull(ids, 0)
+            # Held back at the barrier until worker 1 pushes clock 0 as well.
+            push = asyncio.ensure_future(client.push_tables(ids, gradients(ids, pulled), 0))
+            again = await client.read(ids)  # not waiting for the barrier: the rows before clock 0
+            for name in ids:
+                np.testing.assert_array_equal(again[name], pulled[name])
+            assert not push.done()
+            other = ps.clients[1]
+            other_ids = batch(1, 0)
+            await other.push_tables(other_ids, gradients(other_ids, await other.pull(other_ids, 0)), 0)
+            await push
+            unique = np.unique(ids["user"])
+            dim = fresh["user"].dim
+            applied = np.stack([next(s.tables["user"].rows([i])[0, :dim] for s in ps.servers
+                                     if i in s.tables["user"]) for i in unique.tolist()])
+            np.testing.assert_array_equal(await client.read_unique(unique), applied)
+            assert not (applied == fresh["user"].lookup(unique)).all()  # the update is seen
+            assert client.next_step["lookup"] == 1 and client.next_step["push"] == 1
+            assert sum(server.stats.reads for server in ps.servers) == 3 * shards
+            live = {name: sum(len(server.tables[name]) for server in ps.servers) for name in ids}
+            assert live == {name: len(np.union1d(ids[name], other_ids[name])) for name in ids}
+            await ps.finish()
+
+    run(main(), timeout=20)
+
+
 # -- processes: the command line, kill -9 and restart ----------------------------------------------
 
 def start(*args: str) -> subprocess.Popen[str]:

@@ -8,12 +8,17 @@ processes and N worker processes: ``--compare-staleness 0,1,2`` and ``--compare-
 1,2`` run the same data at each setting and print them side by side, with throughput ratios
 measured in this run. ``--reference`` also runs the sequential reference in this process
 and checks that staleness 0 with one worker reproduces its losses bit for bit.
+
+On several hosts, ``train --cluster JSON --job ps|worker --task N`` (or the cluster and the
+task from ``TF_CONFIG``) runs one process of one run: a PS shard, or a worker (which
+prepares its own copy of the data). Every process gets the same options.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import resource
 import shutil
@@ -23,21 +28,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-# One BLAS thread per process, set before numpy loads. On a small machine OpenBLAS's own
-# threads spin while they wait and steal the cores that EG, MG and the PS shards need.
-# Child processes inherit the setting.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+import numpy as np  # the thread settings are applied by the package (examples/__init__.py)
 
-import numpy as np  # noqa: E402
+import rvz
 
-import rvz  # noqa: E402
-
-from ..common import Stopped, stop_on_signals  # noqa: E402
-from ..param_server.launch import PSConfig  # noqa: E402
-from .criteo import Columns, LoadStats, encode  # noqa: E402
-from .launch import JobFailed, JobSpec, run_job  # noqa: E402
-from .synthetic import Planted  # noqa: E402
-from .trainer import TrainConfig  # noqa: E402
+from ..common import (
+    LOCAL_HOST,
+    Stopped,
+    add_log_option,
+    add_tls_options,
+    configure_logging,
+    stop_on_signals,
+    tls_files,
+)
+from ..param_server import cut
+from ..param_server.launch import PSConfig, resolve_task, run_shard
+from ..param_server.protocol import PS_JOB, WORKER_JOB
+from .criteo import Columns, LoadStats, encode
+from .launch import JobFailed, JobSpec, ps_config, run_job, train_worker, worker_threads
+from .synthetic import Planted
+from .trainer import TrainConfig
 
 
 def int_list(text: str) -> list[int]:
@@ -58,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--out", required=True, help="directory for train.tsv.gz and eval.tsv.gz")
     g.add_argument("--plain", action="store_true", help="write .tsv instead of .tsv.gz")
     g.add_argument("--seed", type=int, default=0)
+    add_log_option(g)
 
     t = sub.add_parser("train", help="train and evaluate (see the description)")
     data = t.add_argument_group("data")
@@ -95,12 +106,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     infra.add_argument("--run-timeout", type=float, default=3600.0, help="bound on each run, seconds")
     infra.add_argument("--switch-interval", type=float, default=0.0005,
                        help="the GIL switch interval of the worker processes, seconds")
+    infra.add_argument("--host", default=LOCAL_HOST, help="the address the run's processes listen on "
+                       "(one machine)")
+    infra.add_argument("--cluster", default=None, help="several hosts: the cluster JSON (or a file "
+                       "holding it), else TF_CONFIG's; this process runs --job/--task of it")
+    infra.add_argument("--job", choices=(PS_JOB, WORKER_JOB), default=None)
+    infra.add_argument("--task", type=int, default=None)
+    add_tls_options(infra)
+    ckpt = t.add_argument_group("whole-job checkpoints")
+    ckpt.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                      help="every N steps, a consistent cut of every shard and worker (0: none)")
+    ckpt.add_argument("--checkpoint-dir", default=None, help="where the cuts go (default: --resume's)")
+    ckpt.add_argument("--resume", default=None, metavar="DIR",
+                      help="restart the whole job, with fresh processes, from DIR's newest complete cut")
+    ckpt.add_argument("--crash-job-at", type=int, default=None, metavar="STEP",
+                      help="a demo: worker 0 SIGKILLs every process of the job (its process group) at "
+                      "STEP, once the last cut before it is complete")
     infra.add_argument("--kill-worker", help="W:STEP: worker W kills itself (SIGKILL) at STEP (a demo "
                        "of the failure report)")
     out = t.add_argument_group("output")
     out.add_argument("--eval-every", type=int, default=0, help="held-out evaluation every N steps")
     out.add_argument("--json", help="write the report here")
     out.add_argument("--plot", help="draw loss and AUC against step here (needs matplotlib)")
+    out.add_argument("--progress-every", type=float, default=10.0, metavar="S",
+                     help="seconds between progress lines of each worker (0: none)")
+    add_log_option(out)
     args = p.parse_args(argv)
     try:
         check_args(args)
@@ -136,6 +166,19 @@ def check_args(args: argparse.Namespace) -> None:
         at_least("--samples", 1)
         at_least("--eval-samples", 1)
         return
+    args.tls = tls_files(args)
+    args.cluster_spec = None
+    if args.cluster or args.job is not None or os.environ.get("TF_CONFIG"):
+        args.cluster_spec, args.job, args.task = resolve_task(
+            args.cluster, args.job, args.task, (PS_JOB, WORKER_JOB), "train")
+        for name in ("compare_staleness", "compare_workers", "reference", "kill_worker", "plot"):
+            if getattr(args, name):
+                raise ValueError(f"--{name.replace('_', '-')} runs several processes itself: not with "
+                                 f"--cluster (one process of one run)")
+        if args.repeat != 1:
+            raise ValueError("--repeat runs several processes itself: not with --cluster")
+        args.workers = len(args.cluster_spec[WORKER_JOB])
+        args.shards = len(args.cluster_spec[PS_JOB])
     if args.data:
         for name, path in (("--data", args.data), ("--eval-data", args.eval_data)):
             if path and not os.path.isfile(path):
@@ -145,7 +188,7 @@ def check_args(args: argparse.Namespace) -> None:
         at_least("--eval-samples", 1)
     for name in ("--workers", "--shards", "--dim", "--batch-size", "--repeat", "--hidden"):
         at_least(name, 1)
-    for name in ("--staleness", "--eval-every"):
+    for name in ("--staleness", "--eval-every", "--progress-every"):
         at_least(name, 0)
     if args.max_steps is not None:
         at_least("--max-steps", 1)
@@ -166,6 +209,22 @@ def check_args(args: argparse.Namespace) -> None:
         if args.batch_size % n:
             raise ValueError(f"--batch-size {args.batch_size} does not split into {n} equal shares "
                              f"(one per worker)")
+    at_least("--checkpoint-every", 0)
+    if args.resume and not args.checkpoint_dir and args.checkpoint_every:
+        args.checkpoint_dir = args.resume  # go on writing cuts where they were
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir (where to write the cuts)")
+    if args.resume or args.checkpoint_every:
+        for name in ("compare_staleness", "compare_workers", "reference"):
+            if getattr(args, name):
+                raise ValueError(f"--{name.replace('_', '-')} runs several jobs: not with --resume or "
+                                 f"--checkpoint-every (one job)")
+        if args.repeat != 1:
+            raise ValueError("--repeat runs several jobs: not with --resume or --checkpoint-every")
+    if args.resume and not os.path.isdir(args.resume):
+        raise ValueError(f"--resume {args.resume}: no such directory")
+    if args.crash_job_at is not None:
+        at_least("--crash-job-at", 1)
     if args.kill_worker:
         try:
             w, step = (int(x) for x in args.kill_worker.split(":"))
@@ -300,18 +359,110 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def ps_settings(args: argparse.Namespace) -> PSConfig:
+    """The PS settings of the run; resuming, the cut to start from (its settings checked)."""
+    where, clock = resume_point(args)
+    return PSConfig(dim=args.dim, optimizer=args.optimizer, lr=args.lr, seed=args.seed, mode=args.mode,
+                    loop=args.loop, tls=args.tls, cut_every=args.checkpoint_every,
+                    cut_root=args.checkpoint_dir, resume_cut=where, start_clock=clock)
+
+
+def train_settings(args: argparse.Namespace, workers: int, k: int) -> TrainConfig:
+    return TrainConfig(staleness=k, num_workers=workers, global_batch=args.batch_size,
+                       hidden=tuple(args.hidden), dense_lr=args.dense_lr, seed=args.seed,
+                       eval_every=args.eval_every, timeout=args.timeout, max_steps=args.max_steps,
+                       progress_every=args.progress_every, checkpoint_every=args.checkpoint_every,
+                       checkpoint_dir=args.checkpoint_dir)
+
+
+# What must be the same for a job to resume from another's cut (--max-steps may grow).
+JOB_SETTINGS = ("workers", "shards", "staleness", "batch_size", "dim", "hidden", "optimizer", "lr",
+                "dense_lr", "seed", "data", "eval_data", "samples", "eval_samples", "eval_every")
+
+
+def job_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in JOB_SETTINGS}
+
+
+def resume_point(args: argparse.Namespace) -> tuple[str | None, int]:
+    """(cut directory, its clock) to resume from, or (None, 0); UsageError when the job's
+    settings differ from the checkpoint's, CutError when no cut is complete."""
+    if not args.resume:
+        if args.checkpoint_every:
+            cut.write_job(args.checkpoint_dir, job_settings(args))
+        return None, 0
+    saved = cut.read_job(args.resume)
+    mine = job_settings(args)
+    for name in JOB_SETTINGS:
+        if saved.get(name) != mine[name]:
+            option = "--" + name.replace("_", "-")
+            also = (f", or reshard the checkpoint first: python -m examples.param_server reshard --from "
+                    f"{args.resume} --shards {mine[name]} --to NEW_DIR, then --resume NEW_DIR"
+                    if name == "shards" else "")
+            raise UsageError(f"--resume {args.resume}: its job ran with {option} {saved.get(name)}, this "
+                             f"one with {mine[name]}; give {option} {saved.get(name)} to resume it{also}")
+    clock, where = cut.latest(args.resume, args.shards, args.workers)
+    if args.checkpoint_every and os.path.abspath(args.checkpoint_dir) != os.path.abspath(args.resume):
+        cut.write_job(args.checkpoint_dir, mine)
+    logging.getLogger(__name__).info("resuming the job from %s (step %d)", where, clock)
+    return str(where), clock
+
+
+def steps_of(args: argparse.Namespace, train_dir: str) -> tuple[int, int]:
+    """(training samples, steps of the run); UsageError when not one step fits."""
+    n = len(Columns.open(train_dir))
+    steps = n // args.batch_size if args.max_steps is None else min(args.max_steps, n // args.batch_size)
+    if steps == 0:
+        raise UsageError(f"--batch-size {args.batch_size} is more than the {n} training samples: "
+                         f"not one step to train")
+    return n, steps
+
+
+def one_task(args: argparse.Namespace) -> int:
+    """One process of a run on several hosts: a PS shard, or a worker."""
+    cluster, job, task = args.cluster_spec, args.job, args.task
+    ps = ps_settings(args)
+    if job == PS_JOB:
+        summary = rvz.run(run_shard(cluster, task, ps_config(ps, args.workers)), loop=args.loop)
+        print(json.dumps({"done": job, "task": task, "live": summary["live"],
+                          "global_step": summary["global_step"]}), flush=True)
+        return 0
+    cache = Path(args.cache_dir) if args.cache_dir else Path(tempfile.mkdtemp(prefix="rvz-pipeline-"))
+    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        train_dir, eval_dir, _ = prepare(args, cache)
+        steps_of(args, train_dir)
+        spec = JobSpec(train_dir, eval_dir, train_settings(args, args.workers, args.staleness), ps,
+                       shards=args.shards, timeout=args.run_timeout, switch_interval=args.switch_interval)
+        worker_threads(spec)
+        result = rvz.run(train_worker(cluster, task, spec), loop=args.loop)
+        print(f"worker {task} of {args.workers}: {result['steps']} steps, {result['steps_per_s']:.2f} "
+              f"steps/s" + ("" if result["auc"] is None else
+                            f", AUC {result['auc']:.4f}, logloss {result['logloss']:.4f}")
+              + f"; losses {result['loss_digest']}", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({k: result[k] for k in REPORT if k in result}, indent=1))
+        return 0
+    finally:
+        if not args.cache_dir:
+            shutil.rmtree(cache, ignore_errors=True)
+
+
+# What --json keeps of a run.
+REPORT = ("auc", "logloss", "steps_per_s", "samples_per_s", "staleness", "workers", "history",
+          "steps", "samples", "seconds", "eval_seconds", "mg_waiting", "mg_compute", "eg_ps",
+          "cpu_seconds", "loss_digest", "losses")
+
+
 def train(args: argparse.Namespace) -> int:
+    if args.cluster_spec is not None:
+        return one_task(args)
     cache = Path(args.cache_dir) if args.cache_dir else Path(tempfile.mkdtemp(prefix="rvz-pipeline-"))
     cache.mkdir(parents=True, exist_ok=True)
     try:
         train_dir, eval_dir, oracle = prepare(args, cache)
-        ps = PSConfig(dim=args.dim, optimizer=args.optimizer, lr=args.lr, seed=args.seed, mode=args.mode,
-                      loop=args.loop)
-        n = len(Columns.open(train_dir))
-        steps = n // args.batch_size if args.max_steps is None else min(args.max_steps, n // args.batch_size)
-        if steps == 0:
-            raise UsageError(f"--batch-size {args.batch_size} is more than the {n} training samples: "
-                             f"not one step to train")
+        ps = ps_settings(args)
+        n, steps = steps_of(args, train_dir)
         if args.kill_worker and args.kill_worker[1] >= steps:
             raise UsageError(f"--kill-worker {args.kill_worker[0]}:{args.kill_worker[1]}: the runs have "
                              f"{steps} steps (0 to {steps - 1})")
@@ -322,11 +473,10 @@ def train(args: argparse.Namespace) -> int:
         runs: list[dict[str, Any]] = []
         for workers, k in settings(args):
             for _ in range(args.repeat):
-                cfg = TrainConfig(staleness=k, num_workers=workers, global_batch=args.batch_size,
-                                  hidden=tuple(args.hidden), dense_lr=args.dense_lr, seed=args.seed,
-                                  eval_every=args.eval_every, timeout=args.timeout, max_steps=args.max_steps)
+                cfg = train_settings(args, workers, k)
                 spec = JobSpec(train_dir, eval_dir, cfg, ps, shards=args.shards, timeout=args.run_timeout,
-                               kill_worker=args.kill_worker, switch_interval=args.switch_interval)
+                               kill_worker=args.kill_worker, switch_interval=args.switch_interval,
+                               host=args.host, crash_job_at=args.crash_job_at)
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 result = run_job(spec)
                 after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -336,6 +486,8 @@ def train(args: argparse.Namespace) -> int:
                                          - before.ru_utime - before.ru_stime)
                 print(summary_line(result), flush=True)
                 runs.append(result)
+                if args.checkpoint_every:
+                    cut.prune(args.checkpoint_dir, args.shards, workers)
         ok = True
         if len(runs) > 1:
             print(table(runs, oracle))
@@ -358,10 +510,7 @@ def train(args: argparse.Namespace) -> int:
             print(f"sequential reference: {ref.steps} steps, losses {ref.loss_digest()}: {verdict}")
             ok &= verdict != "DIFFERENT"
         if args.json:
-            keep = ("auc", "logloss", "steps_per_s", "samples_per_s", "staleness", "workers", "history",
-                    "steps", "samples", "seconds", "eval_seconds", "mg_waiting", "mg_compute", "eg_ps",
-                    "cpu_seconds", "loss_digest", "losses")
-            reports = [{k: r[k] for k in keep} for r in runs]
+            reports = [{k: r[k] for k in REPORT} for r in runs]
             doc: dict[str, Any] = dict(reports[0]) if len(reports) == 1 else {"runs": reports}
             doc["oracle"] = oracle
             Path(args.json).write_text(json.dumps(doc, indent=1))
@@ -375,6 +524,7 @@ def train(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    configure_logging(args.log_level)
     if args.command == "generate":
         return generate(args)
     stop_on_signals()  # no child, and no temporary cache, outlives the launcher
@@ -386,6 +536,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"python -m examples.embedding_pipeline train: error: {exc}", file=sys.stderr)
         return 2
+    except cut.CutError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except Stopped as exc:
         print(f"embedding_pipeline: stopped by {exc}; every child process was stopped", file=sys.stderr)
         return exc.exit_code

@@ -16,16 +16,20 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import rvz
 
-from ..common import child_signals, free_ports, starting_child
+from ..common import LOCAL_HOST, child_signals, starting_child
+from ..param_server import cut
 from ..param_server.client import PSClient
+from ..param_server.cut import load_worker_part
 from ..param_server.launch import PSConfig, run_shard
-from ..param_server.protocol import PS_JOB, WORKER_JOB
+from ..param_server.launch import local_cluster as ps_cluster
+from ..param_server.protocol import WORKER_JOB
 from .criteo import Columns
-from .trainer import HeldOut, TrainConfig, Worker
+from .trainer import HeldOut, TrainConfig, Worker, WorkerCut
 
 
 class JobFailed(RuntimeError):
@@ -44,16 +48,16 @@ class JobSpec:
     kill_worker: tuple[int, int] | None = None   # (worker, step): that worker kills itself (tests, demo)
     kill_shard: tuple[int, int] | None = None    # (shard, step): that shard kills itself once step is applied
     switch_interval: float = 0.0005              # seconds, in the worker processes (see worker_process)
+    host: str = LOCAL_HOST                       # where run_job's processes listen
+    crash_job_at: int | None = None              # worker 0 SIGKILLs the job at this step (a demo)
 
     @property
     def workers(self) -> int:
         return self.train.num_workers
 
 
-def local_cluster(shards: int, workers: int) -> dict[str, list[str]]:
-    ports = free_ports(shards + workers)
-    return {PS_JOB: [f"127.0.0.1:{p}" for p in ports[:shards]],
-            WORKER_JOB: [f"127.0.0.1:{p}" for p in ports[shards:]]}
+def local_cluster(shards: int, workers: int, host: str = LOCAL_HOST) -> dict[str, list[str]]:
+    return ps_cluster(shards, workers, WORKER_JOB, host)
 
 
 def ps_config(base: PSConfig, workers: int) -> PSConfig:
@@ -73,15 +77,22 @@ async def train_worker(cluster: dict[str, list[str]], w: int, spec: JobSpec) -> 
     # Leave the node's ``async with`` normally even on failure: a graceful close delivers
     # the step clean-up and END messages to the others before the connections go.
     # Dialling a peer that is not up (yet) is bounded by --timeout too.
-    options = {"connect_timeout": min(10.0, spec.train.timeout), **spec.node_options}
+    options = {"connect_timeout": min(10.0, spec.train.timeout), **spec.node_options,
+               **spec.ps.node_kwargs()}
     async with rvz.Node(cluster, WORKER_JOB, w, mode=spec.ps.mode, **options) as node:
         # The run's shards are never restarted: a lost one fails the step at once instead of
         # being waited for.
         ps = PSClient(node, spec.shards, spec.ps.dim, timeout=spec.train.timeout, restart_timeout=0)
         try:
-            worker = Worker(node, ps, data, spec.train, held_out)
+            resume = None
+            if spec.ps.resume_cut is not None:
+                arrays, meta = load_worker_part(Path(spec.ps.resume_cut), w)
+                resume = WorkerCut(spec.ps.start_clock, arrays, meta)
+            worker = Worker(node, ps, data, spec.train, held_out, resume=resume)
             if spec.kill_worker is not None and spec.kill_worker[0] == w:
                 arm_kill(worker, spec.kill_worker[1])
+            if spec.crash_job_at is not None and w == 0:
+                arm_job_kill(worker, spec)
             result = await worker.run()
         except Exception as exc:  # reported below, once the node is closed
             error = exc
@@ -123,18 +134,40 @@ def arm_kill(worker: Worker, step: int) -> None:
     worker.model.forward_backward = forward_backward  # type: ignore[method-assign]
 
 
+def arm_job_kill(worker: Worker, spec: JobSpec) -> None:
+    """Make worker 0 kill every process of the job (SIGKILL to its process group: the
+    launcher, the shards, the workers) when MG starts ``spec.crash_job_at``, once the last
+    whole-job cut before that step is complete (so that there is one to resume from). MG
+    runs in a thread: waiting there leaves EG free to finish that cut."""
+    original = worker.model.forward_backward
+    step = spec.crash_job_at
+    assert step is not None
+
+    def forward_backward(*args: Any) -> Any:
+        if worker.model.steps == step:
+            cut.kill_job_after_cut(spec.train.checkpoint_dir, spec.train.checkpoint_every, step,
+                                   spec.shards, spec.workers)
+        return original(*args)
+
+    worker.model.forward_backward = forward_backward  # type: ignore[method-assign]
+
+
 def worker_process(cluster: dict[str, list[str]], w: int, spec: JobSpec, results: Any) -> None:
-    # MG's numpy calls run in a thread and release the GIL, but need it back between calls;
-    # while EG's event loop holds it, the default 5 ms switch interval would be added to
-    # many of those calls. A short interval keeps MG's thread moving.
     child_signals()
-    sys.setswitchinterval(spec.switch_interval)
+    worker_threads(spec)
     try:
         out = rvz.run(train_worker(cluster, w, spec), loop=spec.ps.loop)
     except BaseException as exc:
         results.put(("worker", w, {"error": describe_error(exc)}))
         raise SystemExit(1) from None
     results.put(("worker", w, out))
+
+
+def worker_threads(spec: JobSpec) -> None:
+    """In a worker's process. MG's numpy calls run in a thread and release the GIL, but need
+    it back between calls; while EG's event loop holds it, the default 5 ms switch interval
+    would be added to many of those calls. A short interval keeps MG's thread moving."""
+    sys.setswitchinterval(spec.switch_interval)
 
 
 def shard_process(cluster: dict[str, list[str]], shard: int, cfg: PSConfig, results: Any,
@@ -159,7 +192,7 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
     """Run one training job in child processes; worker 0's result (plus the shards' summaries)."""
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
-    cluster = local_cluster(spec.shards, spec.workers)
+    cluster = local_cluster(spec.shards, spec.workers, spec.host)
     cfg = ps_config(spec.ps, spec.workers)
     procs: dict[tuple[str, int], Any] = {}
     reports: dict[tuple[str, int], Any] = {}

@@ -22,10 +22,23 @@ is where the speed comes from. Every PS clock of EG is a PS step that other work
 cannot interleave with, so for any k and any N two runs with the same seed give
 bit-identical losses; for N = 1 and k = 0 they are those of a plain sequential loop.
 
-Evaluation (worker 0): at every ``eval_every``-th step t, EG adds the held-out set's unique
-ids to the pull of step t, so the held-out embeddings are exactly those step t trains with;
-MG scores the held-out set before training step t (AUC by ranks, logloss). The final
-evaluation pulls after the last push is acknowledged.
+Evaluation (worker 0): at every ``eval_every``-th step t, right after its pull of step t
+(and before its push of step t - k, which every worker's update of t - k waits for), EG reads
+the held-out set's unique ids with the PS's read-only lookup: no clock, no row created, no
+access counted, an unknown id read as its initial row. So the held-out embeddings are
+exactly those step t trains with, and training is the same with or without evaluation (the
+same rows, admission counts and evictions). MG scores the held-out set before training
+step t (AUC by ranks, logloss). The final evaluation reads after the last push is
+acknowledged.
+
+Whole-job cuts (``checkpoint_every`` C, with the shards' cuts, see param_server/cut.py): at
+every step t = C, 2C, ... each worker writes its part of the cut at t: MG's dense model and
+Adam state right after step t - 1 (with the losses and evaluations so far), and EG's rows
+pulled ahead for steps t .. t + k - 1 (and held-out rows for evaluations among them), as they
+stand right after the acknowledgement of push t - 1, the moment the shards copy their tables
+out. A worker started from such a cut (``resume``) hands those rows to MG, pulls step t + k
+and goes on from step t: the same bits as a run that was never interrupted. The data is read
+by step number, and nothing else is random after the model's initialisation.
 
 Failures: a failure in EG or MG at step t aborts step t through rvz step clean-up (the
 other side of this worker and the other workers waiting in step t's all-reduce fail with the
@@ -37,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -48,6 +62,7 @@ import rvz
 
 from ..common import run_together
 from ..param_server.client import PSClient
+from ..param_server.cut import write_worker_part
 from .allreduce import ring_allreduce
 from .criteo import NUM_CAT, Chunk
 from .exchange import (
@@ -61,6 +76,8 @@ from .exchange import (
 )
 from .metrics import auc, logloss
 from .model import MLP
+
+log = logging.getLogger(__name__)
 
 # Seconds a dial may take once every process of the run has been up (see
 # ``Worker._everyone_was_up``): a live peer on loopback answers in milliseconds.
@@ -87,6 +104,9 @@ class TrainConfig:
     timeout: float = 60.0        # bound on every wait
     compute_in_thread: bool = True
     max_steps: int | None = None
+    progress_every: float = 0.0  # seconds between progress lines (0: none)
+    checkpoint_every: int = 0    # steps between whole-job cuts (0: none)
+    checkpoint_dir: str | None = None
 
 
 @dataclass
@@ -131,10 +151,20 @@ def num_steps(num_samples: int, cfg: TrainConfig) -> int:
     return steps if cfg.max_steps is None else min(steps, cfg.max_steps)
 
 
-def worker_batches(data: Any, cfg: TrainConfig, worker: int) -> Iterator[Chunk]:
-    """Worker ``worker``'s share of each global batch of ``data`` (anything with ``rows``)."""
+@dataclass
+class WorkerCut:
+    """A worker's part of a whole-job cut at ``clock`` (see the module doc)."""
+
+    clock: int
+    arrays: dict[str, np.ndarray]
+    meta: dict[str, Any]
+
+
+def worker_batches(data: Any, cfg: TrainConfig, worker: int, start: int = 0) -> Iterator[Chunk]:
+    """Worker ``worker``'s share of each global batch of ``data`` (anything with ``rows``),
+    from step ``start``."""
     share = cfg.global_batch // cfg.num_workers
-    for t in range(num_steps(len(data), cfg)):
+    for t in range(start, num_steps(len(data), cfg)):
         start = t * cfg.global_batch + worker * share
         yield data.rows(start, start + share)
 
@@ -171,7 +201,8 @@ class Worker:
     """EG and MG of worker ``node.task``; ``run()`` trains and returns its ``RunResult``."""
 
     def __init__(self, node: rvz.Node, ps: PSClient, data: Any, cfg: TrainConfig,
-                 held_out: HeldOut | None = None, model: MLP | None = None) -> None:
+                 held_out: HeldOut | None = None, model: MLP | None = None,
+                 resume: WorkerCut | None = None) -> None:
         if cfg.global_batch % cfg.num_workers:
             raise ValueError(f"the global batch {cfg.global_batch} does not split into "
                              f"{cfg.num_workers} equal shares")
@@ -189,10 +220,23 @@ class Worker:
         self.model = model or MLP(NUM_CAT * self.dim + data.dense.shape[1], list(cfg.hidden),
                                   lr=cfg.dense_lr, seed=cfg.seed)
         self.exchange = ExchangeManager(node, timeout=cfg.timeout)
-        self.dataset = PipelineDataset(worker_batches(data, cfg, self.w), self.exchange)
+        self.start = resume.clock if resume is not None else 0
+        self.resume = resume
+        self.dataset = PipelineDataset(worker_batches(data, cfg, self.w, self.start), self.exchange,
+                                       first_id=self.start)
         self.result = RunResult(worker=self.w, staleness=cfg.staleness, workers=cfg.num_workers)
         self.inflight: dict[str, int] = {}    # PS channel -> clock of a call not finished
         self._train_losses: list[float] = []
+        self._up = False                       # a step of this process completed
+        # Whole-job cuts: the rows pulled ahead (for the EG half of a cut), each cut's two
+        # halves until both are in, and the writes in flight.
+        self._keep = cfg.checkpoint_every > 0
+        self._ahead: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # step -> (unique ids, rows)
+        self._ahead_eval: dict[int, np.ndarray] = {}
+        self._halves: dict[int, dict[str, tuple[dict[str, np.ndarray], dict[str, Any]]]] = {}
+        self._writes: list[asyncio.Future[Any]] = []
+        if resume is not None:
+            self._restore(resume)
 
     def eval_step(self, t: int) -> bool:
         return self.held_out is not None and self.cfg.eval_every > 0 and 0 < t < self.steps \
@@ -219,42 +263,74 @@ class Worker:
 
     # -- EG -------------------------------------------------------------------------------------
 
+    def _index(self, b: int) -> np.ndarray:
+        """Batch ``b``'s unique ids (and their index into its samples, kept by the exchange)."""
+        ids = self.exchange.samples(b).ids
+        unique, inverse = np.unique(ids.reshape(-1), return_inverse=True)
+        self.exchange.set_index(b, unique, inverse.reshape(ids.shape))
+        return unique
+
+    async def _hand_over(self, b: int, rows: np.ndarray) -> None:
+        """Batch ``b``'s embeddings to MG, from the rows of its unique ids."""
+        unique, inverse = self.exchange.index(b)
+        if self._keep:
+            self._ahead[b] = (unique, rows)
+        await self.exchange.send(EMBEDDINGS, b, rows[inverse])
+
+    async def _hand_over_eval(self, b: int, rows: np.ndarray) -> None:
+        if self._keep:
+            self._ahead_eval[b] = rows
+        await self.exchange.send(EVAL_EMBEDDINGS, b, rows)
+
     async def _pull(self, batch_ids: list[int]) -> None:
-        """One PS pull for ``batch_ids`` (and the held-out ids at an evaluation step); hands
-        each batch's embeddings (and the held-out rows) to MG."""
-        uniques = []
-        for b in batch_ids:
-            ids = self.exchange.samples(b).ids
-            unique, inverse = np.unique(ids.reshape(-1), return_inverse=True)
-            self.exchange.set_index(b, unique, inverse.reshape(ids.shape))
-            uniques.append(unique)
-        evals = [b for b in batch_ids if self.eval_step(b)]
-        wanted = uniques + ([self.held_out.unique] if evals and self.held_out is not None else [])
-        union = wanted[0] if len(wanted) == 1 else np.unique(np.concatenate(wanted))
+        """One PS pull for ``batch_ids``; hands each batch's embeddings to MG, and at an
+        evaluation step the held-out rows, read without a clock right after that pull."""
+        uniques = [self._index(b) for b in batch_ids]
+        union = uniques[0] if len(uniques) == 1 else np.unique(np.concatenate(uniques))
         rows = await self._ps_call("lookup", self.ps.lookup_unique(union))
         for b, unique in zip(batch_ids, uniques, strict=True):
-            _, inverse = self.exchange.index(b)
-            mine = rows if unique is union else rows[np.searchsorted(union, unique)]
-            await self.exchange.send(EMBEDDINGS, b, mine[inverse])
-        for b in evals:
-            assert self.held_out is not None
-            await self.exchange.send(EVAL_EMBEDDINGS, b, rows[np.searchsorted(union, self.held_out.unique)])
+            await self._hand_over(b, rows if unique is union else rows[np.searchsorted(union, unique)])
+        evals = [b for b in batch_ids if self.eval_step(b)]
+        if evals:
+            held_out = await self._read_held_out()
+            for b in evals:
+                await self._hand_over_eval(b, held_out)
+
+    async def _read_held_out(self) -> np.ndarray:
+        """The held-out ids' current rows, by the PS's read-only lookup (changes nothing)."""
+        assert self.held_out is not None
+        started = time.perf_counter()
+        rows = await self.ps.read_unique(self.held_out.unique)
+        self.result.eg_ps += time.perf_counter() - started
+        return rows
 
     async def embedding_graph(self) -> None:
         k = self.cfg.staleness
         batches = self.dataset.iterator("eg")
-        current = 0
+        current = start = self.start
         try:
-            first = [next(batches) for _ in range(min(k + 1, self.steps))]
-            if first:
-                await self._pull(first)
-            for s in range(self.steps):
+            if self.resume is None:
+                first = [next(batches) for _ in range(min(k + 1, self.steps))]
+                if first:
+                    await self._pull(first)
+            else:
+                # The rows this worker had pulled ahead when the cut was taken, then the pull
+                # that came next (that of step start + k, after push start - 1's ack).
+                await self._restore_ahead([next(batches) for _ in range(start, min(start + k, self.steps))])
+                if start + k < self.steps:
+                    current = start + k
+                    await self._pull([next(batches)])
+            for s in range(start, self.steps):
                 current = s
                 grads = await self.exchange.recv(GRADIENTS, s)
                 unique, inverse = self.exchange.index(s)
                 summed = sum_by_unique(grads, inverse, len(unique))
                 await self._ps_call("push", self.ps.push_unique(unique, summed))
                 self.exchange.done(s, "eg")
+                self._ahead.pop(s, None)
+                self._ahead_eval.pop(s, None)
+                if self._cut_due(s + 1):
+                    self._eg_half(s + 1)
                 if s + k + 1 < self.steps:
                     current = s + k + 1
                     await self._pull([next(batches)])
@@ -283,8 +359,16 @@ class Worker:
     async def main_graph(self) -> None:
         n = self.cfg.num_workers
         t = 0
+        every = self.cfg.progress_every
+        started = time.perf_counter()
+        next_progress = time.monotonic() + every
         try:
             for t in self.dataset.iterator("mg"):
+                if every and time.monotonic() >= next_progress and self.result.losses:
+                    next_progress = time.monotonic() + every
+                    log.info("worker %d: step %d of %d (PS clock %d), loss %.4f, %.1f steps/s",
+                             self.w, t, self.steps, self.ps.next_step["push"], self.result.losses[-1],
+                             t / (time.perf_counter() - started))
                 if self.eval_step(t):
                     await self._evaluate(t, await self.exchange.recv(EVAL_EMBEDDINGS, t))
                 waited = time.perf_counter()
@@ -301,7 +385,8 @@ class Worker:
                 total = await ring_allreduce(self.node, self.model.flatten(grads, loss), n,
                                              step=pipeline_step(t), tag=t, timeout=self.cfg.timeout)
                 grads, loss = self.model.unflatten(total)
-                if not self.result.losses:
+                if not self._up:
+                    self._up = True
                     self._everyone_was_up()
                 started = time.perf_counter()
                 await self._compute(self.model.apply, grads)
@@ -309,10 +394,77 @@ class Worker:
                 self.result.losses.append(loss)
                 self._train_losses.append(loss)
                 self.exchange.done(t, "mg")
+                if self._cut_due(t + 1):
+                    self._mg_half(t + 1)
         except (asyncio.CancelledError, StepFailed):
             raise
         except BaseException as exc:
             raise await self._fail("MG", t, exc) from exc
+
+    # -- whole-job cuts ------------------------------------------------------------------------
+
+    def _cut_due(self, clock: int) -> bool:
+        every = self.cfg.checkpoint_every
+        # The shards cut at the last step too: a finished job's final cut is complete (and a
+        # job resumed from it with more --max-steps goes on from there).
+        return bool(every) and clock % every == 0 and clock <= self.steps
+
+    def _mg_half(self, clock: int) -> None:
+        """MG's half of the cut at ``clock``: the dense model and Adam state after step
+        ``clock`` - 1, and what was reported so far."""
+        m = self.model
+        arrays = {f"{name}{i}": np.copy(a) for name, group in (("param", m.params), ("m", m.m), ("v", m.v))
+                  for i, a in enumerate(group)}
+        meta = {"model_steps": m.steps, "losses": list(self.result.losses),
+                "history": [dict(h) for h in self.result.history], "train_losses": list(self._train_losses)}
+        self._half(clock, "mg", arrays, meta)
+
+    def _eg_half(self, clock: int) -> None:
+        """EG's half: the rows pulled for steps ``clock`` .. ``clock`` + k - 1 (and held-out rows)."""
+        arrays: dict[str, np.ndarray] = {}
+        for b, (unique, rows) in self._ahead.items():
+            arrays[f"ids{b}"], arrays[f"rows{b}"] = unique, rows
+        for b, rows in self._ahead_eval.items():
+            arrays[f"eval{b}"] = rows
+        self._half(clock, "eg", arrays, {"ahead": sorted(self._ahead), "evals": sorted(self._ahead_eval)})
+
+    def _half(self, clock: int, side: str, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        halves = self._halves.setdefault(clock, {})
+        halves[side] = (arrays, meta)
+        if len(halves) < 2:
+            return
+        del self._halves[clock]
+        root = self.cfg.checkpoint_dir
+        assert root is not None
+        both = {**halves["mg"][0], **halves["eg"][0]}
+        info = {**halves["mg"][1], **halves["eg"][1], "clock": clock, "staleness": self.cfg.staleness}
+        self._writes.append(asyncio.ensure_future(asyncio.to_thread(
+            write_worker_part, root, clock, self.w, both, info)))
+
+    def _restore(self, cut: WorkerCut) -> None:
+        """MG's state from ``cut`` (EG's rows are handed over by ``embedding_graph``)."""
+        meta, arrays, m = cut.meta, cut.arrays, self.model
+        if meta["staleness"] != self.cfg.staleness:
+            raise ValueError(f"the cut was taken at staleness {meta['staleness']}, not {self.cfg.staleness}")
+        for name, group in (("param", m.params), ("m", m.m), ("v", m.v)):
+            for i, a in enumerate(group):
+                a[...] = arrays[f"{name}{i}"]
+        m.steps = meta["model_steps"]
+        self.result.losses = list(meta["losses"])
+        self.result.history = [dict(h) for h in meta["history"]]
+        self._train_losses = list(meta["train_losses"])
+        self.ps.start_at(cut.clock)
+
+    async def _restore_ahead(self, batch_ids: list[int]) -> None:
+        assert self.resume is not None
+        arrays, evals = self.resume.arrays, set(self.resume.meta["evals"])
+        for b in batch_ids:
+            unique = self._index(b)
+            if not np.array_equal(unique, arrays[f"ids{b}"]):
+                raise ValueError(f"step {b}'s ids differ from the cut's: not the data it was taken on")
+            await self._hand_over(b, arrays[f"rows{b}"])
+            if b in evals:
+                await self._hand_over_eval(b, arrays[f"eval{b}"])
 
     # -- failures -------------------------------------------------------------------------------
 
@@ -356,14 +508,14 @@ class Worker:
         except BaseException:
             await self._abandon_ps_clocks()
             raise
+        await asyncio.gather(*self._writes)  # every cut this worker took is on disk
         self.result.seconds = time.perf_counter() - started - self.result.eval_seconds
         self.result.steps = len(self.result.losses)
         self.result.samples = self.result.steps * self.cfg.global_batch
         self.result.freed = self.exchange.freed
         if self.held_out is not None:
             # Every worker's last push was applied before ours was acknowledged (bsp).
-            rows = await self._ps_call("lookup", self.ps.lookup_unique(self.held_out.unique))
-            await self._evaluate(self.steps, rows)
+            await self._evaluate(self.steps, await self._read_held_out())
             self.result.auc = self.result.history[-1]["auc"]
             self.result.logloss = self.result.history[-1]["logloss"]
         return self.result

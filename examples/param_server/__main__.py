@@ -10,6 +10,8 @@
 * ``train --job worker --task N``: one worker.
 * ``bench --json out.json``: table, pull, push and checkpoint figures, each next to a
   baseline measured in the same run (see bench.py).
+* ``reshard --from DIR --shards M --to DIR2``: the newest complete whole-job cut of DIR (see
+  ``--cut-every``), for M shards: every row moves, unchanged, to its shard among M.
 
 ``serve`` and ``train`` take the cluster from ``--cluster`` (JSON, or a file holding it) or
 from ``TF_CONFIG`` (``{"cluster": {...}, "task": {"type": "ps", "index": 0}}``); every
@@ -29,14 +31,23 @@ from typing import Any
 import rvz
 from rvz.poll import check_budget
 
-from ..common import Stopped, stop_on_signals
+from ..common import (
+    LOCAL_HOST,
+    Stopped,
+    add_log_option,
+    add_tls_options,
+    configure_logging,
+    stop_on_signals,
+    tls_files,
+)
+from . import cut
 from .launch import (
     Processes,
     PSConfig,
     TableSpec,
-    cluster_from_args,
     keep_freed_memory,
     local_cluster,
+    resolve_task,
     restarter,
     run_shard,
     start_shards,
@@ -45,7 +56,7 @@ from .optimizers import OPTIMIZERS
 from .protocol import PS_JOB, WORKER_JOB
 from .workload import WorkerConfig, run_worker, worker_process
 
-COMMANDS = ("demo", "serve", "train", "bench")
+COMMANDS = ("demo", "serve", "train", "bench", "reshard")
 
 
 def parse_tables(text: str | None, dim: int, optimizer: str, lr: float | None) -> tuple[TableSpec, ...]:
@@ -99,6 +110,15 @@ def add_service_options(p: argparse.ArgumentParser) -> None:
                    "each process has a CPU of its own")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2, help="worker processes (tasks of the worker job)")
+    p.add_argument("--progress-every", type=float, default=10.0, metavar="S",
+                   help="seconds between progress lines of each shard and worker (0: none)")
+    p.add_argument("--cut-every", type=int, default=0, metavar="N",
+                   help="whole-job cuts (bsp): every N clocks, every shard and worker at one clock")
+    p.add_argument("--cut-dir", default=None, help="where the cuts go (default: --resume's)")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="restart the whole job, with fresh processes, from DIR's newest complete cut")
+    add_log_option(p)
+    add_tls_options(p)
 
 
 def add_worker_options(p: argparse.ArgumentParser) -> None:
@@ -126,6 +146,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     demo.add_argument("--kill-after", type=float, default=None,
                       help="kill the shard after this many seconds instead of at a step")
     demo.add_argument("--timeout", type=float, default=120.0, help="bound on the whole run, seconds")
+    demo.add_argument("--host", default=LOCAL_HOST, help="the address every process listens on")
+    demo.add_argument("--crash-job-at", type=int, default=None, metavar="STEP",
+                      help="a demo of --resume: worker 0 SIGKILLs every process of the job (its "
+                      "process group) at STEP, once the last cut before it is complete")
     for name in ("serve", "train"):
         one = sub.add_parser(name, help=f"{name} one task (multi-host)")
         add_service_options(one)
@@ -139,6 +163,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bench.add_argument("--json", default=None, help="write the figures here")
     bench.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     bench.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto")
+    add_log_option(bench)
+    reshard = sub.add_parser("reshard", help="a whole-job checkpoint for another number of shards")
+    reshard.add_argument("--from", dest="source", required=True, metavar="DIR",
+                         help="the job's cut directory")
+    reshard.add_argument("--shards", type=int, required=True, help="the new number of shards")
+    reshard.add_argument("--to", dest="target", required=True, metavar="DIR2", help="a new directory")
+    add_log_option(reshard)
     if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         argv = ["demo", *argv]  # the old single-command form still runs the demo
     args = p.parse_args(argv)
@@ -160,15 +191,26 @@ def check_args(args: argparse.Namespace) -> None:
 
     for name in ("--dim", "--full-every"):
         at_least(name, 1)
-    for name in ("--staleness", "--min-count", "--evict-every", "--checkpoint-every"):
+    for name in ("--staleness", "--min-count", "--evict-every", "--checkpoint-every", "--progress-every"):
         at_least(name, 0)
     for name in ("--ttl", "--max-rows"):
         at_least(name, 1, optional=True)
     if args.lr is not None and not args.lr > 0:
         raise ValueError(f"--lr must be positive, not {args.lr}")
     args.table_specs = parse_tables(args.tables, args.dim, args.optimizer, args.lr)
+    args.tls = tls_files(args)
     if args.checkpoint_every and not args.checkpoint_dir:
         raise ValueError("--checkpoint-every needs --checkpoint-dir (where to write them)")
+    at_least("--cut-every", 0)
+    if args.resume and args.cut_every and not args.cut_dir:
+        args.cut_dir = args.resume  # go on writing cuts where they were
+    if args.cut_every and not args.cut_dir:
+        raise ValueError("--cut-every needs --cut-dir (where to write the cuts)")
+    if (args.cut_every or args.resume) and args.consistency != "bsp":
+        raise ValueError("whole-job cuts and --resume need --consistency bsp: with asp or ssp the "
+                         "shards never stand at one clock together")
+    if args.resume and not os.path.isdir(args.resume):
+        raise ValueError(f"--resume {args.resume}: no such directory")
     if args.command in ("demo", "train"):
         for name in ("--steps", "--batch", "--bag", "--vocab"):
             at_least(name, 1)
@@ -204,36 +246,52 @@ def check_args(args: argparse.Namespace) -> None:
     else:
         if args.restore and not args.checkpoint_dir:
             raise ValueError("--restore needs --checkpoint-dir (where the checkpoints are)")
-        args.cluster_spec, args.job, args.task = resolve_task(args)
+        args.cluster_spec, args.job, args.task = resolve_task(
+            args.cluster, args.job, args.task, PS_JOB if args.command == "serve" else WORKER_JOB,
+            args.command)
+    if args.command == "demo":
+        shards, workers = args.shards, args.workers
+        if args.crash_job_at is not None and not 1 <= args.crash_job_at < args.steps:
+            raise ValueError(f"--crash-job-at {args.crash_job_at}: not a step of the run (1 to "
+                             f"{args.steps - 1})")
+    else:
+        shards, workers = len(args.cluster_spec[PS_JOB]), len(args.cluster_spec[WORKER_JOB])
+    args.resume_cut, args.start_clock = resume_point(args, shards, workers)
 
 
-def resolve_task(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
-    """The cluster and this process's (job, task), checked: ValueError says what is wrong."""
+# What must be the same for a job to resume from another's cut (--steps may grow).
+JOB_SETTINGS = ("tables", "dim", "optimizer", "lr", "consistency", "seed", "min_count", "ttl", "max_rows",
+                "evict_every", "batch", "bag", "vocab")
+
+
+def resume_point(args: argparse.Namespace, shards: int, workers: int) -> tuple[str | None, int]:
+    """(cut directory, clock) to resume from, or (None, 0); ValueError when the job's
+    settings differ from the checkpoint's (naming what to give), or no cut is complete."""
+    mine = {name: getattr(args, name) for name in JOB_SETTINGS if hasattr(args, name)}
+    mine.update(shards=shards, workers=workers, sharding=cut.SHARDING)
+    if not args.resume:
+        if args.cut_every:
+            cut.write_job(args.cut_dir, mine)
+        return None, 0
     try:
-        cluster, task = cluster_from_args(args.cluster)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"the cluster is not valid JSON: {exc}") from None
-    except OSError as exc:
-        raise ValueError(f"cannot read the cluster: {exc}") from None
-    if not isinstance(cluster, dict):
-        raise ValueError(f"the cluster must be a JSON object of job -> list of \"host:port\", "
-                         f"not {type(cluster).__name__}")
-    for name in (PS_JOB, WORKER_JOB):
-        tasks = cluster.get(name)
-        if not isinstance(tasks, list) or not tasks or not all(isinstance(t, str) for t in tasks):
-            raise ValueError(f"the cluster needs a non-empty list of \"host:port\" for job {name!r}")
-    if task is not None and not isinstance(task, dict):
-        raise ValueError("TF_CONFIG's task must be an object {\"type\": ..., \"index\": ...}")
-    job: Any = args.job or (task or {}).get("type")
-    index: Any = args.task if args.task is not None else (task or {}).get("index")
-    if job is None or index is None:
-        raise ValueError("say which task this is: --job and --task, or TF_CONFIG's task")
-    wanted = PS_JOB if args.command == "serve" else WORKER_JOB
-    if job != wanted:
-        raise ValueError(f"{args.command} runs a {wanted!r} task, not {job!r}")
-    if not isinstance(index, int) or not 0 <= index < len(cluster[job]):
-        raise ValueError(f"task {index!r}: job {job!r} has tasks 0 to {len(cluster[job]) - 1}")
-    return cluster, job, index
+        saved = cut.read_job(args.resume)
+        if saved.get("shards") != shards:
+            raise ValueError(
+                f"--resume {args.resume}: its job ran with {saved.get('shards')} shards, this one has "
+                f"{shards}; run {saved.get('shards')} shards, or reshard the checkpoint first: python -m "
+                f"examples.param_server reshard --from {args.resume} --shards {shards} --to NEW_DIR, then "
+                f"--resume NEW_DIR")
+        for name, value in mine.items():
+            if name in saved and saved[name] != value:
+                option = "--" + name.replace("_", "-")
+                raise ValueError(f"--resume {args.resume}: its job ran with {option} {saved[name]}, this "
+                                 f"one with {value}; give {option} {saved[name]} to resume it")
+        clock, where = cut.latest(args.resume, shards, workers)
+    except cut.CutError as exc:
+        raise ValueError(str(exc)) from None
+    if args.cut_every and os.path.abspath(args.cut_dir) != os.path.abspath(args.resume):
+        cut.write_job(args.cut_dir, {**saved, **mine})
+    return str(where), clock
 
 
 def service_config(args: argparse.Namespace, num_workers: int) -> PSConfig:
@@ -243,7 +301,9 @@ def service_config(args: argparse.Namespace, num_workers: int) -> PSConfig:
                     num_workers=num_workers, consistency=args.consistency, staleness=args.staleness,
                     evict_every=args.evict_every, checkpoint_dir=args.checkpoint_dir,
                     checkpoint_every=args.checkpoint_every, full_every=args.full_every,
-                    mode=args.mode, loop=args.loop, node_options=node_options(args))
+                    mode=args.mode, loop=args.loop, node_options=node_options(args),
+                    progress_every=args.progress_every, tls=args.tls, cut_every=args.cut_every,
+                    cut_root=args.cut_dir, resume_cut=args.resume_cut, start_clock=args.start_clock)
 
 
 def node_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -258,7 +318,10 @@ def node_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(steps=args.steps, batch=args.batch, bag=args.bag, vocab=args.vocab,
-                        seed=args.seed, restart_timeout=args.restart_timeout)
+                        seed=args.seed, restart_timeout=args.restart_timeout,
+                        progress_every=args.progress_every, cut_every=args.cut_every,
+                        cut_root=args.cut_dir, resume_cut=args.resume_cut, start_clock=args.start_clock,
+                        crash_job_at=getattr(args, "crash_job_at", None))
 
 
 def print_shard(r: dict[str, Any]) -> None:
@@ -268,15 +331,22 @@ def print_shard(r: dict[str, Any]) -> None:
     print(f"ps {r['shard']}: served {r['lookups']} pulls ({r['ids_looked_up']} ids), {r['pushes']} "
           f"pushes, {r['aborted_steps']} aborted steps, {len(r['checkpoints'])} checkpoints, "
           f"{r['consistency']} max staleness {r['max_staleness']}"
-          + ("" if r.get("busy_poll_spins") is None else f", busy-poll spins {r['busy_poll_spins']}"))
+          + ("" if r.get("busy_poll_spins") is None else f", busy-poll spins {r['busy_poll_spins']}")
+          + ("" if r.get("rows_digest") is None else f", rows {r['rows_digest']}"))
+
+
+def describe_tables(ps: PSConfig) -> str:
+    """``"user (dim 4, adam lr 0.05), item (dim 8, adagrad)"``: what each table really uses."""
+    return ", ".join(f"{t.name} (dim {t.dim}, {t.optimizer}{'' if t.lr is None else f' lr {t.lr:g}'})"
+                     for t in ps.table_specs())
 
 
 def demo(args: argparse.Namespace) -> int:
     ps = service_config(args, args.workers)
     work = worker_config(args)
-    cluster = local_cluster(args.shards, args.workers)
+    cluster = local_cluster(args.shards, args.workers, host=args.host)
     print(f"param_server: {args.shards} PS shards, {args.workers} workers, mode={args.mode}, "
-          f"consistency={args.consistency}, tables={ps.dims()}, optimizer={args.optimizer}, "
+          f"consistency={args.consistency}, tables {describe_tables(ps)}, "
           f"rvz {rvz.implementation()}", flush=True)
     with Processes() as procs:
         crash = (args.kill_shard, args.kill_at_step) if args.kill_at_step is not None else None
@@ -306,9 +376,12 @@ def demo(args: argparse.Namespace) -> int:
         r = results[(WORKER_JOB, worker)]
         print(f"worker {worker}: {r['steps']} steps in {r['seconds']:.2f} s "
               f"({r['steps'] / r['seconds']:.0f} steps/s, {r['ids_per_s'] / 1e3:.0f}k ids/s); "
-              f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}; shard restarts seen {r['restarts']}")
+              f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}; shard restarts seen {r['restarts']}; "
+              f"losses {r['loss_digest']}")
     for shard in range(args.shards):
         print_shard(results[(PS_JOB, shard)])
+    if args.cut_every:
+        cut.prune(args.cut_dir, args.shards, args.workers)
     steps = {results[(PS_JOB, s)]["global_step"] for s in range(args.shards)}
     print(f"global step per shard: {sorted(steps)} "
           f"({'equal on every shard' if len(steps) == 1 else 'differs: a shard was restored'})")
@@ -326,16 +399,27 @@ def one_task(args: argparse.Namespace) -> int:
     else:
         r = rvz.run(run_worker(cluster, index, ps, worker_config(args)), loop=args.loop)
         print(f"worker {r['worker']}: {r['steps']} steps in {r['seconds']:.2f} s; loss "
-              f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}; shard restarts seen {r['restarts']}")
+              f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}; shard restarts seen {r['restarts']}; "
+              f"losses {r['loss_digest']}")
     print(json.dumps({"done": job, "task": index}), flush=True)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    configure_logging(args.log_level)
     if args.command == "bench":
         from .bench import main as bench_main
         return bench_main(args)
+    if args.command == "reshard":
+        try:
+            clock, rows = cut.reshard(args.source, args.target, args.shards)
+        except cut.CutError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(f"resharded the cut at clock {clock} ({rows} rows) into {args.shards} shards in {args.target}; "
+              f"resume with --shards {args.shards} --resume {args.target}", flush=True)
+        return 0
     if args.command in ("serve", "train"):
         return one_task(args)
     stop_on_signals()  # the demo's children must not outlive it, whatever ends it

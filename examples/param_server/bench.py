@@ -37,6 +37,7 @@ import numpy as np
 
 import rvz
 
+from ..common import LOCAL_HOST
 from .client import PSClient
 from .launch import Processes, PSConfig, keep_freed_memory, local_cluster, start_shards
 from .native import core as native_core
@@ -242,7 +243,7 @@ def checkpoint_figures(table: EmbeddingTable) -> dict[str, Any]:
 
 def _echo_server(port_q: Any, nbytes: int, request: int) -> None:
     srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
+    srv.bind((LOCAL_HOST, 0))
     srv.listen(1)
     port_q.put(srv.getsockname()[1])
     conn, _ = srv.accept()
@@ -265,7 +266,7 @@ def socket_figures(nbytes: int, request: int, rounds: int) -> dict[str, Any]:
     proc = ctx.Process(target=_echo_server, args=(q, nbytes, request), daemon=True)
     proc.start()
     try:
-        sock = socket.create_connection(("127.0.0.1", q.get(timeout=30)))
+        sock = socket.create_connection((LOCAL_HOST, q.get(timeout=30)))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         out, buf = bytes(request), bytearray(nbytes)
         times = []

@@ -29,16 +29,20 @@ from .native import gather_rows, scatter_rows, shard_split
 from .protocol import (
     END,
     HELLO,
+    PS_JOB,
     PULL_IDS,
     PULL_ROWS,
     PUSH_ACK,
     PUSH_GRADS,
     PUSH_IDS,
+    READ_IDS,
+    READ_ROWS,
     REJOIN,
     WORKER_JOB,
     edge,
     pack_ids,
     pack_rows,
+    read_step_id,
     step_id,
     unpack_rows,
 )
@@ -46,7 +50,8 @@ from .sparse import SHARD_SALT, as_ids, sum_by_id
 
 log = logging.getLogger(__name__)
 
-CHANNELS = ("lookup", "push")
+CHANNELS = ("lookup", "push", "read")  # the order of the clocks in REJOIN
+TRAINING = ("lookup", "push")         # the channels whose clocks are training steps
 
 
 def _quiet(task: asyncio.Task[None]) -> None:
@@ -58,6 +63,13 @@ def _quiet(task: asyncio.Task[None]) -> None:
 # greets its workers as a restarted shard nor answers their clocks, so they can only time out.
 FRESH_HINT = ("; if that shard was restarted, was it with --restore? A shard started afresh "
               "does not know its workers' clocks")
+
+
+# A fresh worker waits for epoch 0; a shard started with --restore greets with its next
+# epoch, and only workers that knew it answer.
+WHOLE_JOB_HINT = ("; is that shard running, at that address? (One started with --restore greets "
+                  "only the workers it knew: to restart a whole job, resume it from a whole-job cut: "
+                  "--cut-every, then --resume.)")
 
 
 class ShardRestarted(Exception):
@@ -87,7 +99,7 @@ class PSClient:
         self.timeout = timeout
         self.restart_timeout = restart_timeout
         self.worker_job = worker_job
-        self.next_step = {"lookup": 0, "push": 0}
+        self.next_step = {"lookup": 0, "push": 0, "read": 0}
         self.epoch = [0] * num_shards
         self.restarts = 0
         self.closed = False
@@ -96,6 +108,15 @@ class PSClient:
         self._next_hello: list[asyncio.Future[Any] | None] = [None] * num_shards
         self._watchers: list[asyncio.Task[None]] = []
         self._resync_lock = [asyncio.Lock() for _ in range(num_shards)]
+        self._gone: list[str | None] = [None] * num_shards  # why we gave up on a lost shard
+
+    def start_at(self, clock: int) -> None:
+        """Continue a job resumed from a whole-job cut at ``clock`` (its shards serve every
+        worker from there); before the first call."""
+        if self._greeted is not None or any(self.next_step[c] for c in TRAINING):
+            raise RuntimeError("start_at() comes before the client's first call")
+        for channel in TRAINING:
+            self.next_step[channel] = clock
 
     # -- the handshake ---------------------------------------------------------------------
 
@@ -116,14 +137,24 @@ class PSClient:
     async def _recv_hello(self, shard: int, epoch: int, timeout: float | None) -> Any:
         """The greeting of ``shard``'s incarnation ``epoch``, redialling while it is down."""
         loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
+        started = loop.time()
+        deadline = None if timeout is None else started + timeout
         key = edge(HELLO, self.worker, shard, epoch, 0, self.worker_job)
         while True:
             left = None if deadline is None else max(0.0, deadline - loop.time())
             try:
                 return await self.node.recv(key, timeout=left)
-            except rvz.PeerLost:
+            except (rvz.PeerLost, TimeoutError) as exc:
                 if deadline is not None and loop.time() >= deadline:
+                    # rvz's timeout gives the last retry's share of the wait, not the wait: left
+                    # out; why the last dial failed is kept.
+                    why = f": {exc}" if isinstance(exc, rvz.PeerLost) else ""
+                    raise type(exc)(
+                        f"worker {self.worker}: no greeting from PS shard {shard} (epoch {epoch}, at "
+                        f"{self.node.cluster.address(PS_JOB, shard)}) within {timeout:g} s "
+                        f"(waited {loop.time() - started:.1f} s){why}"
+                        + (WHOLE_JOB_HINT if epoch == 0 else "")) from None
+                if isinstance(exc, TimeoutError):
                     raise
                 await asyncio.sleep(0.05)
 
@@ -157,14 +188,22 @@ class PSClient:
             if self.epoch[shard] != failed_epoch:
                 return  # the other channel already did it
             if self.restart_timeout <= 0:
-                raise rvz.PeerLost(f"PS shard {shard} was lost (its shards are not restarted)")
+                raise rvz.PeerLost(f"worker {self.worker}: PS shard {shard} was lost (its shards "
+                                   "are not restarted)")
+            if self._gone[shard] is not None:
+                # Given up on already (by the other channel): one wait per loss, not one each.
+                raise rvz.PeerLost(self._gone[shard])
             fut = self._next_hello[shard]
             assert fut is not None
+            loop = asyncio.get_running_loop()
+            started = loop.time()
             try:
                 hello = await asyncio.wait_for(asyncio.shield(fut), self.restart_timeout)
             except (TimeoutError, asyncio.TimeoutError):  # (two classes before 3.11)
-                raise rvz.PeerLost(f"PS shard {shard} did not come back within "
-                                   f"{self.restart_timeout} s{FRESH_HINT}") from None
+                self._gone[shard] = (f"worker {self.worker}: PS shard {shard} did not come back "
+                                     f"within {self.restart_timeout:g} s (waited "
+                                     f"{loop.time() - started:.1f} s){FRESH_HINT}")
+                raise rvz.PeerLost(self._gone[shard]) from None
             epoch = int(hello[0])
             clocks = np.array([self._inflight[c].get(shard, self.next_step[c]) for c in CHANNELS],
                               dtype=np.int64)
@@ -206,11 +245,20 @@ class PSClient:
             raise ShardRestarted("a PS shard restarted")
         try:
             return answer.result()
-        except TimeoutError:
+        except TimeoutError as exc:
             # rvz's own message names the keys, not what they mean here.
-            channel = "rows of its pull" if reply == PULL_ROWS else "acknowledgement of its push"
-            raise TimeoutError(f"worker {self.worker}: no {channel} at clock {clock} from PS shard(s) "
-                               f"{shards} within {self.timeout} s{FRESH_HINT}") from None
+            channel = {PULL_ROWS: "rows of its pull", READ_ROWS: "rows of its read"}.get(
+                reply, "acknowledgement of its push")
+            silent = self._silent(shards, clock, reply, str(exc))
+            raise TimeoutError(f"worker {self.worker}: no {channel} at clock {clock} from PS "
+                               f"shard{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} "
+                               f"within {self.timeout:g} s{FRESH_HINT}") from None
+
+    def _silent(self, shards: list[int], clock: int, reply: str, message: str) -> list[int]:
+        """The shards whose ``reply`` a timed-out ``recv_many`` still waited for: rvz names the
+        missing keys (the first three) in its message; all of ``shards`` if it names none."""
+        named = [s for s in shards if str(self._edge(reply, s, clock)) in message]
+        return named if named and "more" not in message.rsplit("waiting for", 1)[-1] else shards
 
     async def _round(self, channel: str, clock: int, messages: list[list[tuple[str, Any]]],
                      reply: str) -> list[Any]:
@@ -222,7 +270,7 @@ class PSClient:
         their messages are only waited for; the others are resynced and sent them again.
         """
         n = self.num_shards
-        step = step_id(self.worker, clock)
+        step = (read_step_id if channel == "read" else step_id)(self.worker, clock)
         inflight = self._inflight[channel]
         for shard in range(n):
             inflight[shard] = clock
@@ -280,11 +328,15 @@ class PSClient:
         evaluation read) the shards create no row: absent ids read as zeros."""
         clock = self._take_step("lookup", step)
         await self.connect()
+        return await self._by_table(ids, lambda unique: self._pull_unique(unique, clock, create))
+
+    async def _by_table(self, ids: dict[str, Any], fetch: Any) -> dict[str, np.ndarray]:
+        """``fetch(unique ids of each table)`` -> their rows, expanded back to ``ids``'s shapes."""
         flat = {name: np.asarray(ids.get(name, np.zeros(0)), dtype=np.int64) for name in self.names}
         uniq, inverse = {}, {}
         for name, arr in flat.items():
             uniq[name], inverse[name] = np.unique(arr.reshape(-1), return_inverse=True)
-        rows = await self._pull_unique([uniq[n] for n in self.names], clock, create)
+        rows = await fetch([uniq[n] for n in self.names])
         return {name: rows[t][inverse[name].reshape(-1)].reshape(flat[name].shape + (self.dims[name],))
                 for t, name in enumerate(self.names) if name in ids}
 
@@ -305,14 +357,19 @@ class PSClient:
 
     async def _pull_unique(self, unique: list[np.ndarray], clock: int,
                            create: bool = True) -> list[np.ndarray]:
+        return await self._fetch_unique(unique, clock, "lookup", PULL_IDS, create, PULL_ROWS)
+
+    async def _fetch_unique(self, unique: list[np.ndarray], clock: int, channel: str, kind: str,
+                            create: bool, reply: str) -> list[np.ndarray]:
+        """Rows of each table's unique ids, from their shards over ``channel``."""
         positions = self._split(unique)
         dims = [self.dims[n] for n in self.names]
         if positions is None:
-            messages = [[(PULL_IDS, pack_ids(unique, create))]]
+            messages = [[(kind, pack_ids(unique, create))]]
         else:
-            messages = [[(PULL_IDS, pack_ids([u[p] for u, p in zip(unique, where, strict=True)], create))]
+            messages = [[(kind, pack_ids([u[p] for u, p in zip(unique, where, strict=True)], create))]
                         for where in positions]
-        replies = await self._round("lookup", clock, messages, PULL_ROWS)
+        replies = await self._round(channel, clock, messages, reply)
         if positions is None:  # the shard's rows are the answer, as they are
             reply = replies[0]
             if isinstance(reply, np.ndarray) and not reply.flags.writeable:
@@ -337,6 +394,27 @@ class PSClient:
         await self.connect()
         parts = [as_ids(unique)] + [np.zeros(0, dtype=np.int64)] * (len(self.names) - 1)
         return (await self._pull_unique(parts, clock, create))[0]
+
+    # -- read-only lookups (no clock) ---------------------------------------------------------
+
+    async def read(self, ids: dict[str, Any]) -> dict[str, np.ndarray]:
+        """Rows of several tables (``{name: ids}`` -> ``{name: rows}``, as ``pull``) for an
+        evaluation: the shards' current rows, read without a clock (no consistency wait, no
+        place among the training steps) and without any effect: no row is created, no access
+        counted; an absent id reads as the initial row it would get (zeros under admission)."""
+        seq = self._take_step("read", None)
+        await self.connect()
+        return await self._by_table(ids, lambda unique: self._read_unique(unique, seq))
+
+    async def read_unique(self, unique: np.ndarray) -> np.ndarray:
+        """``read`` of ids the caller already made unique, first table: ``[len(unique), dim]``."""
+        seq = self._take_step("read", None)
+        await self.connect()
+        parts = [as_ids(unique)] + [np.zeros(0, dtype=np.int64)] * (len(self.names) - 1)
+        return (await self._read_unique(parts, seq))[0]
+
+    async def _read_unique(self, unique: list[np.ndarray], seq: int) -> list[np.ndarray]:
+        return await self._fetch_unique(unique, seq, "read", READ_IDS, True, READ_ROWS)
 
     # -- push ------------------------------------------------------------------------------
 
@@ -406,7 +484,7 @@ class PSClient:
         shard drops it (rvz step clean-up) and counts it as an empty push."""
         await self.node.step(step_id(self.worker, clock)).cleanup(
             f"worker {self.worker} gave up its step {clock}")
-        for channel in CHANNELS:
+        for channel in TRAINING:
             if self.next_step[channel] == clock:
                 self.next_step[channel] = clock + 1
 
@@ -424,11 +502,11 @@ class PSClient:
             # every worker said it); the first failure is raised afterwards.
             failure: BaseException | None = None
             for shard in range(self.num_shards):
-                for kind, channel in ((PULL_IDS, "lookup"), (PUSH_IDS, "push")):
+                for kind, channel in ((PULL_IDS, "lookup"), (PUSH_IDS, "push"), (READ_IDS, "read")):
                     clock = self.next_step[channel]
+                    step = (read_step_id if channel == "read" else step_id)(self.worker, clock)
                     try:
-                        await self.node.send(self._edge(kind, shard, clock), END,
-                                             step=step_id(self.worker, clock))
+                        await self.node.send(self._edge(kind, shard, clock), END, step=step)
                     except (rvz.RvzError, TimeoutError) as exc:
                         failure = failure or exc
                         break  # this shard is gone: its other channel would fail the same way

@@ -24,8 +24,9 @@ from typing import Any
 
 import rvz
 
-from ..common import child_signals, free_ports, starting_child
+from ..common import LOCAL_HOST, child_signals, free_ports, starting_child, tls_contexts
 from .checkpoint import has_checkpoint
+from .cut import load_shard_part
 from .optimizers import make_optimizer
 from .protocol import PS_JOB, WORKER_JOB
 from .server import ShardServer
@@ -71,6 +72,17 @@ class PSConfig:
     loop: str = "auto"
     worker_job: str = WORKER_JOB
     node_options: dict[str, Any] = field(default_factory=dict)
+    progress_every: float = 0.0  # seconds between a shard's progress lines (0: none)
+    tls: tuple[str, str, str] | None = None  # (ca, cert, key) files: mutual TLS between nodes
+    cut_every: int = 0               # whole-job cuts every this many clocks (bsp; see cut.py)
+    cut_root: str | None = None      # ... written under this directory
+    resume_cut: str | None = None    # start from this cut directory (and its clock) instead of empty
+    start_clock: int = 0             # the clock of ``resume_cut``
+
+    def node_kwargs(self) -> dict[str, Any]:
+        """Options of every node of the service (TLS contexts built here, in the process
+        that runs the node)."""
+        return {**self.node_options, **({"ssl": tls_contexts(self.tls)} if self.tls else {})}
 
     def table_specs(self) -> tuple[TableSpec, ...]:
         return self.tables or (TableSpec("default", self.dim, self.optimizer, self.lr),)
@@ -117,11 +129,13 @@ def make_store(cfg: PSConfig) -> EmbeddingTable:
     return make_table(cfg, cfg.table_specs()[0])
 
 
-def local_cluster(num_shards: int, num_workers: int, worker_job: str = WORKER_JOB) -> dict[str, list[str]]:
-    """A loopback cluster spec: ``num_shards`` ps tasks and ``num_workers`` worker tasks."""
-    ports = free_ports(num_shards + num_workers)
-    return {PS_JOB: [f"127.0.0.1:{p}" for p in ports[:num_shards]],
-            worker_job: [f"127.0.0.1:{p}" for p in ports[num_shards:]]}
+def local_cluster(num_shards: int, num_workers: int, worker_job: str = WORKER_JOB,
+                  host: str = LOCAL_HOST) -> dict[str, list[str]]:
+    """A one-machine cluster spec: ``num_shards`` ps tasks and ``num_workers`` worker tasks,
+    on free ports of ``host``."""
+    ports = free_ports(num_shards + num_workers, host)
+    return {PS_JOB: [f"{host}:{p}" for p in ports[:num_shards]],
+            worker_job: [f"{host}:{p}" for p in ports[num_shards:]]}
 
 
 def shard_dir(cfg: PSConfig, shard: int) -> Path | None:
@@ -164,13 +178,19 @@ async def run_shard(cluster: dict[str, Any], shard: int, cfg: PSConfig,
                     restore: bool = False, crash_at: int | None = None) -> dict[str, Any]:
     """Run PS shard ``shard`` until every worker left; returns its summary. ``crash_at``: the
     process kills itself (SIGKILL) when the slowest worker reaches that clock (a demo)."""
-    tables, epoch, restored = open_shard(cfg, shard, restore)
-    async with rvz.Node(cluster, PS_JOB, shard, mode=cfg.mode, **cfg.node_options) as node:
+    if cfg.resume_cut is not None:
+        # A whole job resumed from a cut: a fresh start (epoch 0) of every process, at the
+        # cut's clock; the shard's own checkpoint directory is not involved.
+        tables, epoch, restored = load_shard_part(Path(cfg.resume_cut), shard), 0, False
+    else:
+        tables, epoch, restored = open_shard(cfg, shard, restore)
+    async with rvz.Node(cluster, PS_JOB, shard, mode=cfg.mode, **cfg.node_kwargs()) as node:
         server = ShardServer(node, tables, cfg.num_workers, worker_job=cfg.worker_job,
                              consistency=cfg.consistency, staleness=cfg.staleness,
                              evict_every=cfg.evict_every, checkpoint_dir=shard_dir(cfg, shard),
                              checkpoint_every=cfg.checkpoint_every, full_every=cfg.full_every,
-                             epoch=epoch, fsync=cfg.fsync)
+                             epoch=epoch, fsync=cfg.fsync, progress_every=cfg.progress_every,
+                             start_clock=cfg.start_clock, cut_every=cfg.cut_every, cut_root=cfg.cut_root)
         if restored:
             # The next save may add an increment to the restored chain. Without a full
             # checkpoint of every table on disk (a crash before the first save) it must be a
@@ -304,3 +324,35 @@ def cluster_from_args(cluster_json: str | None) -> tuple[dict[str, Any], dict[st
         raise ValueError("no cluster: pass --cluster JSON or set TF_CONFIG")
     config = json.loads(tf_config)
     return config["cluster"], config.get("task")
+
+
+def resolve_task(cluster_json: str | None, job: str | None, index: int | None, wanted: str | tuple[str, ...],
+                 command: str) -> tuple[dict[str, Any], str, int]:
+    """The cluster (``--cluster``, else ``TF_CONFIG``) and this process's (job, task), from
+    ``--job``/``--task`` or TF_CONFIG's task, checked: ValueError says what is wrong. The job
+    must be one of ``wanted``."""
+    try:
+        cluster, task = cluster_from_args(cluster_json)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the cluster is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read the cluster: {exc}") from None
+    if not isinstance(cluster, dict):
+        raise ValueError(f"the cluster must be a JSON object of job -> list of \"host:port\", "
+                         f"not {type(cluster).__name__}")
+    for name in (PS_JOB, WORKER_JOB):
+        tasks = cluster.get(name)
+        if not isinstance(tasks, list) or not tasks or not all(isinstance(t, str) for t in tasks):
+            raise ValueError(f"the cluster needs a non-empty list of \"host:port\" for job {name!r}")
+    if task is not None and not isinstance(task, dict):
+        raise ValueError("TF_CONFIG's task must be an object {\"type\": ..., \"index\": ...}")
+    name: Any = job or (task or {}).get("type")
+    number: Any = index if index is not None else (task or {}).get("index")
+    if name is None or number is None:
+        raise ValueError("say which task this is: --job and --task, or TF_CONFIG's task")
+    wanted = (wanted,) if isinstance(wanted, str) else wanted
+    if name not in wanted:
+        raise ValueError(f"{command} runs a {' or '.join(map(repr, wanted))} task, not {name!r}")
+    if not isinstance(number, int) or not 0 <= number < len(cluster[name]):
+        raise ValueError(f"task {number!r}: job {name!r} has tasks 0 to {len(cluster[name]) - 1}")
+    return cluster, name, number

@@ -3,7 +3,11 @@
 Per (worker, shard) there are two channels, each numbering its clocks from 0:
 
 * pull: worker -> shard ``PULL_IDS``, shard -> worker ``PULL_ROWS``;
-* push: worker -> shard ``PUSH_IDS`` and ``PUSH_GRADS``, shard -> worker ``PUSH_ACK``.
+* push: worker -> shard ``PUSH_IDS`` and ``PUSH_GRADS``, shard -> worker ``PUSH_ACK``;
+* read: worker -> shard ``READ_IDS``, shard -> worker ``READ_ROWS``: a read-only lookup
+  (evaluation) that takes no clock: it waits for no consistency bound, creates no row,
+  counts no access, and reads an absent id as the initial row it would get. Its messages are
+  numbered by their own sequence, in steps of their own (``read_step_id``).
 
 They are separate so that a worker can pull clock t+2 while its push of clock t is in
 flight (the embedding pipeline's prefetch). A worker sends a pull and a push to every shard
@@ -18,8 +22,8 @@ A key is ``src ; dst ; kind ; epoch:clock`` (the key's frame is the shard's epoc
 the clock), so each key is used once. A shard's epoch is 0 when it starts fresh and grows
 by one each time it restarts from a checkpoint. On start, a shard sends ``HELLO`` (iter =
 epoch) to every worker; a worker that sees the shard's next epoch (or loses the shard)
-answers ``REJOIN`` (frame = epoch) with the clocks it will continue at, then retries what it
-had in flight.
+answers ``REJOIN`` (frame = epoch) with the clocks it will continue at (pull, push, read),
+then retries what it had in flight.
 
 Ids travel as int64 ``[T, n_0, ..., n_{T-1}, ids of table 0, ids of table 1, ...]`` for the
 T tables of the service (in their configured order), with ``-T`` for a read-only pull (an
@@ -45,9 +49,11 @@ PUSH_GRADS = "ps_push_grads"
 PUSH_ACK = "ps_push_ack"
 HELLO = "ps_hello"
 REJOIN = "ps_rejoin"
+READ_IDS = "ps_read_ids"
+READ_ROWS = "ps_read_rows"
 
-TO_SHARD = (PULL_IDS, PUSH_IDS, PUSH_GRADS, REJOIN)
-TO_WORKER = (PULL_ROWS, PUSH_ACK, HELLO)
+TO_SHARD = (PULL_IDS, PUSH_IDS, PUSH_GRADS, REJOIN, READ_IDS)
+TO_WORKER = (PULL_ROWS, PUSH_ACK, HELLO, READ_ROWS)
 
 END = b"end"
 
@@ -70,6 +76,12 @@ def edge(kind: str, worker: int, shard: int, clock: int, epoch: int = 0,
 def step_id(worker: int, clock: int) -> int:
     """The rvz step of ``worker``'s clock ``clock`` (step 0 is left to the handshake)."""
     return ((worker + 1) << 40) | clock
+
+
+def read_step_id(worker: int, seq: int) -> int:
+    """The rvz step of ``worker``'s read ``seq``: apart from its clocks' steps, so that the
+    clean-up of a failed training step leaves a read alone."""
+    return ((worker + 1) << 40) | (1 << 39) | seq
 
 
 def is_end(value: Any) -> bool:

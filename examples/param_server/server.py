@@ -21,11 +21,25 @@ for that clock, so nobody waits for it; a worker that leaves (``END``) or is los
 Every ``checkpoint_every`` clocks (of the slowest worker) the shard saves its tables to
 ``checkpoint_dir``, incrementally except every ``full_every``-th save; ``evict_every`` clocks
 it runs each table's eviction policy.
+
+A peer that cannot talk to the shard (a worker with the wrong secret or rvz version, or
+traffic that is not rvz at all) is logged and waited out: the shard retries that worker's
+channel until a well-configured process serves as that worker, and goes on serving the
+others meanwhile. A message that does not decode is logged and counts as an aborted step.
+Every ``progress_every`` seconds the shard logs where its clocks stand.
+
+Whole-job cuts (``cut_every``, bsp only; see cut.py): when the pushes of clock C - 1 are
+applied and C is a multiple of ``cut_every``, the shard copies its tables out at once (before
+it acknowledges clock C - 1, so before any worker pulls again) and writes the copy in a
+helper thread while it goes on serving. A shard started from a cut at C (``start_clock``)
+serves every worker from clock C.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
 import os
 import signal
 import time
@@ -38,6 +52,7 @@ import numpy as np
 import rvz
 
 from ..common import run_together
+from .cut import write_shard_part
 from .protocol import (
     HELLO,
     PULL_IDS,
@@ -45,11 +60,14 @@ from .protocol import (
     PUSH_ACK,
     PUSH_GRADS,
     PUSH_IDS,
+    READ_IDS,
+    READ_ROWS,
     REJOIN,
     WORKER_JOB,
     edge,
     is_end,
     pack_rows,
+    read_step_id,
     step_id,
     unpack_ids,
     unpack_pull,
@@ -57,7 +75,15 @@ from .protocol import (
 )
 from .table import EmbeddingTable
 
+log = logging.getLogger(__name__)
+
 CONSISTENCY = ("asp", "ssp", "bsp")
+
+# What a misconfigured peer raises (a wrong secret, another rvz version, not rvz at all): the
+# shard logs it and tries again every ``REFUSED_RETRY`` seconds, for as long as it serves.
+REFUSED = (rvz.AuthError, rvz.ProtocolError)
+REFUSED_RETRY = 0.5
+SKIP, STOP = object(), object()  # what ``_request`` returns instead of a request
 
 
 @dataclass
@@ -68,6 +94,9 @@ class ShardStats:
     ids_pushed: int = 0
     aborted_steps: int = 0
     lost_workers: int = 0
+    reads: int = 0              # read-only lookups (no clock) served
+    refused: int = 0            # failures of a misconfigured peer, waited out
+    bad_messages: int = 0       # messages that did not decode (counted as aborted steps)
     checkpoints: list[str] = field(default_factory=list)
     evicted: int = 0
     max_staleness: int = 0  # the largest c - (slowest clock) a pull was served at
@@ -82,7 +111,9 @@ class ShardServer:
                  num_workers: int, *, worker_job: str = WORKER_JOB, consistency: str = "asp",
                  staleness: int = 0, evict_every: int = 0, checkpoint_dir: str | Path | None = None,
                  checkpoint_every: int = 0, full_every: int = 4, epoch: int = 0,
-                 rejoin_timeout: float = 30.0, record: bool = False, fsync: bool = True) -> None:
+                 rejoin_timeout: float = 30.0, record: bool = False, fsync: bool = True,
+                 progress_every: float = 0.0, start_clock: int = 0, cut_every: int = 0,
+                 cut_root: str | Path | None = None) -> None:
         if consistency not in CONSISTENCY:
             raise ValueError(f"consistency must be one of {CONSISTENCY}, not {consistency!r}")
         self.node = node
@@ -103,12 +134,20 @@ class ShardServer:
         self.record = record
         self.fsync = fsync
         self.stats = ShardStats()
-        self.clock = [0] * num_workers        # pushes done (applied or aborted) per worker
+        self.progress_every = progress_every
+        self._next_progress = time.monotonic() + progress_every
+        if cut_every and consistency != "bsp":
+            raise ValueError("whole-job cuts need bsp: with asp or ssp no clock is one state")
+        self.start_clock = start_clock
+        self.cut_every = cut_every
+        self.cut_root = Path(cut_root) if cut_root is not None else None
+        self._writes: list[asyncio.Future[Any]] = []
+        self.clock = [start_clock] * num_workers  # pushes done (applied or aborted) per worker
         self.active = set(range(num_workers))
         self._changed: asyncio.Event | None = None
         self._bsp: dict[int, dict[int, tuple[list[np.ndarray], list[np.ndarray]] | None]] = {}
         self._bsp_done: dict[int, asyncio.Future[None]] = {}
-        self._housekept = 0
+        self._housekept = start_clock
         self._saves = 0
         self._rejoining = num_workers if epoch > 0 else 0
         # Demo hook (``demo --kill-shard``): this process kills itself with SIGKILL once the
@@ -125,38 +164,74 @@ class ShardServer:
 
     # -- life -----------------------------------------------------------------------------------
 
+    @property
+    def who(self) -> str:
+        """How log lines and errors name this shard."""
+        return f"ps {self.shard} epoch {self.epoch}"
+
     async def serve(self) -> ShardStats:
         """Greet every worker, then serve until each has left."""
         self._changed = asyncio.Event()
-        for worker in range(self.num_workers):
-            hello = np.array([self.epoch, *[t.global_step for t in self.tables.values()]], dtype=np.int64)
-            await self.node.send(edge(HELLO, worker, self.shard, self.epoch, 0, self.worker_job), hello)
-        await run_together(*(self._serve_worker(w) for w in range(self.num_workers)))
+        log.info("%s: serving %d workers, tables %s, %s", self.who, self.num_workers,
+                 ", ".join(f"{n} (dim {t.dim}, {t.optimizer.name}, {len(t)} rows)"
+                           for n, t in self.tables.items()), self.consistency)
+        try:
+            await run_together(*(self._serve_worker(w) for w in range(self.num_workers)))
+        finally:
+            await asyncio.gather(*self._writes)  # the last cut is on disk before we return
+        log.info("%s: every worker left; %d pulls, %d pushes served", self.who, self.stats.lookups,
+                 self.stats.pushes)
         return self.stats
 
+    async def _patient(self, worker: int, clock: int, what: str, call: Any) -> Any:
+        """``await call()``, again every ``REFUSED_RETRY`` s while the process serving as
+        ``worker`` is misconfigured (logged once per kind of failure)."""
+        seen: set[type] = set()
+        while True:
+            try:
+                return await call()
+            except REFUSED as exc:
+                self.stats.refused += 1
+                if type(exc) not in seen:
+                    seen.add(type(exc))
+                    log.warning("%s: worker %d (clock %d, %s) refused: %s: %s; still serving the "
+                                "others, and waiting for a worker %d that is configured like this "
+                                "shard", self.who, worker, clock, what, type(exc).__name__, exc, worker)
+                await asyncio.sleep(REFUSED_RETRY)
+
     async def _serve_worker(self, worker: int) -> None:
-        pull_clock = push_clock = 0
+        hello = np.array([self.epoch, *[t.global_step for t in self.tables.values()]], dtype=np.int64)
+        key = edge(HELLO, worker, self.shard, self.epoch, 0, self.worker_job)
+        await self._patient(worker, 0, "greeting", lambda: self.node.send(key, hello))
+        pull_clock = push_clock = self.start_clock
+        read_seq = 0
         if self.epoch > 0:
             # Restarted: until the worker says where its clocks stand, it counts as clock 0
             # (the consistency bound then holds back the others, never lets them run ahead).
-            pull_clock, push_clock = await self._rejoin(worker)
+            pull_clock, push_clock, read_seq = await self._rejoin(worker)
             self._rejoined()
             if push_clock < 0:
-                self._lost(worker)
+                self._lost(worker, None)  # _rejoin said why
                 return
             self.clock[worker] = push_clock
             self._wake()
             self._bsp_recheck()
         await run_together(self._serve_pulls(worker, pull_clock),
-                           self._serve_pushes(worker, push_clock))
+                           self._serve_pushes(worker, push_clock),
+                           self._serve_pulls(worker, read_seq, read=True))
 
-    async def _rejoin(self, worker: int) -> tuple[int, int]:
-        """The clocks ``worker`` continues at after this shard restarted ((-1, -1): gone)."""
+    async def _rejoin(self, worker: int) -> tuple[int, int, int]:
+        """The clocks (pull, push) and read sequence ``worker`` continues at after this shard
+        restarted ((-1, -1, -1): gone)."""
         try:
             msg = await self.node.recv(self._edge(REJOIN, worker, 0), timeout=self.rejoin_timeout)
-        except (TimeoutError, rvz.PeerLost):
-            return -1, -1
-        return int(msg[0]), int(msg[1])
+            pull, push, read = int(msg[0]), int(msg[1]), int(msg[2])
+        except (TimeoutError, rvz.PeerLost, *REFUSED, TypeError, ValueError, IndexError) as exc:
+            log.warning("%s: worker %d did not rejoin within %g s (%s: %s); serving without it",
+                        self.who, worker, self.rejoin_timeout, type(exc).__name__, exc)
+            return -1, -1, -1
+        log.info("%s: worker %d rejoined at pull clock %d, push clock %d", self.who, worker, pull, push)
+        return pull, push, read
 
     def _rejoined(self) -> None:
         self._rejoining -= 1
@@ -186,38 +261,64 @@ class ShardServer:
 
     # -- pulls ----------------------------------------------------------------------------------
 
-    async def _serve_pulls(self, worker: int, clock: int) -> None:
+    async def _request(self, worker: int, clock: int, what: str, kind: str, step: int) -> Any:
+        """The next ``kind`` message of ``worker`` at ``clock`` (a pull's or a read's ids),
+        decoded: ``SKIP`` when the worker cleaned that step up or sent what does not decode,
+        ``STOP`` at its END or when it is lost (``_lost`` for a pull)."""
+        key = self._edge(kind, worker, clock)
+        try:
+            msg = await self._patient(worker, clock, what, lambda: self.node.recv(key, step=step))
+        except rvz.Aborted:
+            return SKIP  # the worker cleaned this step up before (or while) sending it
+        except rvz.PeerLost:
+            if kind == PULL_IDS:
+                self._lost(worker, clock)  # (a read's loss: the pull and push loops see it too)
+            return STOP
+        if is_end(msg):
+            return STOP
+        try:
+            return unpack_pull(msg, len(self.names))
+        except ValueError as exc:
+            self._bad_message(worker, clock, what, exc)
+            return SKIP
+
+    async def _serve_pulls(self, worker: int, clock: int, read: bool = False) -> None:
+        """``worker``'s pulls from ``clock`` on; with ``read``, its read-only lookups instead
+        (numbered by their own sequence): answered at once from the current rows
+        (``EmbeddingTable.peek``), whatever the consistency bound, and they change nothing."""
+        kinds = (READ_IDS, READ_ROWS) if read else (PULL_IDS, PULL_ROWS)
         while True:
-            step = step_id(worker, clock)
-            try:
-                msg = await self.node.recv(self._edge(PULL_IDS, worker, clock), step=step)
-            except rvz.Aborted:
-                clock += 1  # the worker cleaned this step up before (or while) pulling
+            step = (read_step_id if read else step_id)(worker, clock)
+            request = await self._request(worker, clock, "read" if read else "pull", kinds[0], step)
+            if request is STOP:
+                return
+            if request is SKIP:
+                clock += 1
                 continue
-            except rvz.PeerLost:
-                self._lost(worker)
-                return
-            if is_end(msg):
-                return
-            parts, create = unpack_pull(msg, len(self.names))
-            if self.consistency != "asp":
-                while self.slowest() < clock - self.staleness:
-                    assert self._changed is not None
-                    await self._changed.wait()
-            slowest = self.slowest()
-            self.stats.max_staleness = max(self.stats.max_staleness, clock - min(slowest, clock))
-            if self.record:
-                self.stats.served.append((worker, clock, slowest))
-            rows = [self.tables[name].lookup(ids, create)
-                    for name, ids in zip(self.names, parts, strict=True)]
-            self.stats.lookups += 1
-            self.stats.ids_looked_up += sum(len(p) for p in parts)
+            parts, create = request
+            if read:
+                rows = [self.tables[name].peek(ids) for name, ids in zip(self.names, parts, strict=True)]
+                self.stats.reads += 1
+            else:
+                if self.consistency != "asp":
+                    while self.slowest() < clock - self.staleness:
+                        assert self._changed is not None
+                        await self._changed.wait()
+                slowest = self.slowest()
+                self.stats.max_staleness = max(self.stats.max_staleness, clock - min(slowest, clock))
+                if self.record:
+                    self.stats.served.append((worker, clock, slowest))
+                rows = [self.tables[name].lookup(ids, create)
+                        for name, ids in zip(self.names, parts, strict=True)]
+                self.stats.lookups += 1
+                self.stats.ids_looked_up += sum(len(p) for p in parts)
             try:
-                await self.node.send(self._edge(PULL_ROWS, worker, clock), pack_rows(rows), step=step)
+                await self.node.send(self._edge(kinds[1], worker, clock), pack_rows(rows), step=step)
             except rvz.Aborted:
                 pass
             except rvz.PeerLost:
-                self._lost(worker)
+                if not read:
+                    self._lost(worker, clock)
                 return
             clock += 1
 
@@ -229,10 +330,12 @@ class ShardServer:
             update: tuple[list[np.ndarray], list[np.ndarray]] | None
             # Both receives are posted at once: Recv-Driven, the gradients' request then
             # travels with the ids' one instead of a round trip later. END comes alone.
-            grads_recv = asyncio.ensure_future(
-                self.node.recv(self._edge(PUSH_GRADS, worker, clock), step=step))
+            ids_key, grads_key = self._edge(PUSH_IDS, worker, clock), self._edge(PUSH_GRADS, worker, clock)
+            grads_recv = asyncio.ensure_future(self._patient(
+                worker, clock, "push", lambda: self.node.recv(grads_key, step=step)))  # noqa: B023
             try:
-                msg = await self.node.recv(self._edge(PUSH_IDS, worker, clock), step=step)
+                msg = await self._patient(worker, clock, "push",
+                                          lambda: self.node.recv(ids_key, step=step))  # noqa: B023
                 if is_end(msg):
                     await _drop(grads_recv)
                     self._leave(worker)
@@ -240,13 +343,15 @@ class ShardServer:
                 grads = await grads_recv
                 ids = unpack_ids(msg, len(self.names))
                 update = ids, unpack_rows(grads, [len(i) for i in ids], self.dims)
-            except rvz.Aborted:
+            except (rvz.Aborted, ValueError) as exc:
                 await _drop(grads_recv)
                 update = None  # cleaned up mid-step: an empty push for this clock
                 self.stats.aborted_steps += 1
+                if isinstance(exc, ValueError):
+                    self._bad_message(worker, clock, "push", exc)
             except rvz.PeerLost:
                 await _drop(grads_recv)
-                self._lost(worker)
+                self._lost(worker, clock)
                 return
             except BaseException:
                 await _drop(grads_recv)
@@ -262,13 +367,14 @@ class ShardServer:
             self.clock[worker] = clock + 1
             self._wake()
             self._housekeeping()
+            self._progress()
             ack = np.array([t.global_step for t in self.tables.values()], dtype=np.int64)
             try:
                 await self.node.send(self._edge(PUSH_ACK, worker, clock), ack, step=step)
             except rvz.Aborted:
                 pass
             except rvz.PeerLost:
-                self._lost(worker)
+                self._lost(worker, clock)
                 return
             clock += 1
 
@@ -297,14 +403,48 @@ class ShardServer:
             self.tables[name].apply_gradients(
                 np.concatenate([np.zeros(0, dtype=np.int64), *ids]),
                 np.concatenate([np.zeros((0, dim), dtype=np.float32), *grads]), create=False)
+        if self.cut_every and (clock + 1) % self.cut_every == 0:
+            self._cut(clock + 1)  # before the acknowledgements: no worker pulls past it
         done = self._bsp_done.pop(clock)
         if not done.done():
             done.set_result(None)
 
-    def _lost(self, worker: int) -> None:
+    def _cut(self, clock: int) -> None:
+        """This shard's part of the whole-job cut at ``clock``: copied out now, written by a
+        helper thread."""
+        root = self.cut_root
+        assert root is not None
+        snapshots = {name: table.snapshot() for name, table in self.tables.items()}
+        started = time.perf_counter()
+
+        def write() -> None:
+            write_shard_part(root, clock, self.shard, snapshots, fsync=self.fsync)
+            log.info("%s: its part of the cut at clock %d is written (%d rows, %.3f s)", self.who, clock,
+                     sum(len(s.ids) for s in snapshots.values()), time.perf_counter() - started)
+
+        self._writes.append(asyncio.get_running_loop().run_in_executor(None, write))
+
+    def _lost(self, worker: int, clock: int | None) -> None:
         if worker in self.active:
             self.stats.lost_workers += 1
+        if worker in self.active and clock is not None:
+            log.warning("%s: worker %d lost at clock %d; serving the others", self.who, worker, clock)
         self._leave(worker)
+
+    def _bad_message(self, worker: int, clock: int, what: str, exc: Exception) -> None:
+        self.stats.bad_messages += 1
+        log.warning("%s: worker %d's %s at clock %d does not decode (%s); dropped as an aborted "
+                    "step", self.who, worker, what, clock, exc)
+
+    def _progress(self) -> None:
+        if not self.progress_every or time.monotonic() < self._next_progress:
+            return
+        self._next_progress = time.monotonic() + self.progress_every
+        slowest = self.slowest()
+        log.info("%s: slowest worker at clock %s, %d pulls, %d pushes, live rows %s%s", self.who,
+                 "-" if slowest >= 1 << 62 else slowest, self.stats.lookups, self.stats.pushes,
+                 ", ".join(f"{n} {len(t)}" for n, t in self.tables.items()),
+                 f", {self.stats.refused} refused" if self.stats.refused else "")
 
     # -- housekeeping ---------------------------------------------------------------------------
 
@@ -340,11 +480,24 @@ class ShardServer:
         return {"shard": self.shard, "epoch": self.epoch, "live": first["live"],
                 "global_step": first["global_step"], "tables": tables,
                 "lookups": self.stats.lookups, "ids_looked_up": self.stats.ids_looked_up,
+                "reads": self.stats.reads,
                 "pushes": self.stats.pushes, "ids_pushed": self.stats.ids_pushed,
                 "aborted_steps": self.stats.aborted_steps, "lost_workers": self.stats.lost_workers,
                 "checkpoints": list(self.stats.checkpoints), "evicted": self.stats.evicted,
                 "max_staleness": self.stats.max_staleness, "consistency": self.consistency,
-                "busy_poll_spins": (self.node.stats()["busy_poll"] or {}).get("spins")}
+                "busy_poll_spins": (self.node.stats()["busy_poll"] or {}).get("spins"),
+                "rows_digest": self.rows_digest() if self.consistency == "bsp" else None}
+
+    def rows_digest(self) -> str:
+        """A hash of every table's ids and whole rows (embedding and slots), in id order: equal
+        digests, identical tables (what a resumed job is compared by)."""
+        h = hashlib.sha256()
+        for name in self.names:
+            ids = np.sort(self.tables[name].ids())
+            h.update(name.encode())
+            h.update(ids.tobytes())
+            h.update(self.tables[name].rows(ids).tobytes())
+        return h.hexdigest()[:16]
 
 
 async def _drop(receive: asyncio.Future[Any]) -> None:

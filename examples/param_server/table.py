@@ -238,6 +238,20 @@ class EmbeddingTable:
             out[pos] = init[which, :self.dim]  # only the embeddings are copied out
         return out
 
+    def peek(self, ids: Any) -> np.ndarray:
+        """Embeddings of ``ids`` as a training lookup would read them, without its side
+        effects: no row is created, no access counted (admission, TTL/LRU) and no stamp
+        changed. An absent id reads as the initial row it would get, or as zeros under an
+        admission policy (what a first training lookup reads for an id not admitted yet)."""
+        ids = as_ids(ids)
+        out = np.empty((len(ids), self.dim), dtype=np.float32)
+        rows = np.empty(len(ids), dtype=np.int32)
+        missing = self._core.lookup(ids, out, rows, self._step_stamp(), False)
+        if missing and self.admission is None:
+            absent = np.flatnonzero(rows < 0)
+            out[absent] = self._initial_rows(ids[absent])[:, :self.dim]
+        return out
+
     def rows(self, ids: Any) -> np.ndarray:
         """Whole rows (embedding then slots) of ``ids``, zeros for absent ones; no side effects."""
         ids = as_ids(ids)
@@ -392,18 +406,33 @@ class EmbeddingTable:
             writer.array("rownum", rows)
             writer.array("stamps", self._meta(rows, "stamp"))
             writer.arrays("matrix", self._core.blocks(), (self._core.next_row, self.width))
-        cand_ids = np.empty(self._candidates.size, dtype=np.int64)
-        cand_rows = np.empty(self._candidates.size, dtype=np.int32)
-        self._candidates.items(cand_ids, cand_rows)
-        counts = np.empty((len(cand_ids), 1), dtype=np.float32)
-        self._candidates.gather(cand_rows, counts, 0)
+        cand_ids, cand_counts = self._candidate_counts()
         writer.array("cand_ids", cand_ids)
-        writer.array("cand_counts", counts[:, 0].astype(np.int64))
+        writer.array("cand_counts", cand_counts)
         name = writer.commit({"config": self.config(), "state": self._state()})
         self.saved_version = self.version
         self.saved_step = self.global_step
         self._deleted = []
         return name
+
+    def snapshot(self) -> TableSnapshot:
+        """Every live row (embedding and slots), its stamp, the admission counts, the config
+        and the counters, copied out: the table may change while ``write_snapshot`` writes
+        the copy (in another thread)."""
+        ids, rows = self._items()
+        values = np.empty((len(ids), self.width), dtype=np.float32)
+        self._core.gather(rows, values, 0)
+        return TableSnapshot(ids, values, self._meta(rows, "stamp"), *self._candidate_counts(),
+                             self.config(), self._state())
+
+    def _candidate_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """The ids admission is counting, and their counts (int64)."""
+        cand_ids = np.empty(self._candidates.size, dtype=np.int64)
+        cand_rows = np.empty(self._candidates.size, dtype=np.int32)
+        self._candidates.items(cand_ids, cand_rows)
+        counts = np.empty((len(cand_ids), 1), dtype=np.float32)
+        self._candidates.gather(cand_rows, counts, 0)
+        return cand_ids, counts[:, 0].astype(np.int64)
 
     @classmethod
     def load(cls, path: str | Path, *, initializer: Initializer | None = None) -> EmbeddingTable:
@@ -458,3 +487,28 @@ class EmbeddingTable:
         table.saved_version, table.saved_step = table.version, table.global_step
         return table
 
+
+@dataclass
+class TableSnapshot:
+    """A table's content at one moment (``EmbeddingTable.snapshot``)."""
+
+    ids: np.ndarray
+    rows: np.ndarray          # [n, width]: embedding, then the optimizer's slots
+    stamps: np.ndarray
+    cand_ids: np.ndarray      # admission candidates and their counts
+    cand_counts: np.ndarray
+    config: dict[str, Any]
+    state: dict[str, Any]
+
+
+def write_snapshot(snap: TableSnapshot, path: str | Path, *, fsync: bool = True) -> str:
+    """Write ``snap`` as a full checkpoint entry into directory ``path`` (what
+    ``EmbeddingTable.load`` reads); returns the entry's name."""
+    writer = ckpt.EntryWriter(Path(path), "full", fsync=fsync)
+    writer.array("ids", snap.ids)
+    writer.array("rownum", np.arange(len(snap.ids), dtype=np.int32))
+    writer.array("stamps", snap.stamps)
+    writer.array("matrix", snap.rows)
+    writer.array("cand_ids", snap.cand_ids)
+    writer.array("cand_counts", snap.cand_counts)
+    return writer.commit({"config": snap.config, "state": snap.state})

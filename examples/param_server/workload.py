@@ -8,8 +8,12 @@ Its gradient couples the ids of a bag, so it is a real (if small) learning probl
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,9 +21,14 @@ import numpy as np
 import rvz
 
 from ..common import child_signals
+from . import cut
 from .client import PSClient
 from .launch import PSConfig, keep_freed_memory
 from .sparse import mix64, seeded_uniform
+
+log = logging.getLogger(__name__)
+
+LOST_DIAL_TIMEOUT = 1.0  # seconds a dial may take once every shard has answered
 
 
 class ZipfIds:
@@ -48,6 +57,12 @@ class WorkerConfig:
     seed: int = 0
     timeout: float = 30.0
     restart_timeout: float = 60.0
+    progress_every: float = 0.0  # seconds between progress lines (0: none)
+    cut_every: int = 0           # whole-job cuts (bsp): this worker's part every this many steps
+    cut_root: str | None = None
+    resume_cut: str | None = None  # resume from this cut directory, at ``start_clock``
+    start_clock: int = 0
+    crash_job_at: int | None = None  # a demo: worker 0 SIGKILLs the job's process group here
 
 
 def teacher(ids: np.ndarray, dim: int, seed: int) -> np.ndarray:
@@ -55,16 +70,42 @@ def teacher(ids: np.ndarray, dim: int, seed: int) -> np.ndarray:
     return seeded_uniform(ids.reshape(-1), dim, seed + 1_000_003).reshape(ids.shape + (dim,))
 
 
-async def train_worker(client: PSClient, cfg: WorkerConfig) -> dict[str, Any]:
+def loss_digest(losses: list[float]) -> str:
+    """A hash of the float32 bits of every step's loss: equal digests, identical runs."""
+    return hashlib.sha256(np.asarray(losses, dtype=np.float32).tobytes()).hexdigest()[:16]
+
+
+async def train_worker(client: PSClient, cfg: WorkerConfig, num_workers: int = 1) -> dict[str, Any]:
     """Run ``cfg.steps`` steps (pull, gradient, push) against the shards, on every table
-    of the service (each table its own ids: the same Zipf law, salted by the table)."""
+    of the service (each table its own ids: the same Zipf law, salted by the table).
+
+    With ``cut_every`` (bsp), after the acknowledgement of every ``cut_every``-th step the
+    worker writes its part of the whole-job cut (its sampler's state and its losses): the
+    shards copy their tables out at that very clock. ``resume_cut`` starts from such a part."""
     worker = client.worker
     rng = np.random.default_rng([cfg.seed, worker])
     samplers = {name: ZipfIds(cfg.vocab, cfg.zipf, salt=t) for t, name in enumerate(client.names)}
-    losses = []
+    losses: list[float] = []
+    if cfg.resume_cut is not None:
+        _, meta = cut.load_worker_part(Path(cfg.resume_cut), worker)
+        rng.bit_generator.state = meta["rng"]
+        losses = list(meta["losses"])
+        client.start_at(cfg.start_clock)
+    writes: list[asyncio.Future[Any]] = []
     started = time.perf_counter()
     acks = np.zeros((client.num_shards, len(client.names)), dtype=np.int64)
-    for step in range(cfg.steps):
+    log.info("worker %d: training %d steps of %d samples on %d PS shards", worker, cfg.steps,
+             cfg.batch, client.num_shards)
+    next_progress = time.monotonic() + cfg.progress_every
+    for step in range(cfg.start_clock, cfg.steps):
+        if cfg.crash_job_at == step and worker == 0:
+            await asyncio.to_thread(cut.kill_job_after_cut, cfg.cut_root, cfg.cut_every, step,
+                                    client.num_shards, num_workers)
+        if cfg.progress_every and time.monotonic() >= next_progress:
+            next_progress = time.monotonic() + cfg.progress_every
+            log.info("worker %d: step %d of %d, clock %d, loss %.4f, %.0f steps/s, shard restarts %d",
+                     worker, step, cfg.steps, client.next_step["push"], losses[-1],
+                     step / (time.perf_counter() - started), client.restarts)
         ids = {name: s.sample(rng, (cfg.batch, cfg.bag)) for name, s in samplers.items()}
         emb = await client.pull(ids, step)                       # name -> [batch, bag, dim]
         loss = 0.0
@@ -77,22 +118,35 @@ async def train_worker(client: PSClient, cfg: WorkerConfig) -> dict[str, Any]:
             grads[name] = np.broadcast_to((err / cfg.batch)[:, None, :], emb[name].shape)
         losses.append(loss)
         acks = await client.push_tables(ids, grads, step)
+        if step == cfg.start_clock:
+            # Every shard answered: a dial refused from now on is a lost shard, not one still
+            # starting. Fail it within a second (rvz would redial for its whole start-up
+            # allowance) so that ``restart_timeout`` counts from about when the shard died.
+            client.node.connect_timeout = min(client.node.connect_timeout, LOST_DIAL_TIMEOUT)
+        if cfg.cut_every and (step + 1) % cfg.cut_every == 0:  # the shards cut at the last step too
+            assert cfg.cut_root is not None
+            meta = {"rng": rng.bit_generator.state, "losses": list(losses)}
+            writes.append(asyncio.ensure_future(asyncio.to_thread(
+                cut.write_worker_part, cfg.cut_root, step + 1, worker, {}, meta)))
     await client.close()
+    await asyncio.gather(*writes)
     seconds = time.perf_counter() - started
     head = max(1, cfg.steps // 10)
+    done = cfg.steps - cfg.start_clock
     return {"worker": worker, "steps": cfg.steps, "seconds": seconds,
-            "ids_per_s": cfg.steps * cfg.batch * cfg.bag * len(client.names) / seconds,
+            "ids_per_s": done * cfg.batch * cfg.bag * len(client.names) / seconds,
             "loss_first": float(np.mean(losses[:head])), "loss_last": float(np.mean(losses[-head:])),
-            "acks": acks.tolist(), "restarts": client.restarts}
+            "loss_digest": loss_digest(losses), "acks": acks.tolist(), "restarts": client.restarts}
+
 
 
 async def run_worker(cluster: dict[str, Any], worker: int, ps: PSConfig,
                      cfg: WorkerConfig) -> dict[str, Any]:
     num_shards = len(cluster["ps"])
-    async with rvz.Node(cluster, ps.worker_job, worker, mode=ps.mode, **ps.node_options) as node:
+    async with rvz.Node(cluster, ps.worker_job, worker, mode=ps.mode, **ps.node_kwargs()) as node:
         client = PSClient(node, num_shards, ps.dims(), timeout=cfg.timeout,
                           restart_timeout=cfg.restart_timeout, worker_job=ps.worker_job)
-        return await train_worker(client, cfg)
+        return await train_worker(client, cfg, len(cluster[ps.worker_job]))
 
 
 def worker_process(cluster: dict[str, Any], worker: int, ps: PSConfig, cfg: WorkerConfig,
