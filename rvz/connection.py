@@ -265,15 +265,19 @@ class Connection(Wire, asyncio.BufferedProtocol):
         """Close at once: a protocol error, a heartbeat timeout, an abort.
 
         A peer that broke the protocol after its handshake is told so first (ERROR
-        "protocol", then our side closes after it): taken for a broken link, the close
-        would make it connect again and send the same values again."""
+        "protocol", written before the socket closes, and nothing more is read): taken for
+        a broken link, the close would make it connect again and send the same values
+        again."""
         if isinstance(reason, ProtocolError) and self.ready and not self.closed:
             if self.closed_here:
-                return  # told already: what it still sends is not read any more
+                return  # told already, and closing
             if self.close_reason is None:
                 self.close_reason = reason
             self.write_frame(_impl.codec.encode_error(0, 0, "", "protocol", str(reason)))
-            self.close()
+            self.flush()
+            self.closed_here = True
+            if self.transport is not None:
+                self.transport.close()
             return
         if self.close_reason is None:
             self.close_reason = reason

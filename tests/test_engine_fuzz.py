@@ -15,7 +15,7 @@ import numpy as np
 
 import rvz
 
-from .conftest import FAST, FakeTransport, key, pair
+from .conftest import FAST, FakeTransport, frame_types, key, pair
 from .test_codec import HELLO, _mutate, _valid_stream, random_chunks
 
 
@@ -26,11 +26,11 @@ def feed_connection(node: rvz.Node, data: bytes, chunks: Any) -> FakeTransport:
     view = memoryview(data)
     sizes = iter(chunks) if chunks is not None else None
     pos = 0
-    while pos < len(view) and not transport.aborted:
+    while pos < len(view) and not transport.is_closing():
         try:
             buf = conn.get_buffer(-1)
         except rvz.ProtocolError:
-            break  # a failed decoder refuses to offer more; the transport was aborted
+            break  # a failed decoder refuses to offer more; the transport was closed
         n = min(len(buf), len(view) - pos)
         if sizes is not None:
             n = min(n, next(sizes))
@@ -53,7 +53,7 @@ def test_fuzz_through_the_engine_never_escapes_and_the_node_still_works(run, clu
                 data = _mutate(rng, _valid_stream(rng)) if i % 4 else HELLO + bytes(
                     rng.randrange(256) for _ in range(rng.randint(0, 120)))
                 transport = feed_connection(p, data, None if i % 3 == 0 else random_chunks(i, 64))
-                closed += transport.aborted
+                closed += transport.is_closing()
                 await asyncio.sleep(0)
             assert closed > 0          # the fuzz did produce malformed input
             assert not escaped, escaped[:3]
@@ -77,7 +77,10 @@ def test_fuzzed_keys_from_the_wire_never_touch_local_keys(run, cluster) -> None:
             out = bytearray()
             rvz._impl.codec.append_data(out, 0, 0, str(local).encode(), 5, (2,), 4, value, True)
             transport = feed_connection(p, HELLO + bytes(out), None)
-            assert transport.aborted
+            # Closed after an ERROR that tells the peer why (not a reset it would take for
+            # a broken link, and send the same frame again after reconnecting).
+            assert transport.is_closing()
+            assert frame_types(bytes(transport.sent))[-1] == rvz._impl.codec.ERROR
             assert (await p.recv(local, timeout=5)).tolist() == [0, 1, 2]
 
     run(main(), timeout=15)

@@ -32,6 +32,9 @@ from .conftest import free_ports
 from .procs import run_module
 
 REPO = Path(__file__).resolve().parent.parent
+# Secrets of the length a node requires; a worker given the wrong one is refused.
+RIGHT = "right-secret-0123456789"
+WRONG = "wrong-secret-0123456789"
 
 
 def loopback_cluster(shards: int, workers: int) -> dict[str, list[str]]:
@@ -71,16 +74,16 @@ def test_a_worker_with_the_wrong_secret_is_logged_and_the_shard_serves_on(run, m
     cluster = loopback_cluster(1, 2)
 
     async def main() -> None:
-        async with serving(cluster, 2, secret="right") as (server, task):
-            async with rvz.Node(cluster, "worker", 0, mode=mode, linger=0.2, secret="wrong") as bad:
+        async with serving(cluster, 2, secret=RIGHT) as (server, task):
+            async with rvz.Node(cluster, "worker", 0, mode=mode, linger=0.2, secret=WRONG) as bad:
                 client = PSClient(bad, 1, 4, timeout=2.0, restart_timeout=0)
                 with pytest.raises((rvz.RvzError, TimeoutError)):
                     await client.lookup(np.arange(3), 0)
                 await asyncio.gather(*client._watchers, return_exceptions=True)
-            async with rvz.Node(cluster, "worker", 1, mode=mode, linger=0.5, secret="right") as good:
+            async with rvz.Node(cluster, "worker", 1, mode=mode, linger=0.5, secret=RIGHT) as good:
                 await train_steps(PSClient(good, 1, 4, timeout=5.0, restart_timeout=0), 3)
             assert not task.done(), task
-            async with rvz.Node(cluster, "worker", 0, mode=mode, linger=0.5, secret="right") as fixed:
+            async with rvz.Node(cluster, "worker", 0, mode=mode, linger=0.5, secret=RIGHT) as fixed:
                 await train_steps(PSClient(fixed, 1, 4, timeout=5.0, restart_timeout=0), 3)
             await asyncio.wait_for(task, 10)
             assert server.stats.pushes == 6 and server.stats.lost_workers == 0
@@ -219,14 +222,14 @@ def test_serve_and_train_log_progress_and_outlive_a_misconfigured_worker() -> No
     work = ["--steps", "300", "--batch", "8", "--vocab", "50", "--restart-timeout", "2"]
     procs: list[subprocess.Popen[str]] = []
     try:
-        shard = start("serve", "--job", "ps", "--task", "0", *common, secret="right")
+        shard = start("serve", "--job", "ps", "--task", "0", *common, secret=RIGHT)
         procs.append(shard)
-        bad = start("train", "--job", "worker", "--task", "0", *common, *work, secret="wrong")
+        bad = start("train", "--job", "worker", "--task", "0", *common, *work, secret=WRONG)
         procs.append(bad)
         _, bad_err = bad.communicate(timeout=30)
         assert bad.returncode != 0 and "error" in bad_err, bad_err
         assert shard.poll() is None, "the shard exited because of a misconfigured worker"
-        workers = [start("train", "--job", "worker", "--task", str(w), *common, *work, secret="right")
+        workers = [start("train", "--job", "worker", "--task", str(w), *common, *work, secret=RIGHT)
                    for w in range(2)]
         procs += workers
         for proc in workers:
@@ -256,9 +259,9 @@ def test_serve_and_train_over_mutual_tls_with_a_secret(tmp_path: Path) -> None:
     tls = ["--tls-ca", str(tmp_path / "ca.pem"), "--tls-cert", str(tmp_path / "node.pem"),
            "--tls-key", str(tmp_path / "node.key")]
     common = ["--cluster", json.dumps(loopback_cluster(1, 1)), *tls]
-    procs = [start("serve", "--job", "ps", "--task", "0", *common, secret="s3"),
+    procs = [start("serve", "--job", "ps", "--task", "0", *common, secret=RIGHT),
              start("train", "--job", "worker", "--task", "0", *common, "--steps", "20", "--batch", "8",
-                   secret="s3")]
+                   secret=RIGHT)]
     try:
         for proc in procs:
             out, err = proc.communicate(timeout=30)
@@ -384,9 +387,9 @@ def test_a_killed_shard_is_given_up_about_the_restart_timeout_after_it_died(tmp_
     # every shard answered, --restart-timeout 1 gave up 11 s after the kill.
     cluster = json.dumps(loopback_cluster(2, 1))
     common = ["--cluster", cluster, "--log-level", "WARNING"]
-    shards = [start("serve", "--job", "ps", "--task", str(s), *common, secret="s") for s in range(2)]
+    shards = [start("serve", "--job", "ps", "--task", str(s), *common, secret=RIGHT) for s in range(2)]
     worker = start("train", "--job", "worker", "--task", "0", *common, "--steps", "1000000", "--batch", "8",
-                   "--restart-timeout", "1", "--progress-every", "0.05", "--log-level", "INFO", secret="s")
+                   "--restart-timeout", "1", "--progress-every", "0.05", "--log-level", "INFO", secret=RIGHT)
     procs = [*shards, worker]
     try:
         assert worker.stderr is not None
