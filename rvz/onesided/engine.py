@@ -432,7 +432,7 @@ class Channel:
             if now > deadline:
                 self.fail(TransportError(
                     f"{self.name}: {self.peer_name} granted no slot for key {key} within "
-                    f"{self.grant_timeout}s"))
+                    f"{self.grant_timeout:g}s"))
                 return
         idle = now - self.slot_idle
         for key, used in list(self.last_use.items()):
