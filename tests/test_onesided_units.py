@@ -204,4 +204,4 @@ async def test_onesided_frame_round_trips_on_both_codecs() -> None:
 
 @pytest.mark.loop_timeout(10)
 async def test_inline_message_header_is_fixed() -> None:
-    assert MSG_HDR.size == 32 and RECORD.size == 24
+    assert MSG_HDR.size == 40 and RECORD.size == 24

@@ -135,7 +135,6 @@ cdef class Wire:
     cdef public Py_ssize_t tcp_values
     cdef public Py_ssize_t tx_next
     cdef public Py_ssize_t rx_seq
-    cdef public bint onesided_in
     cdef public long long bytes_out  # a C counter: no int object made per write
     cdef public Py_ssize_t frames_out
     cdef public Py_ssize_t data_out

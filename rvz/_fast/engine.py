@@ -450,12 +450,11 @@ class Wire:
         self.key_ways: dict = {}
         self.key_ways_max = KEY_WAYS_MAX
         self.tcp_values = 0               # values that stayed here although a dataplane is on
-        # The number the consumer gives the next value we write here (0: none yet, a SEQ
-        # frame says it first), and the number of the next value that arrives here (0: the
-        # peer numbers none); values a one-sided channel delivers are not numbered.
+        # The number the consumer gives the next value we write on this stream (0: none
+        # yet, a SEQ frame says it first), and the number of the next value that arrives on
+        # it (0: the peer numbers none).  A one-sided channel carries each value's number.
         self.tx_next = 0
         self.rx_seq = 0
-        self.onesided_in = False
         self.bytes_out = 0
         self.frames_out = 0
         self.data_out = 0                 # cost (payload + MESSAGE_COST) of the DATA written
@@ -576,12 +575,16 @@ class Wire:
                 return
 
     def deliver(self, events: list) -> None:
-        """Frames that arrived another way (a one-sided channel's completions)."""
-        self.onesided_in = True
+        """Frames that arrived another way (a one-sided channel's completions): each value
+        carries its number as a sixth item, which stands in for this stream's count while
+        it is dispatched."""
+        stream = self.rx_seq
         try:
-            self.core.dispatch(self, events)
+            for event in events:
+                self.rx_seq = event[5] if len(event) > 5 else 0
+                self.core.dispatch(self, [event])
         finally:
-            self.onesided_in = False
+            self.rx_seq = stream
 
     # -- writing --------------------------------------------------------------------------
 
@@ -612,15 +615,19 @@ class Wire:
             raise self.lost_error()
         self.frames_out += 1  # a message: a value, however it is framed
         self.data_out += nbytes + MESSAGE_COST
+        # Every value is numbered and kept until acknowledged (``Core.resend``).
+        peer = self.peer
+        seq = peer.tx_seq + 1
         if self.dataplane is not None:  # shm / verbs: the key's way (``goes_onesided``)
             if self.goes_onesided(key, request_id, nbytes):
-                self.dataplane.write_value(step, request_id, key, value, code, shape, nbytes)
+                self.dataplane.write_value(step, request_id, key, value, code, shape, nbytes,
+                                           seq)
+                peer.tx_seq = seq
+                peer.unacked.append((step, request_id, key, value, code, shape, nbytes))
                 return
             self.tcp_values += 1
             if request_id != 0:  # the destination the consumer offered stays unused
                 self.dataplane.answered_here(request_id)
-        peer = self.peer
-        seq = peer.tx_seq + 1
         peer.tx_seq = seq
         if seq != self.tx_next:
             self._out += encode_seq(seq)
@@ -2233,7 +2240,7 @@ class Core:
         peer = conn.peer
         if peer is None:
             raise ProtocolError("DATA before HELLO")
-        if conn.rx_seq != 0 and not conn.onesided_in:
+        if conn.rx_seq != 0:
             seq = conn.rx_seq
             conn.rx_seq = seq + 1
             if not self.fresh(peer, seq):
@@ -2285,7 +2292,7 @@ class Core:
         n = len(keys)
         if n == 0:
             return  # nothing to queue: no step table is made for it either
-        if conn.rx_seq != 0 and not conn.onesided_in:
+        if conn.rx_seq != 0:
             seq = conn.rx_seq
             conn.rx_seq = seq + n
             if seq == peer.rx_floor + 1 and not peer.rx_above:

@@ -6,7 +6,8 @@ one ``Channel`` per TCP connection that negotiated the provider carries the prot
 Control messages (slot grants, destinations, metadata updates) travel as ONESIDED frames on
 that TCP connection, in order with its REQUEST/CANCEL/ERROR frames; payloads travel
 one-sided.  Everything a channel delivers enters the node exactly like a TCP DATA frame:
-``Wire.deliver([(DATA, step, request_id, key, value)])``.
+``Wire.deliver([(DATA, step, request_id, key, value, seq)])``, ``seq`` being the number
+the producer gave the value (see ``SLOT_HDR``).
 
 Isolation: the memory a peer may write is a *region per peer*, carved only into that peer's
 slots (``Channel.arena``) and destinations (``Channel.dest_arena``); the consumer's own pool
@@ -74,11 +75,15 @@ DTYPES = _codec.DTYPES
 payload_view = _codec.payload_view
 
 # Slot header, written in front of the tensor in a Send-Driven slot:
-#   u64 step | u64 nbytes | u8 dtype code | u8 ndim | u16 0 | u64 shape[ndim], padded to 64
-SLOT_HDR = struct.Struct("<QQBBH")
+#   u64 step | u64 nbytes | u8 dtype code | u8 ndim | u16 flags | u64 seq | u64 shape[ndim],
+#   padded to 64.  ``seq`` is the producer's number of the value (``Wire.write_value``), by
+#   which the consumer acknowledges it and drops a copy sent again after a reconnect.
+SLOT_HDR = struct.Struct("<QQBBHQ")
 # Inline value message: u8 kind | u8 code | u8 ndim | u8 0 | u32 key_len | u64 step |
-#   u64 request_id | u64 nbytes | u64 shape[ndim] | key | payload
-MSG_HDR = struct.Struct("<BBBBIQQQ")
+#   u64 request_id | u64 nbytes | u64 seq | u64 shape[ndim] | key | payload
+MSG_HDR = struct.Struct("<BBBBIQQQQ")
+# An answer written into the destination its consumer offered is followed by its number.
+SEQ_TRAILER = struct.Struct("<Q")
 MSG_VALUE = 1
 MSG_CREDIT = 2   # the node's push-window credit (nbytes field), with the data it frees
 _SHAPES = [struct.Struct("<" + "Q" * n) for n in range(_codec.MAX_NDIM + 1)]
@@ -427,7 +432,7 @@ class Channel:
             if now > deadline:
                 self.fail(TransportError(
                     f"{self.name}: {self.peer_name} granted no slot for key {key} within "
-                    f"{self.grant_timeout}s"))
+                    f"{self.grant_timeout:g}s"))
                 return
         idle = now - self.slot_idle
         for key, used in list(self.last_use.items()):
@@ -475,8 +480,9 @@ class Channel:
     # -- producer: values out ------------------------------------------------------------------
 
     def write_value(self, step: int, request_id: int, key_wire: bytes, value: Any, code: int,
-                    shape: tuple[int, ...], nbytes: int) -> None:
-        """``Connection.write_value`` for this connection: push or answer one-sided."""
+                    shape: tuple[int, ...], nbytes: int, seq: int = 0) -> None:
+        """``Connection.write_value`` for this connection: push or answer one-sided; ``seq``
+        is the value's number (0: none)."""
         key = self._keys.get(key_wire)
         if key is None:
             if len(self._keys) >= _META_MAX:
@@ -488,7 +494,7 @@ class Channel:
             if self.failed is None:
                 raise self.conn.lost_error(key)
             raise self._error(key)
-        item = (step, request_id, key, value, code, shape, nbytes)
+        item = (step, request_id, key, value, code, shape, nbytes, seq)
         try:
             # Behind the key's values still waiting (for slots, or for the meta round of an
             # answer), pushes and answers alike: an answer taken from the push queue must not
@@ -507,7 +513,7 @@ class Channel:
         return self._try_push(item) if item[1] == 0 else self._try_answer(item)
 
     def _try_push(self, item: tuple[Any, ...]) -> bool:
-        step, _, key, value, code, shape, nbytes = item
+        step, _, key, value, code, shape, nbytes, _ = item
         if self._inline_ok(key, shape, nbytes):
             self._send_inline(item)
             return True
@@ -530,7 +536,7 @@ class Channel:
 
     def _push_pieces(self, item: tuple[Any, ...]) -> bool:
         """A value larger than the consumer's slot budget: one piece per slot, in order."""
-        step, _, key, value, code, shape, nbytes = item
+        step, _, key, value, code, shape, nbytes, seq = item
         ndim = len(shape)
         first = slot_header_size(ndim)
         # Two slots in flight keep the copy pipelined; slots are carved 64-byte aligned.
@@ -549,9 +555,10 @@ class Channel:
                 continue   # a stale tiny slot: the consumer takes it back when idle
             n = min(nbytes - done, room - head_size)
             if done == 0:
-                head = SLOT_HDR.pack(step, nbytes, code, ndim, FIRST) + _SHAPES[ndim].pack(*shape)
+                head = (SLOT_HDR.pack(step, nbytes, code, ndim, FIRST, seq)
+                        + _SHAPES[ndim].pack(*shape))
             else:
-                head = SLOT_HDR.pack(step, nbytes, code, 0, PIECE)
+                head = SLOT_HDR.pack(step, nbytes, code, 0, PIECE, seq)
             head += bytes(head_size - len(head))
             self._post_write([memoryview(head), payload_view(value)[done:done + n]],
                              addr, rkey, imm, value)
@@ -582,9 +589,9 @@ class Channel:
 
     def _write_slot(self, slot: tuple[int, int, int, int], item: tuple[Any, ...]) -> None:
         imm, addr, rkey, _ = slot
-        step, _, key, value, code, shape, nbytes = item
+        step, _, key, value, code, shape, nbytes, seq = item
         ndim = len(shape)
-        head = SLOT_HDR.pack(step, nbytes, code, ndim, 0) + _SHAPES[ndim].pack(*shape)
+        head = SLOT_HDR.pack(step, nbytes, code, ndim, WHOLE, seq) + _SHAPES[ndim].pack(*shape)
         head += bytes(slot_header_size(ndim) - len(head))
         self._post_write([memoryview(head), payload_view(value)], addr, rkey, imm, value)
 
@@ -626,12 +633,12 @@ class Channel:
         return [(block.view(0, total), block.addr, block.region.lkey)], block
 
     def _send_inline(self, item: tuple[Any, ...]) -> None:
-        step, request_id, key, value, code, shape, nbytes = item
+        step, request_id, key, value, code, shape, nbytes, seq = item
         wire = self._wires.get(key)
         if wire is None:
             wire = key.encode("utf-8")
         ndim = len(shape)
-        parts = [MSG_HDR.pack(MSG_VALUE, code, ndim, 0, len(wire), step, request_id, nbytes),
+        parts = [MSG_HDR.pack(MSG_VALUE, code, ndim, 0, len(wire), step, request_id, nbytes, seq),
                  _SHAPES[ndim].pack(*shape), wire]
         if nbytes:
             parts.append(payload_view(value))
@@ -644,14 +651,15 @@ class Channel:
         """The node's push-window credit for the peer, in order with our one-sided traffic."""
         if self.failed is None and not self.closed:
             try:
-                self.ep.send([MSG_HDR.pack(MSG_CREDIT, 0, 0, 0, 0, 0, 0, nbytes)], next(self._wr_ids))
+                self.ep.send([MSG_HDR.pack(MSG_CREDIT, 0, 0, 0, 0, 0, 0, nbytes, 0)],
+                             next(self._wr_ids))
                 return
             except TransportError as exc:
                 self.fail(exc)
         self.conn.write_frame(_codec.encode_credit(nbytes))
 
     def _try_answer(self, item: tuple[Any, ...]) -> bool:
-        step, request_id, key, value, code, shape, nbytes = item
+        step, request_id, key, value, code, shape, nbytes, seq = item
         dest = self.remote_dests.pop(request_id, None)
         if dest is _WAITING:
             self.remote_dests[request_id] = _WAITING
@@ -659,7 +667,8 @@ class Channel:
         if dest is not None:
             imm, addr, rkey, _, dcode, dshape, dnbytes = dest
             if dcode == code and dshape == shape and dnbytes == nbytes:
-                self._post_write([payload_view(value)], addr, rkey, imm, value)
+                self._post_write([payload_view(value), memoryview(SEQ_TRAILER.pack(seq))],
+                                 addr, rkey, imm, value)
                 return True
         if self._inline_ok(key, shape, nbytes):
             self._send_inline(item)   # the consumer frees the destination it had, if any
@@ -695,7 +704,7 @@ class Channel:
 
     def _send_dest(self, step: int, request_id: int, key: str, code: int, shape: tuple[int, ...],
                    nbytes: int, again: bool) -> None:
-        block = self.dest_arena.alloc(nbytes)
+        block = self.dest_arena.alloc(nbytes + SEQ_TRAILER.size)  # the answer's number follows it
         self._arena_used = True
         imm = self._new_imm()
         self.targets[imm] = _Target(DEST, block, key, step, request_id, code, shape, nbytes)
@@ -1054,20 +1063,21 @@ class Channel:
                 return
         else:
             try:
-                if nbytes != target.nbytes:
+                if nbytes != target.nbytes + SEQ_TRAILER.size:
                     raise TransportError(f"write of {nbytes} bytes into a destination of "
                                          f"{target.nbytes} for key {key}")
                 request_id = target.request_id
                 self.dests.pop(request_id, None)
                 self.asks.pop(request_id, None)
                 code, shape, size = target.code, target.shape, target.nbytes
+                (seq,) = SEQ_TRAILER.unpack_from(block.view(size, SEQ_TRAILER.size))
                 event = (target.step, request_id, code, shape, size,
-                         self._copy_out(block, 0, code, shape, size))
+                         self._copy_out(block, 0, code, shape, size), seq)
             finally:
                 self.dest_arena.free(block)
-        step, request_id, code, shape, size, value = event
+        step, request_id, code, shape, size, value, seq = event
         self._remember(key, code, shape, size)
-        self._events.append((_codec.DATA, step, request_id, key, value))
+        self._events.append((_codec.DATA, step, request_id, key, value, seq))
 
     def _schedule_refill(self, key: str, size: int) -> None:
         refill = self.refill.get(key)
@@ -1086,7 +1096,7 @@ class Channel:
         view = block.view()
         if nbytes > block.size:
             raise TransportError(f"write of {nbytes} bytes into a slot of {block.size}")
-        step, size, code, ndim, flags = SLOT_HDR.unpack_from(view, 0)
+        step, size, code, ndim, flags, seq = SLOT_HDR.unpack_from(view, 0)
         if ndim > _codec.MAX_NDIM or flags > PIECE:
             raise TransportError(f"slot of key {key} holds {ndim} dims, flags {flags}")
         shape = _SHAPES[ndim].unpack_from(view, SLOT_HDR.size)
@@ -1103,22 +1113,22 @@ class Channel:
             if nbytes != start + size:
                 raise TransportError(f"write of {nbytes} bytes into a slot of {block.size} "
                                      f"does not match its header ({size} bytes)")
-            return step, 0, code, shape, size, self._copy_out(block, start, code, shape, size)
+            return step, 0, code, shape, size, self._copy_out(block, start, code, shape, size), seq
         n = nbytes - start
         done = 0 if part is None else part[5]
         if n <= 0 or done + n > size or (flags == FIRST and n >= size):
             raise TransportError(f"a piece of {n} bytes of key {key} at {done} of {size}")
         if part is None:
             whole = self.pool.alloc(size)
-            part = self.partial[key] = [whole, step, code, shape, size, 0]
+            part = self.partial[key] = [whole, step, code, shape, size, 0, seq]
         whole = part[0]
         whole.view(done, n)[:] = block.view(start, n)
         part[5] = done + n
         if part[5] < size:
             return None
         del self.partial[key]
-        _, step, code, shape, size, _ = part
-        return step, 0, code, shape, size, self._value(whole, code, shape, size)
+        _, step, code, shape, size, _, seq = part
+        return step, 0, code, shape, size, self._value(whole, code, shape, size), seq
 
     def _copy_out(self, block: Block, start: int, code: int, shape: tuple[int, ...],
                   nbytes: int) -> Any:
@@ -1142,7 +1152,7 @@ class Channel:
         return self.pool.array(block, dtype, shape)
 
     def _on_message(self, data: bytes) -> None:
-        kind, code, ndim, _, klen, step, request_id, nbytes = MSG_HDR.unpack_from(data, 0)
+        kind, code, ndim, _, klen, step, request_id, nbytes, seq = MSG_HDR.unpack_from(data, 0)
         if kind == MSG_CREDIT:
             self._events.append((_codec.CREDIT, nbytes))
             return
@@ -1168,7 +1178,7 @@ class Channel:
         if request_id:
             self._forget_ask(request_id)
         self._remember(key, code, shape, nbytes)
-        self._events.append((_codec.DATA, step, request_id, key, value))
+        self._events.append((_codec.DATA, step, request_id, key, value, seq))
 
     def deliver(self) -> None:
         """Hand what the completions produced to the node, like TCP DATA frames."""
