@@ -95,7 +95,7 @@ async def stream_across_resets(cluster: rvz.ClusterSpec, mode: str, side: str, r
             consumer.cancel()
         assert got == list(range(rounds * burst))
         # Nothing is kept once the consumer acknowledged everything.
-        await eventually(lambda: not w._peers[("ps", 0)].unacked, "every value acknowledged")
+        await eventually(lambda: w._peers[("ps", 0)].kept() == 0, "every value acknowledged")
 
 
 @pytest.mark.parametrize("mode", ["send", "recv"])

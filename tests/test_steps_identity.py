@@ -34,6 +34,14 @@ def three_tasks() -> rvz.ClusterSpec:
     return rvz.ClusterSpec.loopback({"worker": 2, "ps": 1})
 
 
+async def gave_up_on(node: rvz.Node, task: tuple[str, int]) -> None:
+    """Wait until ``node`` has found ``task``'s process gone: its reconnect was refused
+    (a restart takes longer than that, and a recv issued before it could fail with it)."""
+    peer = node._core.peers[task]
+    await eventually(lambda: not peer.live_connections() and (
+        peer.dialling is None or peer.dialling.done()), f"{node.name} gave up on {task}")
+
+
 # -- step ids ------------------------------------------------------------------------------------
 
 
@@ -70,6 +78,7 @@ def test_a_restarted_process_counting_steps_from_1_is_not_aborted_by_its_old_sel
                 await p.step(1).recv(key("req"), timeout=5)
             assert f"(incarnation {old.incarnation:#x})" in str(info.value), str(info.value)
             old.abort()  # kill -9
+            await gave_up_on(p, ("worker", 0))
             async with rvz.Node(cluster, "worker", 0, mode, **FAST) as new:
                 assert new.incarnation != old.incarnation
                 await new.send(key("hello"), np.arange(1))  # it connects: ps meets it
@@ -97,6 +106,7 @@ def test_a_dead_step_another_live_peer_took_part_in_stays_dead(run) -> None:  # 
             await old.step(1).cleanup()
             await eventually(lambda: 1 in p._core.dead_steps, "the clean-up reached ps")
             old.abort()
+            await gave_up_on(p, ("worker", 0))
             async with rvz.Node(cluster, "worker", 0, "send", **FAST) as new:
                 await new.send(key("hello"), np.arange(1))
                 assert (await p.recv(key("hello"), timeout=5)).tolist() == [0]

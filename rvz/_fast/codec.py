@@ -18,8 +18,12 @@ u32 count``, and its payload ``count`` entries, each::
     u16 key_len | u8 dtype | u8 ndim | u32 nbytes | u64 shape[ndim] | key | payload
 
 It is bounded (MANY_PAYLOAD), so it is always read whole into the staging buffer, and it
-is decoded into one event for the whole batch.  HELLO and ERROR carry msgpack maps: they
-are rare, and a map lets them grow without a new version.  There is no pickle anywhere.
+is decoded into one event for the whole batch.  Values are numbered per peer: a SEQ frame
+(``u64 seq``) gives the number of the next value on its connection, the values after it
+count up from there, and the consumer's ACK (``u64 seq``) says it holds every value up to
+that number.  CREDIT (``u64``) carries the running total of credit returned.  HELLO and
+ERROR carry msgpack maps: they are rare, and a map lets them grow without a new version.
+There is no pickle anywhere.
 
 The decoder is fed like an ``asyncio.BufferedProtocol``: ``get_buffer()`` says where the
 next bytes should land and ``buffer_updated(n)`` returns the frames they completed.  Small

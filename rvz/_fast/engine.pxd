@@ -81,7 +81,8 @@ cdef class Peer:
     cdef public Py_ssize_t held_count
     cdef public Py_ssize_t hold_reserved
     cdef public Py_ssize_t tx_seq
-    cdef public object unacked
+    cdef public list unacked
+    cdef public Py_ssize_t unacked_head
     cdef public Py_ssize_t credit_in
     cdef public Py_ssize_t credited
     cdef public Py_ssize_t rx_floor
@@ -91,6 +92,7 @@ cdef class Peer:
     cdef object __weakref__
 
     cpdef list live_connections(self)
+    cpdef Py_ssize_t kept(self)
     @cython.locals(link=Wire)
     cpdef bint unconnected(self) except -1
 
@@ -390,8 +392,9 @@ cdef class Core:
     cpdef on_credit(self, Wire conn, object nbytes)
     @cython.locals(floor=Py_ssize_t, above=set)
     cpdef bint fresh(self, Peer peer, Py_ssize_t seq) except -1
-    @cython.locals(peer=Peer, drop=Py_ssize_t)
+    @cython.locals(peer=Peer, head=Py_ssize_t, unacked=list)
     cpdef on_ack(self, Wire conn, object seq)
+    @cython.locals(kept=Py_ssize_t)
     cpdef resend(self, Peer peer, Wire conn)
     cpdef resync(self, Peer peer, Wire conn)
     cpdef drop_unacked(self, Peer peer)

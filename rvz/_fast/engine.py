@@ -259,7 +259,7 @@ class Peer:
                  "link", "credit", "asked", "queue", "owed", "owed_scheduled", "owe_now",
                  "stuck", "pushes_on", "joined_step", "steps_opened", "window", "unreturned", "answered",
                  "parks", "asking", "held_back", "held_back_mark", "lost", "held_bytes",
-                 "held_count", "hold_reserved", "arriving", "tx_seq", "unacked", "credit_in",
+                 "held_count", "hold_reserved", "arriving", "tx_seq", "unacked", "unacked_head", "credit_in",
                  "credited", "rx_floor", "rx_above", "acked_sent", "__weakref__")
 
     def __init__(self, task_id: tuple, address: str, window: int) -> None:
@@ -326,12 +326,14 @@ class Peer:
         self.held_count = 0
         self.hold_reserved = 0
         # Exactly-once delivery across reconnects of one incarnation (``Core.resend``).
-        # As its producer: the number of the last value we sent it over a stream, and the
-        # values it has not acknowledged yet (numbers ``tx_seq - len(unacked) + 1`` to
-        # ``tx_seq``), kept to be sent again after a reconnect; the credit it returned, as
-        # its running total (a CREDIT lost with a connection is made up by the next one).
+        # As its producer: the number of the last value we sent it, and the values it has
+        # not acknowledged yet, ``unacked[unacked_head:]`` (numbers up to ``tx_seq``), kept
+        # to be sent again after a reconnect (a list and an index: appending is a C call);
+        # the credit it returned, as its running total (a CREDIT lost with a connection is
+        # made up by the next one).
         self.tx_seq = 0
-        self.unacked: deque = deque()
+        self.unacked: list = []
+        self.unacked_head = 0
         self.credit_in = 0
         # As its consumer: the credit we returned (running total); every value numbered
         # ``rx_floor`` or below arrived, and so did those in ``rx_above`` (a copy that
@@ -352,6 +354,10 @@ class Peer:
         if link is not None and not link.closed and link is not out and link not in self.inbound:
             conns.append(link)
         return conns
+
+    def kept(self) -> int:
+        """How many values we keep for it until it acknowledges them."""
+        return len(self.unacked) - self.unacked_head
 
     def unconnected(self) -> bool:
         """No live connection to it (a live link answers without building the list)."""
@@ -2464,17 +2470,20 @@ class Core:
         if seq > peer.tx_seq:
             raise ProtocolError(f"{peer.name} acknowledged value {seq}; we sent {peer.tx_seq}")
         unacked = peer.unacked
-        drop = seq - (peer.tx_seq - len(unacked))
-        while drop > 0:
-            unacked.popleft()
-            drop -= 1
+        head = peer.unacked_head + seq - (peer.tx_seq - peer.kept())
+        if head <= peer.unacked_head:
+            return
+        if 2 * head >= len(unacked):  # most of the list is acknowledged: drop that part
+            del unacked[:head]
+            head = 0
+        peer.unacked_head = head
 
     def resend(self, peer: Peer, conn: Wire) -> None:
         """Send ``peer`` again, on ``conn``, every value it has not acknowledged, oldest
         first (a connection that carried them closed); it drops the copies it has."""
-        unacked = peer.unacked
-        if unacked and conn.ready and not conn.closed and not conn.closed_here:
-            conn.resend(peer.tx_seq - len(unacked) + 1, list(unacked))
+        kept = peer.kept()
+        if kept and conn.ready and not conn.closed and not conn.closed_here:
+            conn.resend(peer.tx_seq - kept + 1, peer.unacked[peer.unacked_head:])
 
     def resync(self, peer: Peer, conn: Wire) -> None:
         """A new connection to the same incarnation of ``peer``: tell it again the credit
@@ -2489,7 +2498,8 @@ class Core:
         """``peer`` refused what we sent (a protocol error): send none of it again.  The
         credit those values held comes back (what it had not credited of them it allows
         for, as after any reconnect: twice the window)."""
-        peer.unacked.clear()
+        peer.unacked = []
+        peer.unacked_head = 0
         peer.credit = peer.window
 
     def new_incarnation(self, peer: Peer, window: int) -> None:
@@ -2503,7 +2513,8 @@ class Core:
         peer.credit_in = 0
         peer.credited = 0
         peer.tx_seq = 0
-        peer.unacked.clear()
+        peer.unacked = []
+        peer.unacked_head = 0
         peer.rx_floor = 0
         peer.rx_above.clear()
         peer.acked_sent = 0
