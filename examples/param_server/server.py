@@ -28,6 +28,11 @@ channel until a well-configured process serves as that worker, and goes on servi
 others meanwhile. A message that does not decode is logged and counts as an aborted step.
 Every ``progress_every`` seconds the shard logs where its clocks stand.
 
+Replicas (``replicas``, tasks of the ``replica`` job): the shard answers each replica's
+delta asks (protocol.py) with what changed in its tables since the versions the replica
+names, computed in one go between two updates, so every delta brings a copy to one state the
+shard was in. A replica's loop ends with the shard's service (or at the replica's END).
+
 Whole-job cuts (``cut_every``, bsp only; see cut.py): when the pushes of clock C - 1 are
 applied and C is a multiple of ``cut_every``, the shard copies its tables out at once (before
 it acknowledges clock C - 1, so before any worker pulls again) and writes the copy in a
@@ -38,7 +43,6 @@ serves every worker from clock C.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import signal
@@ -54,6 +58,9 @@ import rvz
 from ..common import run_together
 from .cut import write_shard_part
 from .protocol import (
+    DELTA_ASK,
+    DELTA_META,
+    DELTA_ROWS,
     HELLO,
     PULL_IDS,
     PULL_ROWS,
@@ -63,9 +70,11 @@ from .protocol import (
     READ_IDS,
     READ_ROWS,
     REJOIN,
+    REPLICA_JOB,
     WORKER_JOB,
     edge,
     is_end,
+    pack_delta,
     pack_rows,
     read_step_id,
     step_id,
@@ -73,7 +82,7 @@ from .protocol import (
     unpack_pull,
     unpack_rows,
 )
-from .table import EmbeddingTable
+from .table import EmbeddingTable, rows_digest
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +110,9 @@ class ShardStats:
     evicted: int = 0
     max_staleness: int = 0  # the largest c - (slowest clock) a pull was served at
     served: list[tuple[int, int, int]] = field(default_factory=list)  # (worker, clock, slowest)
+    deltas: int = 0             # deltas sent to replicas
+    # With ``record``: (replica, table versions, rows_digest) of each delta, as it was sent.
+    delta_digests: list[tuple[int, tuple[int, ...], str]] = field(default_factory=list)
 
 
 class ShardServer:
@@ -113,7 +125,8 @@ class ShardServer:
                  checkpoint_every: int = 0, full_every: int = 4, epoch: int = 0,
                  rejoin_timeout: float = 30.0, record: bool = False, fsync: bool = True,
                  progress_every: float = 0.0, start_clock: int = 0, cut_every: int = 0,
-                 cut_root: str | Path | None = None) -> None:
+                 cut_root: str | Path | None = None, replicas: int = 0,
+                 replica_job: str = REPLICA_JOB) -> None:
         if consistency not in CONSISTENCY:
             raise ValueError(f"consistency must be one of {CONSISTENCY}, not {consistency!r}")
         self.node = node
@@ -142,6 +155,8 @@ class ShardServer:
         self.cut_every = cut_every
         self.cut_root = Path(cut_root) if cut_root is not None else None
         self._writes: list[asyncio.Future[Any]] = []
+        self.replicas = replicas
+        self.replica_job = replica_job
         self.clock = [start_clock] * num_workers  # pushes done (applied or aborted) per worker
         self.active = set(range(num_workers))
         self._changed: asyncio.Event | None = None
@@ -175,9 +190,13 @@ class ShardServer:
         log.info("%s: serving %d workers, tables %s, %s", self.who, self.num_workers,
                  ", ".join(f"{n} (dim {t.dim}, {t.optimizer.name}, {len(t)} rows)"
                            for n, t in self.tables.items()), self.consistency)
+        replicas = [asyncio.ensure_future(self._serve_replica(r)) for r in range(self.replicas)]
         try:
             await run_together(*(self._serve_worker(w) for w in range(self.num_workers)))
         finally:
+            for task in replicas:
+                task.cancel()
+            await asyncio.gather(*replicas, return_exceptions=True)
             await asyncio.gather(*self._writes)  # the last cut is on disk before we return
         log.info("%s: every worker left; %d pulls, %d pushes served", self.who, self.stats.lookups,
                  self.stats.pushes)
@@ -321,6 +340,58 @@ class ShardServer:
                     self._lost(worker, clock)
                 return
             clock += 1
+
+    # -- replicas -------------------------------------------------------------------------------
+
+    async def _serve_replica(self, replica: int) -> None:
+        """Answer ``replica``'s delta asks, one at a time, until its END; a new process of
+        the replica numbers its asks from 0 again."""
+        seq = 0
+        while True:
+            try:
+                ask = await self.node.recv(edge(DELTA_ASK, replica, self.shard, seq, 0, self.replica_job))
+            except rvz.PeerLost:
+                seq = 0
+                await asyncio.sleep(REFUSED_RETRY)  # (no busy loop while it stays away)
+                continue
+            except REFUSED as exc:
+                log.warning("%s: replica %d refused: %s: %s", self.who, replica, type(exc).__name__, exc)
+                await asyncio.sleep(REFUSED_RETRY)
+                continue
+            if is_end(ask):
+                return
+            try:
+                session, since = self._parse_ask(ask)
+            except ValueError as exc:
+                self.stats.bad_messages += 1
+                log.warning("%s: replica %d's ask %d does not decode (%s); ignored", self.who, replica,
+                            seq, exc)
+                seq += 1
+                continue
+            parts = []
+            for name, version in zip(self.names, since, strict=True):
+                table = self.tables[name]
+                ids, rows, removed, full = table.delta_since(version)
+                parts.append((full, table.version, ids, rows, removed))
+            if self.record:
+                self.stats.delta_digests.append(
+                    (replica, tuple(t.version for t in self.tables.values()), self.rows_digest()))
+            meta, rows = pack_delta(self.epoch, parts)
+            try:
+                await self.node.send_many(
+                    [(edge(DELTA_META, replica, self.shard, seq, session, self.replica_job), meta),
+                     (edge(DELTA_ROWS, replica, self.shard, seq, session, self.replica_job), rows)])
+            except rvz.PeerLost:
+                seq = 0
+                continue
+            self.stats.deltas += 1
+            seq += 1
+
+    def _parse_ask(self, ask: Any) -> tuple[int, list[int]]:
+        if (not isinstance(ask, np.ndarray) or ask.dtype != np.int64 or ask.shape != (2 + len(self.names),)
+                or ask[1] != len(self.names) or ask[0] < 0):
+            raise ValueError(f"expected int64 [session, {len(self.names)}, versions...]")
+        return int(ask[0]), [int(v) for v in ask[2:]]
 
     # -- pushes ---------------------------------------------------------------------------------
 
@@ -491,13 +562,8 @@ class ShardServer:
     def rows_digest(self) -> str:
         """A hash of every table's ids and whole rows (embedding and slots), in id order: equal
         digests, identical tables (what a resumed job is compared by)."""
-        h = hashlib.sha256()
-        for name in self.names:
-            ids = np.sort(self.tables[name].ids())
-            h.update(name.encode())
-            h.update(ids.tobytes())
-            h.update(self.tables[name].rows(ids).tobytes())
-        return h.hexdigest()[:16]
+        return rows_digest((name, ids, self.tables[name].rows(ids))
+                           for name in self.names for ids in [self.tables[name].ids()])
 
 
 async def _drop(receive: asyncio.Future[Any]) -> None:
