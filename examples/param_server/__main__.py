@@ -119,6 +119,9 @@ def add_service_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cut-every", type=int, default=0, metavar="N",
                    help="whole-job cuts (bsp): every N clocks, every shard and worker at one clock")
     p.add_argument("--cut-dir", default=None, help="where the cuts go (default: --resume's)")
+    p.add_argument("--worker-rejoin", type=float, default=0.0, metavar="S",
+                   help="asp/ssp: a lost worker's place waits S seconds for a new process of its "
+                   "task, which goes on at the clock the lost one reached (0: dropped for good)")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="restart the whole job, with fresh processes, from DIR's newest complete cut")
     add_log_option(p)
@@ -224,6 +227,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.checkpoint_every and not args.checkpoint_dir:
         raise ValueError("--checkpoint-every needs --checkpoint-dir (where to write them)")
     at_least("--cut-every", 0)
+    at_least("--worker-rejoin", 0)
+    if args.worker_rejoin and args.consistency == "bsp":
+        raise ValueError("--worker-rejoin needs --consistency asp or ssp: under bsp the interrupted "
+                         "clock would have to be replayed exactly")
     if args.resume and args.cut_every and not args.cut_dir:
         args.cut_dir = args.resume  # go on writing cuts where they were
     if args.cut_every and not args.cut_dir:
@@ -325,7 +332,8 @@ def service_config(args: argparse.Namespace, num_workers: int) -> PSConfig:
                     checkpoint_every=args.checkpoint_every, full_every=args.full_every,
                     mode=args.mode, loop=args.loop, node_options=node_options(args),
                     progress_every=args.progress_every, tls=args.tls, cut_every=args.cut_every,
-                    cut_root=args.cut_dir, resume_cut=args.resume_cut, start_clock=args.start_clock)
+                    cut_root=args.cut_dir, resume_cut=args.resume_cut, start_clock=args.start_clock,
+                    worker_rejoin=args.worker_rejoin)
 
 
 def node_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -355,6 +363,9 @@ def print_shard(r: dict[str, Any]) -> None:
           f"{r['consistency']} max staleness {r['max_staleness']}"
           + ("" if r.get("busy_poll_spins") is None else f", busy-poll spins {r['busy_poll_spins']}")
           + ("" if r.get("rows_digest") is None else f", rows {r['rows_digest']}"))
+    if r["lost_workers"]:
+        print(f"ps {r['shard']}: {r['lost_workers']} workers lost; worker clocks {r['worker_clocks']}, "
+              f"processes per worker {r['worker_processes']}")
 
 
 def describe_tables(ps: PSConfig) -> str:
@@ -424,7 +435,7 @@ def one_task(args: argparse.Namespace) -> int:
         return 0
     else:
         r = rvz.run(run_worker(cluster, index, ps, worker_config(args)), loop=args.loop)
-        print(f"worker {r['worker']}: {r['steps']} steps in {r['seconds']:.2f} s; loss "
+        print(f"worker {r['worker']}: steps {r['first_step']} to {r['steps']} in {r['seconds']:.2f} s; loss "
               f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}; shard restarts seen {r['restarts']}; "
               f"losses {r['loss_digest']}")
     print(json.dumps({"done": job, "task": index}), flush=True)

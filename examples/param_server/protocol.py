@@ -25,6 +25,13 @@ epoch) to every worker; a worker that sees the shard's next epoch (or loses the 
 answers ``REJOIN`` (frame = epoch) with the clocks it will continue at (pull, push, read),
 then retries what it had in flight.
 
+A worker restarted as a new process (the shard was started with ``worker_rejoin``, asp or
+ssp): the shard greets the task again, ``[epoch, global steps..., generation, clock]`` with
+the worker's next generation and the clock its pushes stand at (a first greeting says
+generation 0). The new process continues at the largest of the shards' clocks, tells each
+shard so with ``JOIN`` (iter 0), and from then on every key between them has the frame
+``frame(epoch, generation)``: nothing the old process left unanswered is ever taken.
+
 Replicas (tasks of the ``replica`` job) follow each shard by deltas: replica -> shard
 ``DELTA_ASK`` (iter = the replica's request number), ``[session, T, since_0, ...,
 since_{T-1}]`` (the table versions its copy stands at; -1: send everything); shard ->
@@ -57,13 +64,14 @@ PUSH_GRADS = "ps_push_grads"
 PUSH_ACK = "ps_push_ack"
 HELLO = "ps_hello"
 REJOIN = "ps_rejoin"
+JOIN = "ps_join"
 READ_IDS = "ps_read_ids"
 READ_ROWS = "ps_read_rows"
 DELTA_ASK = "ps_delta_ask"
 DELTA_META = "ps_delta_meta"
 DELTA_ROWS = "ps_delta_rows"
 
-TO_SHARD = (PULL_IDS, PUSH_IDS, PUSH_GRADS, REJOIN, READ_IDS, DELTA_ASK)
+TO_SHARD = (PULL_IDS, PUSH_IDS, PUSH_GRADS, REJOIN, READ_IDS, DELTA_ASK, JOIN)
 TO_WORKER = (PULL_ROWS, PUSH_ACK, HELLO, READ_ROWS, DELTA_META, DELTA_ROWS)
 
 END = b"end"
@@ -82,6 +90,12 @@ def edge(kind: str, worker: int, shard: int, clock: int, epoch: int = 0,
     if kind in TO_WORKER:
         return rvz.Key(src=s, dst=w, name=kind, frame=epoch, iter=clock)
     raise ValueError(f"unknown message kind {kind!r}")
+
+
+def frame(epoch: int, generation: int) -> int:
+    """The frame of the keys between a shard at ``epoch`` and a worker's ``generation``-th
+    process (0: the one the job started with)."""
+    return epoch | generation << 24
 
 
 def step_id(worker: int, clock: int) -> int:

@@ -16,7 +16,11 @@ Consistency (``consistency=``):
 
 A step that a worker cleans up (rvz ``Aborted`` on one of its keys) counts as an empty push
 for that clock, so nobody waits for it; a worker that leaves (``END``) or is lost
-(``PeerLost``) no longer counts for the barrier.
+(``PeerLost``) no longer counts for the barrier. With ``worker_rejoin`` (asp and ssp), a lost
+worker's place waits that many seconds for a new process of the task: the shard greets it
+with the clock the lost one's pushes reached, and serves it from the clock it answers (see
+protocol.py) while the others go on meanwhile; it counts for the consistency bound again
+from there.
 
 Every ``checkpoint_every`` clocks (of the slowest worker) the shard saves its tables to
 ``checkpoint_dir``, incrementally except every ``full_every``-th save; ``evict_every`` clocks
@@ -62,6 +66,7 @@ from .protocol import (
     DELTA_META,
     DELTA_ROWS,
     HELLO,
+    JOIN,
     PULL_IDS,
     PULL_ROWS,
     PUSH_ACK,
@@ -73,6 +78,7 @@ from .protocol import (
     REPLICA_JOB,
     WORKER_JOB,
     edge,
+    frame,
     is_end,
     pack_delta,
     pack_rows,
@@ -126,9 +132,12 @@ class ShardServer:
                  rejoin_timeout: float = 30.0, record: bool = False, fsync: bool = True,
                  progress_every: float = 0.0, start_clock: int = 0, cut_every: int = 0,
                  cut_root: str | Path | None = None, replicas: int = 0,
-                 replica_job: str = REPLICA_JOB) -> None:
+                 replica_job: str = REPLICA_JOB, worker_rejoin: float = 0.0) -> None:
         if consistency not in CONSISTENCY:
             raise ValueError(f"consistency must be one of {CONSISTENCY}, not {consistency!r}")
+        if worker_rejoin and consistency == "bsp":
+            raise ValueError("restarted workers rejoin under asp or ssp: bsp would need the "
+                             "interrupted clock replayed exactly")
         self.node = node
         self.shard = node.task
         self.tables = tables if isinstance(tables, dict) else {"default": tables}
@@ -156,6 +165,9 @@ class ShardServer:
         self.cut_root = Path(cut_root) if cut_root is not None else None
         self._writes: list[asyncio.Future[Any]] = []
         self.replicas = replicas
+        self.worker_rejoin = worker_rejoin
+        self.generation = [0] * num_workers  # processes of each worker task after the first
+        self._lost_event: list[asyncio.Event | None] = [None] * num_workers
         self.replica_job = replica_job
         self.clock = [start_clock] * num_workers  # pushes done (applied or aborted) per worker
         self.active = set(range(num_workers))
@@ -175,7 +187,12 @@ class ShardServer:
         return self.tables[self.names[0]]
 
     def _edge(self, kind: str, worker: int, clock: int) -> rvz.Key:
-        return edge(kind, worker, self.shard, clock, self.epoch, self.worker_job)
+        return edge(kind, worker, self.shard, clock, frame(self.epoch, self.generation[worker]),
+                    self.worker_job)
+
+    def _hello(self, worker: int) -> np.ndarray:
+        return np.array([self.epoch, *[t.global_step for t in self.tables.values()],
+                         self.generation[worker], self.clock[worker]], dtype=np.int64)
 
     # -- life -----------------------------------------------------------------------------------
 
@@ -219,7 +236,7 @@ class ShardServer:
                 await asyncio.sleep(REFUSED_RETRY)
 
     async def _serve_worker(self, worker: int) -> None:
-        hello = np.array([self.epoch, *[t.global_step for t in self.tables.values()]], dtype=np.int64)
+        hello = self._hello(worker)
         key = edge(HELLO, worker, self.shard, self.epoch, 0, self.worker_job)
         await self._patient(worker, 0, "greeting", lambda: self.node.send(key, hello))
         pull_clock = push_clock = self.start_clock
@@ -235,9 +252,67 @@ class ShardServer:
             self.clock[worker] = push_clock
             self._wake()
             self._bsp_recheck()
-        await run_together(self._serve_pulls(worker, pull_clock),
-                           self._serve_pushes(worker, push_clock),
-                           self._serve_pulls(worker, read_seq, read=True))
+        if not self.worker_rejoin:
+            await run_together(self._serve_pulls(worker, pull_clock),
+                               self._serve_pushes(worker, push_clock),
+                               self._serve_pulls(worker, read_seq, read=True))
+            return
+        while await self._serve_process(worker, pull_clock, push_clock, read_seq):
+            pull_clock = push_clock = await self._next_process(worker)
+            read_seq = 0
+            if pull_clock < 0:
+                return
+
+    async def _serve_process(self, worker: int, pull_clock: int, push_clock: int, read_seq: int) -> bool:
+        """Serve one process of ``worker`` until it leaves (False) or is lost (True: the
+        other loops of that process are stopped at once)."""
+        lost = self._lost_event[worker] = asyncio.Event()
+        loops = asyncio.ensure_future(run_together(self._serve_pulls(worker, pull_clock),
+                                                   self._serve_pushes(worker, push_clock),
+                                                   self._serve_pulls(worker, read_seq, read=True)))
+        watch = asyncio.ensure_future(lost.wait())
+        try:
+            await asyncio.wait([loops, watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not loops.done():
+                loops.cancel()
+            await asyncio.gather(loops, watch, return_exceptions=True)
+        if not loops.cancelled() and loops.exception() is not None:
+            raise loops.exception()  # type: ignore[misc]
+        return lost.is_set()
+
+    async def _next_process(self, worker: int) -> int:
+        """Greet the next process of ``worker`` (its next generation) and return the clock it
+        continues at; -1 if none joins within ``worker_rejoin`` seconds."""
+        self.generation[worker] += 1
+        hello = self._hello(worker)
+        key = edge(HELLO, worker, self.shard, self.epoch, 0, self.worker_job)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.worker_rejoin
+        log.warning("%s: waiting up to %g s for a new process of worker %d (its pushes stand at clock "
+                    "%d)", self.who, self.worker_rejoin, worker, self.clock[worker])
+        try:
+            while True:
+                try:
+                    await self.node.send(key, hello, timeout=max(0.0, deadline - loop.time()))
+                    break
+                except (rvz.PeerLost, *REFUSED):
+                    if loop.time() >= deadline:
+                        raise TimeoutError("no new process") from None
+                    await asyncio.sleep(0.05)
+            msg = await self.node.recv(self._edge(JOIN, worker, 0), timeout=max(0.0, deadline - loop.time()))
+            clock = int(msg[0])
+        except (TimeoutError, rvz.PeerLost, *REFUSED, TypeError, ValueError, IndexError) as exc:
+            log.warning("%s: no new process of worker %d joined within %g s (%s: %s); serving without it",
+                        self.who, worker, self.worker_rejoin, type(exc).__name__, exc)
+            return -1
+        log.warning("%s: worker %d's process %d joined at clock %d", self.who, worker,
+                    self.generation[worker], clock)
+        self.clock[worker] = max(clock, self.clock[worker])
+        self.active.add(worker)
+        self._wake()
+        return self.clock[worker]
 
     async def _rejoin(self, worker: int) -> tuple[int, int, int]:
         """The clocks (pull, push) and read sequence ``worker`` continues at after this shard
@@ -501,6 +576,9 @@ class ShardServer:
         if worker in self.active and clock is not None:
             log.warning("%s: worker %d lost at clock %d; serving the others", self.who, worker, clock)
         self._leave(worker)
+        event = self._lost_event[worker]
+        if event is not None:
+            event.set()
 
     def _bad_message(self, worker: int, clock: int, what: str, exc: Exception) -> None:
         self.stats.bad_messages += 1
@@ -554,6 +632,7 @@ class ShardServer:
                 "reads": self.stats.reads,
                 "pushes": self.stats.pushes, "ids_pushed": self.stats.ids_pushed,
                 "aborted_steps": self.stats.aborted_steps, "lost_workers": self.stats.lost_workers,
+                "worker_clocks": list(self.clock), "worker_processes": [g + 1 for g in self.generation],
                 "checkpoints": list(self.stats.checkpoints), "evicted": self.stats.evicted,
                 "max_staleness": self.stats.max_staleness, "consistency": self.consistency,
                 "busy_poll_spins": (self.node.stats()["busy_poll"] or {}).get("spins"),
