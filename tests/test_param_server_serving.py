@@ -8,6 +8,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -167,18 +168,25 @@ def test_a_replica_equals_each_shard_at_the_version_of_every_delta(run, mode) ->
 
 
 def test_the_replica_command_follows_the_shards_until_they_end(tmp_path: Path) -> None:
-    ports = free_ports(4)
+    ports = free_ports(3)
     cluster = json.dumps({"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"],
                           "replica": [f"127.0.0.1:{ports[2]}"]})
-    common = ["--cluster", cluster, "--dim", "4", "--progress-every", "0"]
+    common = ["--cluster", cluster, "--dim", "4", "--progress-every", "0", "--log-level", "INFO"]
     argv = [sys.executable, "-m", "examples.param_server"]
+    log = tmp_path / "replica.log"
     procs = []
     try:
         procs.append(subprocess.Popen([*argv, "serve", "--job", "ps", "--task", "0", *common],
                                       cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        procs.append(subprocess.Popen([*argv, "replica", "--task", "0", "--every", "0.05", *common],
-                                      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        procs.append(subprocess.Popen([*argv, "train", "--job", "worker", "--task", "0", "--steps", "30",
+        with log.open("w") as err:
+            procs.append(subprocess.Popen([*argv, "replica", "--task", "0", "--every", "0.01", *common],
+                                          cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True))
+        # Training starts once the replica follows the shard: it sees the rows come.
+        deadline = time.monotonic() + 30
+        while "replica 0: round 1," not in log.read_text():
+            assert time.monotonic() < deadline and procs[1].poll() is None, log.read_text()
+            time.sleep(0.02)
+        procs.append(subprocess.Popen([*argv, "train", "--job", "worker", "--task", "0", "--steps", "100",
                                        "--batch", "16", "--vocab", "200", *common],
                                       cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outs = [p.communicate(timeout=60)[0] for p in procs]
@@ -187,6 +195,6 @@ def test_the_replica_command_follows_the_shards_until_they_end(tmp_path: Path) -
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    assert [p.returncode for p in procs] == [0, 0, 0], (outs, log.read_text())
     summary = json.loads(outs[1].strip().splitlines()[-1])
-    assert summary["replica"] == 0 and summary["rounds"] >= 1 and summary["rows"][0] > 0, outs[1]
+    assert summary["replica"] == 0 and summary["rounds"] >= 2 and summary["rows"][0] > 0, outs[1]
