@@ -19,7 +19,7 @@ from examples.param_server import SGD, Adagrad, EmbeddingTable
 from examples.param_server.client import PSClient
 from examples.param_server.launch import PSConfig, TableSpec, make_tables
 from examples.param_server.native import RowTable
-from examples.param_server.replica import Replica
+from examples.param_server.replica import Replica, ReplicaReader
 from examples.param_server.server import ShardServer
 from examples.param_server.table import rows_digest
 
@@ -158,6 +158,18 @@ def test_a_replica_equals_each_shard_at_the_version_of_every_delta(run, mode) ->
             got = replica.read(ids)
             for name in ids:
                 np.testing.assert_array_equal(got[name], want[name])
+            # And over rvz, from a worker task: the same rows.
+            reads = asyncio.ensure_future(replica.serve_reads(2))
+            try:
+                reader = ReplicaReader(clients[1].node, 0, cfg.dims(), timeout=10)
+                for _ in range(2):
+                    remote = await reader.read(ids)
+                    for name in ids:
+                        np.testing.assert_array_equal(remote[name], want[name])
+                await reader.close()
+            finally:
+                reads.cancel()
+                await asyncio.gather(reads, return_exceptions=True)
             await replica.close()
             for client in clients:
                 await client.close()

@@ -10,7 +10,8 @@
 * ``train --job worker --task N``: one worker.
 * ``replica --task N --every S``: a read-only copy of every shard (a task of the cluster's
   ``replica`` job; the shards serve it when the cluster names one), brought up to date by
-  each shard's delta every S seconds until the shards end; prints what it holds.
+  each shard's delta every S seconds until the shards end, answering the workers' reads
+  (``ReplicaReader``) meanwhile; prints what it holds.
 * ``bench --json out.json``: table, pull, push and checkpoint figures, each next to a
   baseline measured in the same run (see bench.py).
 * ``reshard --from DIR --shards M --to DIR2``: the newest complete whole-job cut of DIR (see

@@ -78,6 +78,18 @@ WHOLE_JOB_HINT = ("; is that shard running, at that address? (One started with -
                   "--cut-every, then --resume.)")
 
 
+async def by_table(dims: dict[str, int], ids: dict[str, Any], fetch: Any) -> dict[str, np.ndarray]:
+    """``fetch(unique ids of each table of dims, in order)`` -> their rows, expanded back to
+    ``ids``'s shapes (tables left out of ``ids`` get nothing)."""
+    flat = {name: np.asarray(ids.get(name, np.zeros(0)), dtype=np.int64) for name in dims}
+    uniq, inverse = {}, {}
+    for name, arr in flat.items():
+        uniq[name], inverse[name] = np.unique(arr.reshape(-1), return_inverse=True)
+    rows = await fetch([uniq[n] for n in dims])
+    return {name: rows[t][inverse[name].reshape(-1)].reshape(flat[name].shape + (dims[name],))
+            for t, name in enumerate(dims) if name in ids}
+
+
 class ShardRestarted(Exception):
     """The shard greeted us from a new incarnation while we waited for it."""
 
@@ -366,14 +378,7 @@ class PSClient:
         return await self._by_table(ids, lambda unique: self._pull_unique(unique, clock, create))
 
     async def _by_table(self, ids: dict[str, Any], fetch: Any) -> dict[str, np.ndarray]:
-        """``fetch(unique ids of each table)`` -> their rows, expanded back to ``ids``'s shapes."""
-        flat = {name: np.asarray(ids.get(name, np.zeros(0)), dtype=np.int64) for name in self.names}
-        uniq, inverse = {}, {}
-        for name, arr in flat.items():
-            uniq[name], inverse[name] = np.unique(arr.reshape(-1), return_inverse=True)
-        rows = await fetch([uniq[n] for n in self.names])
-        return {name: rows[t][inverse[name].reshape(-1)].reshape(flat[name].shape + (self.dims[name],))
-                for t, name in enumerate(self.names) if name in ids}
+        return await by_table(self.dims, ids, fetch)
 
     def _split(self, unique: list[np.ndarray]) -> list[list[np.ndarray]] | None:
         """For each shard, the positions in each table's ids that it owns, in order (None:

@@ -37,7 +37,10 @@ Replicas (tasks of the ``replica`` job) follow each shard by deltas: replica -> 
 since_{T-1}]`` (the table versions its copy stands at; -1: send everything); shard ->
 replica ``DELTA_META`` and ``DELTA_ROWS`` (frame = the session, a random number per replica
 process, so that no answer meant for an earlier process of the task is ever taken), see
-``pack_delta``. ``END`` instead of the ask closes the channel.
+``pack_delta``. ``END`` instead of the ask closes the channel. A replica answers reads from
+its copy: reader -> replica ``REPLICA_READ_IDS`` (iter = the reader's request number),
+``[session, ids message of a read-only pull]``; replica -> reader ``REPLICA_READ_ROWS``
+(frame = the session), see ``replica_edge``.
 
 Ids travel as int64 ``[T, n_0, ..., n_{T-1}, ids of table 0, ids of table 1, ...]`` for the
 T tables of the service (in their configured order), with ``-T`` for a read-only pull (an
@@ -70,6 +73,8 @@ READ_ROWS = "ps_read_rows"
 DELTA_ASK = "ps_delta_ask"
 DELTA_META = "ps_delta_meta"
 DELTA_ROWS = "ps_delta_rows"
+REPLICA_READ_IDS = "replica_read_ids"
+REPLICA_READ_ROWS = "replica_read_rows"
 
 TO_SHARD = (PULL_IDS, PUSH_IDS, PUSH_GRADS, REJOIN, READ_IDS, DELTA_ASK, JOIN)
 TO_WORKER = (PULL_ROWS, PUSH_ACK, HELLO, READ_ROWS, DELTA_META, DELTA_ROWS)
@@ -90,6 +95,17 @@ def edge(kind: str, worker: int, shard: int, clock: int, epoch: int = 0,
     if kind in TO_WORKER:
         return rvz.Key(src=s, dst=w, name=kind, frame=epoch, iter=clock)
     raise ValueError(f"unknown message kind {kind!r}")
+
+
+def replica_edge(kind: str, reader: int, replica: int, seq: int, session: int = 0,
+                 reader_job: str = WORKER_JOB, replica_job: str = REPLICA_JOB) -> rvz.Key:
+    """The key of one read between ``reader`` (a task of ``reader_job``) and ``replica``."""
+    r, p = device(reader_job, reader), device(replica_job, replica)
+    if kind == REPLICA_READ_IDS:
+        return rvz.Key(src=r, dst=p, name=kind, frame=session, iter=seq)
+    if kind == REPLICA_READ_ROWS:
+        return rvz.Key(src=p, dst=r, name=kind, frame=session, iter=seq)
+    raise ValueError(f"unknown replica message kind {kind!r}")
 
 
 def frame(epoch: int, generation: int) -> int:

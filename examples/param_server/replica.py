@@ -10,7 +10,8 @@ epoch) or after its removal log moved past the copy's version, gets every row in
 
 ``read`` answers lookups from the copy, as ``PSClient.read`` would at those versions: no
 clock, no effect on the shards; an absent id reads as the initial row it would get (zeros
-under admission). A shard that has ended its service (or cannot be reached within
+under admission). ``serve_reads`` answers them over rvz for the tasks of a reader job
+(``ReplicaReader`` on their side). A shard that has ended its service (or cannot be reached within
 ``timeout``) is no longer asked; its copy stays as it was last.
 """
 
@@ -25,9 +26,28 @@ import numpy as np
 
 import rvz
 
+from .client import by_table
 from .launch import PSConfig, make_tables
 from .native import RowTable
-from .protocol import DELTA_ASK, DELTA_META, DELTA_ROWS, END, PS_JOB, REPLICA_JOB, edge, unpack_delta
+from .protocol import (
+    DELTA_ASK,
+    DELTA_META,
+    DELTA_ROWS,
+    END,
+    PS_JOB,
+    REPLICA_JOB,
+    REPLICA_READ_IDS,
+    REPLICA_READ_ROWS,
+    WORKER_JOB,
+    edge,
+    is_end,
+    pack_ids,
+    pack_rows,
+    replica_edge,
+    unpack_delta,
+    unpack_pull,
+    unpack_rows,
+)
 from .sparse import as_ids, split_by_shard
 from .table import rows_digest
 
@@ -143,6 +163,42 @@ class Replica:
 
     # -- reads ----------------------------------------------------------------------------------
 
+    async def serve_reads(self, readers: int, reader_job: str = WORKER_JOB) -> None:
+        """Answer the reads of tasks 0 .. ``readers`` - 1 of ``reader_job`` until each sends END."""
+        await asyncio.gather(*(self._serve_reader(r, reader_job) for r in range(readers)))
+
+    async def _serve_reader(self, reader: int, reader_job: str) -> None:
+        seq = 0
+        while True:
+            key = replica_edge(REPLICA_READ_IDS, reader, self.replica, seq, 0, reader_job, self.replica_job)
+            try:
+                ask = await self.node.recv(key)
+            except rvz.PeerLost:
+                seq = 0  # a new process of the reader numbers its reads from 0 again
+                await asyncio.sleep(0.5)
+                continue
+            if is_end(ask):
+                return
+            try:
+                if not isinstance(ask, np.ndarray) or ask.dtype != np.int64 or len(ask) < 1:
+                    raise ValueError("a read is int64 [session, ids message]")
+                session = int(ask[0])
+                parts, _ = unpack_pull(ask[1:], len(self.names))
+            except ValueError as exc:
+                log.warning("replica %d: read %d of %s %d does not decode (%s); ignored", self.replica, seq,
+                            reader_job, reader, exc)
+                seq += 1
+                continue
+            rows = self.read(dict(zip(self.names, parts, strict=True)))
+            reply = replica_edge(REPLICA_READ_ROWS, reader, self.replica, seq, session, reader_job,
+                                 self.replica_job)
+            try:
+                await self.node.send(reply, pack_rows([rows[n] for n in self.names]), timeout=self.timeout)
+            except (rvz.PeerLost, TimeoutError):
+                seq = 0
+                continue
+            seq += 1
+
     def _ids(self, shard: int, name: str) -> np.ndarray:
         core = self.copies[shard][name]
         ids = np.empty(core.size, dtype=np.int64)
@@ -183,13 +239,52 @@ class Replica:
         return out
 
 
+class ReplicaReader:
+    """Reads from replica ``replica`` on ``node`` (a task of the reader job, the worker job by
+    default): ``read({name: ids})`` as ``PSClient.read``, answered from the replica's copy."""
+
+    def __init__(self, node: rvz.Node, replica: int, tables: dict[str, int], *, timeout: float = 30.0,
+                 replica_job: str = REPLICA_JOB) -> None:
+        self.node = node
+        self.replica = replica
+        self.dims = dict(tables)
+        self.timeout = timeout
+        self.replica_job = replica_job
+        self.session = random.getrandbits(31)
+        self.seq = 0
+
+    async def read(self, ids: dict[str, Any]) -> dict[str, np.ndarray]:
+        return await by_table(self.dims, ids, self._read_unique)
+
+    async def _read_unique(self, unique: list[np.ndarray]) -> list[np.ndarray]:
+        seq, self.seq = self.seq, self.seq + 1
+        job, task, to = self.node.job, self.node.task, self.replica
+        ask = np.concatenate([np.array([self.session], dtype=np.int64), pack_ids(unique, create=False)])
+        await self.node.send(replica_edge(REPLICA_READ_IDS, task, to, seq, 0, job, self.replica_job),
+                             ask, timeout=self.timeout)
+        rows = await self.node.recv(replica_edge(REPLICA_READ_ROWS, task, to, seq, self.session, job,
+                                                 self.replica_job), timeout=self.timeout)
+        return unpack_rows(rows, [len(u) for u in unique], list(self.dims.values()))
+
+    async def close(self) -> None:
+        """Tell the replica this reader is done."""
+        await self.node.send(replica_edge(REPLICA_READ_IDS, self.node.task, self.replica, self.seq, 0,
+                                          self.node.job, self.replica_job), END, timeout=self.timeout)
+
+
 async def run_replica(cluster: dict[str, Any], index: int, cfg: PSConfig, every: float,
                       timeout: float) -> dict[str, Any]:
     """Replica ``index`` of ``cluster``: follows every shard until each has ended; returns
     what its copy holds."""
     async with rvz.Node(cluster, REPLICA_JOB, index, mode=cfg.mode, **cfg.node_kwargs()) as node:
         replica = Replica(node, len(cluster[PS_JOB]), cfg, timeout=timeout)
-        rounds = await replica.follow(every)
+        # The workers may read from it (ReplicaReader) while it follows the shards.
+        reads = asyncio.ensure_future(replica.serve_reads(len(cluster[cfg.worker_job]), cfg.worker_job))
+        try:
+            rounds = await replica.follow(every)
+        finally:
+            reads.cancel()
+            await asyncio.gather(reads, return_exceptions=True)
         return {"replica": index, "rounds": rounds, "syncs": replica.syncs, "versions": replica.versions,
                 "rows": [sum(int(c.size) for c in copies.values()) for copies in replica.copies],
                 "digests": [replica.digest(s) for s in range(replica.num_shards)]}
