@@ -65,14 +65,14 @@ def alternatives_from(low: int) -> str:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("consistency", ["ssp", "asp"])
+@pytest.mark.parametrize(("consistency", "mode"), [("ssp", "recv"), ("asp", "recv"), ("ssp", "send")])
 def test_a_killed_worker_restarted_as_the_same_task_rejoins_and_the_run_completes(
-        consistency: str) -> None:
+        consistency: str, mode: str) -> None:
     ports = free_ports(4)
     cluster = json.dumps({"ps": [f"127.0.0.1:{p}" for p in ports[:2]],
                           "worker": [f"127.0.0.1:{p}" for p in ports[2:]]})
     common = ["--cluster", cluster, "--consistency", consistency, "--staleness", "2", "--dim", "4",
-              "--worker-rejoin", "30", "--log-level", "INFO"]
+              "--worker-rejoin", "30", "--log-level", "INFO", "--mode", mode]
     work = ["--steps", str(STEPS), "--batch", "64", "--vocab", "500", "--progress-every", "0.05"]
     procs: list[Proc] = []
     try:
