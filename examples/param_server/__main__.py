@@ -1,4 +1,4 @@
-"""``python -m examples.param_server [demo|serve|train|bench]``: the PS service.
+"""``python -m examples.param_server [demo|serve|train|replica|bench|reshard]``: the PS service.
 
 * ``demo`` (the default): ``--shards`` PS shard processes and ``--workers`` worker processes
   on loopback train the synthetic workload; each process's report is printed. With
@@ -8,6 +8,10 @@
 * ``serve --job ps --task N``: one PS shard, on its own host. ``--restore`` restarts it from
   ``--checkpoint-dir`` (its workers rejoin it).
 * ``train --job worker --task N``: one worker.
+* ``replica --task N --every S``: a read-only copy of every shard (a task of the cluster's
+  ``replica`` job; the shards serve it when the cluster names one), brought up to date by
+  each shard's delta every S seconds until the shards end, answering the workers' reads
+  (``ReplicaReader``) meanwhile; prints what it holds.
 * ``bench --json out.json``: table, pull, push and checkpoint figures, each next to a
   baseline measured in the same run (see bench.py).
 * ``reshard --from DIR --shards M --to DIR2``: the newest complete whole-job cut of DIR (see
@@ -53,10 +57,11 @@ from .launch import (
     start_shards,
 )
 from .optimizers import OPTIMIZERS
-from .protocol import PS_JOB, WORKER_JOB
+from .protocol import PS_JOB, REPLICA_JOB, WORKER_JOB
+from .replica import run_replica
 from .workload import WorkerConfig, run_worker, worker_process
 
-COMMANDS = ("demo", "serve", "train", "bench", "reshard")
+COMMANDS = ("demo", "serve", "train", "replica", "bench", "reshard")
 
 
 def parse_tables(text: str | None, dim: int, optimizer: str, lr: float | None) -> tuple[TableSpec, ...]:
@@ -115,6 +120,9 @@ def add_service_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cut-every", type=int, default=0, metavar="N",
                    help="whole-job cuts (bsp): every N clocks, every shard and worker at one clock")
     p.add_argument("--cut-dir", default=None, help="where the cuts go (default: --resume's)")
+    p.add_argument("--worker-rejoin", type=float, default=0.0, metavar="S",
+                   help="asp/ssp: a lost worker's place waits S seconds for a new process of its "
+                   "task, which goes on at the clock the lost one reached (0: dropped for good)")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="restart the whole job, with fresh processes, from DIR's newest complete cut")
     add_log_option(p)
@@ -159,6 +167,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         one.add_argument("--job", default=None)
         one.add_argument("--task", type=int, default=None)
         one.add_argument("--restore", action="store_true", help="restart from --checkpoint-dir")
+    replica = sub.add_parser("replica", help="a read-only copy of every shard, kept current by deltas")
+    add_service_options(replica)
+    replica.add_argument("--cluster", default=None, help="cluster JSON (or a file), else TF_CONFIG")
+    replica.add_argument("--job", default=None)
+    replica.add_argument("--task", type=int, default=None)
+    replica.add_argument("--every", type=float, default=1.0, metavar="S", help="seconds between syncs")
+    replica.add_argument("--timeout", type=float, default=30.0, help="bound on each shard's answer, seconds")
     bench = sub.add_parser("bench", help="measure the table, pull, push and checkpoints")
     bench.add_argument("--json", default=None, help="write the figures here")
     bench.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
@@ -173,6 +188,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         argv = ["demo", *argv]  # the old single-command form still runs the demo
     args = p.parse_args(argv)
+    if args.command == "replica":
+        try:
+            args.table_specs = parse_tables(args.tables, args.dim, args.optimizer, args.lr)
+            args.tls = tls_files(args)
+            if not args.every >= 0 or not args.timeout > 0:
+                raise ValueError("--every must be at least 0 and --timeout positive")
+            args.cluster_spec, args.job, args.task = resolve_task(
+                args.cluster, args.job or REPLICA_JOB, args.task, REPLICA_JOB, "replica")
+            args.resume_cut, args.start_clock = None, 0
+        except ValueError as exc:
+            replica.error(str(exc))
     if args.command in ("demo", "serve", "train"):
         parser = {"demo": demo, "serve": sub.choices["serve"], "train": sub.choices["train"]}[args.command]
         try:
@@ -202,6 +228,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.checkpoint_every and not args.checkpoint_dir:
         raise ValueError("--checkpoint-every needs --checkpoint-dir (where to write them)")
     at_least("--cut-every", 0)
+    at_least("--worker-rejoin", 0)
+    if args.worker_rejoin and args.consistency == "bsp":
+        raise ValueError("--worker-rejoin needs --consistency asp or ssp: under bsp the interrupted "
+                         "clock would have to be replayed exactly")
     if args.resume and args.cut_every and not args.cut_dir:
         args.cut_dir = args.resume  # go on writing cuts where they were
     if args.cut_every and not args.cut_dir:
@@ -303,7 +333,8 @@ def service_config(args: argparse.Namespace, num_workers: int) -> PSConfig:
                     checkpoint_every=args.checkpoint_every, full_every=args.full_every,
                     mode=args.mode, loop=args.loop, node_options=node_options(args),
                     progress_every=args.progress_every, tls=args.tls, cut_every=args.cut_every,
-                    cut_root=args.cut_dir, resume_cut=args.resume_cut, start_clock=args.start_clock)
+                    cut_root=args.cut_dir, resume_cut=args.resume_cut, start_clock=args.start_clock,
+                    worker_rejoin=args.worker_rejoin)
 
 
 def node_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -333,6 +364,9 @@ def print_shard(r: dict[str, Any]) -> None:
           f"{r['consistency']} max staleness {r['max_staleness']}"
           + ("" if r.get("busy_poll_spins") is None else f", busy-poll spins {r['busy_poll_spins']}")
           + ("" if r.get("rows_digest") is None else f", rows {r['rows_digest']}"))
+    if r["lost_workers"]:
+        print(f"ps {r['shard']}: {r['lost_workers']} workers lost; worker clocks {r['worker_clocks']}, "
+              f"processes per worker {r['worker_processes']}")
 
 
 def describe_tables(ps: PSConfig) -> str:
@@ -396,9 +430,13 @@ def one_task(args: argparse.Namespace) -> int:
     if args.command == "serve":
         summary = rvz.run(run_shard(cluster, index, ps, restore=args.restore), loop=args.loop)
         print_shard(summary)
+    elif args.command == "replica":
+        print(json.dumps(rvz.run(run_replica(cluster, index, ps, args.every, args.timeout), loop=args.loop)),
+              flush=True)
+        return 0
     else:
         r = rvz.run(run_worker(cluster, index, ps, worker_config(args)), loop=args.loop)
-        print(f"worker {r['worker']}: {r['steps']} steps in {r['seconds']:.2f} s; loss "
+        print(f"worker {r['worker']}: steps {r['first_step']} to {r['steps']} in {r['seconds']:.2f} s; loss "
               f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}; shard restarts seen {r['restarts']}; "
               f"losses {r['loss_digest']}")
     print(json.dumps({"done": job, "task": index}), flush=True)
@@ -420,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resharded the cut at clock {clock} ({rows} rows) into {args.shards} shards in {args.target}; "
               f"resume with --shards {args.shards} --resume {args.target}", flush=True)
         return 0
-    if args.command in ("serve", "train"):
+    if args.command in ("serve", "train", "replica"):
         return one_task(args)
     stop_on_signals()  # the demo's children must not outlive it, whatever ends it
     try:

@@ -12,7 +12,11 @@ Failures:
   or as its next ``HELLO``; the client then waits (up to ``restart_timeout``) for the new
   incarnation's greeting, tells it where its clocks stand (``REJOIN``), and retries what it
   had in flight with that shard. Rows the shard had not checkpointed are lost (they come
-  back as new rows): the usual trade of PS recovery.
+  back as new rows): the usual trade of PS recovery;
+* a worker process that was killed and started again as the same task (shards started with
+  ``worker_rejoin``): its greetings say so; the client continues at the largest clock the
+  shards' greetings give (``rejoined_at``), tells every shard (``JOIN``), and the caller
+  goes on from ``next_step``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from .native import gather_rows, scatter_rows, shard_split
 from .protocol import (
     END,
     HELLO,
+    JOIN,
     PS_JOB,
     PULL_IDS,
     PULL_ROWS,
@@ -40,6 +45,7 @@ from .protocol import (
     REJOIN,
     WORKER_JOB,
     edge,
+    frame,
     pack_ids,
     pack_rows,
     read_step_id,
@@ -72,6 +78,18 @@ WHOLE_JOB_HINT = ("; is that shard running, at that address? (One started with -
                   "--cut-every, then --resume.)")
 
 
+async def by_table(dims: dict[str, int], ids: dict[str, Any], fetch: Any) -> dict[str, np.ndarray]:
+    """``fetch(unique ids of each table of dims, in order)`` -> their rows, expanded back to
+    ``ids``'s shapes (tables left out of ``ids`` get nothing)."""
+    flat = {name: np.asarray(ids.get(name, np.zeros(0)), dtype=np.int64) for name in dims}
+    uniq, inverse = {}, {}
+    for name, arr in flat.items():
+        uniq[name], inverse[name] = np.unique(arr.reshape(-1), return_inverse=True)
+    rows = await fetch([uniq[n] for n in dims])
+    return {name: rows[t][inverse[name].reshape(-1)].reshape(flat[name].shape + (dims[name],))
+            for t, name in enumerate(dims) if name in ids}
+
+
 class ShardRestarted(Exception):
     """The shard greeted us from a new incarnation while we waited for it."""
 
@@ -101,6 +119,8 @@ class PSClient:
         self.worker_job = worker_job
         self.next_step = {"lookup": 0, "push": 0, "read": 0}
         self.epoch = [0] * num_shards
+        self.generation = [0] * num_shards  # this process's generation, as each shard counts it
+        self.rejoined_at: int | None = None  # the clock this process joined at, if a restarted one
         self.restarts = 0
         self.closed = False
         self._greeted: asyncio.Future[None] | None = None
@@ -127,12 +147,35 @@ class PSClient:
         await asyncio.shield(self._greeted)
 
     async def _greet(self) -> None:
+        clocks = [0] * self.num_shards
+
         async def one(shard: int) -> None:
             hello = await self._recv_hello(shard, 0, self.timeout)
             self.epoch[shard] = int(hello[0])
+            tail = hello[1 + len(self.names):]
+            if len(tail) == 2:
+                self.generation[shard], clocks[shard] = int(tail[0]), int(tail[1])
         await asyncio.gather(*(one(s) for s in range(self.num_shards)))
+        if any(self.generation):
+            await self._join(max(clocks))
         for shard in range(self.num_shards):
             self._watch(shard)
+
+    async def _join(self, clock: int) -> None:
+        """This process replaces a lost one of the same task: continue at ``clock`` (the
+        furthest any shard's greeting says the lost one's pushes got) on every shard."""
+        if not all(self.generation):
+            raise RuntimeError(f"worker {self.worker}: shards {self.generation} disagree on whether "
+                               "this task was restarted")
+        clock = max(clock, *(self.next_step[c] for c in TRAINING))
+        for channel in TRAINING:
+            self.next_step[channel] = clock
+        for shard in range(self.num_shards):
+            await self.node.send(self._edge(JOIN, shard, 0), np.array([clock], dtype=np.int64),
+                                 timeout=self.timeout)
+        self.rejoined_at = clock
+        log.warning("worker %d: a restarted process (generation %s); rejoined at clock %d",
+                    self.worker, self.generation, clock)
 
     async def _recv_hello(self, shard: int, epoch: int, timeout: float | None) -> Any:
         """The greeting of ``shard``'s incarnation ``epoch``, redialling while it is down."""
@@ -209,13 +252,17 @@ class PSClient:
                               dtype=np.int64)
             log.warning("worker %d: PS shard %d restarted (epoch %d); rejoining at clocks %s",
                         self.worker, shard, epoch, clocks.tolist())
+            # A restarted shard counts this task's processes from 0 again (its epoch keeps the
+            # keys apart).
+            self.generation[shard] = 0
             await self.node.send(edge(REJOIN, self.worker, shard, 0, epoch, self.worker_job), clocks)
             self.epoch[shard] = epoch
             self.restarts += 1
             self._watch(shard)
 
     def _edge(self, kind: str, shard: int, clock: int) -> rvz.Key:
-        return edge(kind, self.worker, shard, clock, self.epoch[shard], self.worker_job)
+        return edge(kind, self.worker, shard, clock, frame(self.epoch[shard], self.generation[shard]),
+                    self.worker_job)
 
     async def _send(self, shard: int, clock: int, messages: list[tuple[str, Any]], step: int) -> None:
         # One call per shard (the push's ids and gradients leave in one write): a failure
@@ -331,14 +378,7 @@ class PSClient:
         return await self._by_table(ids, lambda unique: self._pull_unique(unique, clock, create))
 
     async def _by_table(self, ids: dict[str, Any], fetch: Any) -> dict[str, np.ndarray]:
-        """``fetch(unique ids of each table)`` -> their rows, expanded back to ``ids``'s shapes."""
-        flat = {name: np.asarray(ids.get(name, np.zeros(0)), dtype=np.int64) for name in self.names}
-        uniq, inverse = {}, {}
-        for name, arr in flat.items():
-            uniq[name], inverse[name] = np.unique(arr.reshape(-1), return_inverse=True)
-        rows = await fetch([uniq[n] for n in self.names])
-        return {name: rows[t][inverse[name].reshape(-1)].reshape(flat[name].shape + (self.dims[name],))
-                for t, name in enumerate(self.names) if name in ids}
+        return await by_table(self.dims, ids, fetch)
 
     def _split(self, unique: list[np.ndarray]) -> list[list[np.ndarray]] | None:
         """For each shard, the positions in each table's ids that it owns, in order (None:

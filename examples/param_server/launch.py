@@ -28,7 +28,7 @@ from ..common import LOCAL_HOST, child_signals, free_ports, starting_child, tls_
 from .checkpoint import has_checkpoint
 from .cut import load_shard_part
 from .optimizers import make_optimizer
-from .protocol import PS_JOB, WORKER_JOB
+from .protocol import PS_JOB, REPLICA_JOB, WORKER_JOB
 from .server import ShardServer
 from .table import EmbeddingTable, MinCount
 
@@ -78,6 +78,7 @@ class PSConfig:
     cut_root: str | None = None      # ... written under this directory
     resume_cut: str | None = None    # start from this cut directory (and its clock) instead of empty
     start_clock: int = 0             # the clock of ``resume_cut``
+    worker_rejoin: float = 0.0       # seconds a lost worker's place waits for a new process (0: none)
 
     def node_kwargs(self) -> dict[str, Any]:
         """Options of every node of the service (TLS contexts built here, in the process
@@ -190,7 +191,8 @@ async def run_shard(cluster: dict[str, Any], shard: int, cfg: PSConfig,
                              evict_every=cfg.evict_every, checkpoint_dir=shard_dir(cfg, shard),
                              checkpoint_every=cfg.checkpoint_every, full_every=cfg.full_every,
                              epoch=epoch, fsync=cfg.fsync, progress_every=cfg.progress_every,
-                             start_clock=cfg.start_clock, cut_every=cfg.cut_every, cut_root=cfg.cut_root)
+                             start_clock=cfg.start_clock, cut_every=cfg.cut_every, cut_root=cfg.cut_root,
+                             replicas=len(cluster.get(REPLICA_JOB, [])), worker_rejoin=cfg.worker_rejoin)
         if restored:
             # The next save may add an increment to the restored chain. Without a full
             # checkpoint of every table on disk (a crash before the first save) it must be a

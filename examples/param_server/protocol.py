@@ -25,6 +25,23 @@ epoch) to every worker; a worker that sees the shard's next epoch (or loses the 
 answers ``REJOIN`` (frame = epoch) with the clocks it will continue at (pull, push, read),
 then retries what it had in flight.
 
+A worker restarted as a new process (the shard was started with ``worker_rejoin``, asp or
+ssp): the shard greets the task again, ``[epoch, global steps..., generation, clock]`` with
+the worker's next generation and the clock its pushes stand at (a first greeting says
+generation 0). The new process continues at the largest of the shards' clocks, tells each
+shard so with ``JOIN`` (iter 0), and from then on every key between them has the frame
+``frame(epoch, generation)``: nothing the old process left unanswered is ever taken.
+
+Replicas (tasks of the ``replica`` job) follow each shard by deltas: replica -> shard
+``DELTA_ASK`` (iter = the replica's request number), ``[session, T, since_0, ...,
+since_{T-1}]`` (the table versions its copy stands at; -1: send everything); shard ->
+replica ``DELTA_META`` and ``DELTA_ROWS`` (frame = the session, a random number per replica
+process, so that no answer meant for an earlier process of the task is ever taken), see
+``pack_delta``. ``END`` instead of the ask closes the channel. A replica answers reads from
+its copy: reader -> replica ``REPLICA_READ_IDS`` (iter = the reader's request number),
+``[session, ids message of a read-only pull]``; replica -> reader ``REPLICA_READ_ROWS``
+(frame = the session), see ``replica_edge``.
+
 Ids travel as int64 ``[T, n_0, ..., n_{T-1}, ids of table 0, ids of table 1, ...]`` for the
 T tables of the service (in their configured order), with ``-T`` for a read-only pull (an
 evaluation read: absent ids read as zeros, no row is created); rows and gradients as one float32
@@ -41,6 +58,7 @@ import rvz
 
 PS_JOB = "ps"
 WORKER_JOB = "worker"
+REPLICA_JOB = "replica"
 
 PULL_IDS = "ps_pull_ids"
 PULL_ROWS = "ps_pull_rows"
@@ -49,11 +67,17 @@ PUSH_GRADS = "ps_push_grads"
 PUSH_ACK = "ps_push_ack"
 HELLO = "ps_hello"
 REJOIN = "ps_rejoin"
+JOIN = "ps_join"
 READ_IDS = "ps_read_ids"
 READ_ROWS = "ps_read_rows"
+DELTA_ASK = "ps_delta_ask"
+DELTA_META = "ps_delta_meta"
+DELTA_ROWS = "ps_delta_rows"
+REPLICA_READ_IDS = "replica_read_ids"
+REPLICA_READ_ROWS = "replica_read_rows"
 
-TO_SHARD = (PULL_IDS, PUSH_IDS, PUSH_GRADS, REJOIN, READ_IDS)
-TO_WORKER = (PULL_ROWS, PUSH_ACK, HELLO, READ_ROWS)
+TO_SHARD = (PULL_IDS, PUSH_IDS, PUSH_GRADS, REJOIN, READ_IDS, DELTA_ASK, JOIN)
+TO_WORKER = (PULL_ROWS, PUSH_ACK, HELLO, READ_ROWS, DELTA_META, DELTA_ROWS)
 
 END = b"end"
 
@@ -71,6 +95,23 @@ def edge(kind: str, worker: int, shard: int, clock: int, epoch: int = 0,
     if kind in TO_WORKER:
         return rvz.Key(src=s, dst=w, name=kind, frame=epoch, iter=clock)
     raise ValueError(f"unknown message kind {kind!r}")
+
+
+def replica_edge(kind: str, reader: int, replica: int, seq: int, session: int = 0,
+                 reader_job: str = WORKER_JOB, replica_job: str = REPLICA_JOB) -> rvz.Key:
+    """The key of one read between ``reader`` (a task of ``reader_job``) and ``replica``."""
+    r, p = device(reader_job, reader), device(replica_job, replica)
+    if kind == REPLICA_READ_IDS:
+        return rvz.Key(src=r, dst=p, name=kind, frame=session, iter=seq)
+    if kind == REPLICA_READ_ROWS:
+        return rvz.Key(src=p, dst=r, name=kind, frame=session, iter=seq)
+    raise ValueError(f"unknown replica message kind {kind!r}")
+
+
+def frame(epoch: int, generation: int) -> int:
+    """The frame of the keys between a shard at ``epoch`` and a worker's ``generation``-th
+    process (0: the one the job started with)."""
+    return epoch | generation << 24
 
 
 def step_id(worker: int, clock: int) -> int:
@@ -141,3 +182,37 @@ def unpack_rows(message: Any, counts: list[int], dims: list[int]) -> list[np.nda
         out.append(flat[start:start + n * d].reshape(n, d))
         start += n * d
     return out
+
+
+# One table's part of a delta: (full, version, ids, whole rows, removed ids).
+Delta = tuple[bool, int, np.ndarray, np.ndarray, np.ndarray]
+
+
+def pack_delta(epoch: int, parts: list[Delta]) -> tuple[np.ndarray, np.ndarray]:
+    """A shard's delta as (meta, rows): meta is int64 ``[epoch, T, (full, version, n, width,
+    r) per table, then each table's n ids and r removed ids]``, rows float32, each table's
+    ``[n, width]`` block back to back."""
+    head = [epoch, len(parts)]
+    for full, version, ids, rows, removed in parts:
+        head += [int(full), version, len(ids), rows.shape[1] if rows.ndim == 2 else 0, len(removed)]
+    meta = np.concatenate([np.asarray(head, dtype=np.int64),
+                           *[np.concatenate([p[2], p[4]]).astype(np.int64) for p in parts]])
+    return meta, pack_rows([p[3] for p in parts])
+
+
+def unpack_delta(meta: Any, rows: Any) -> tuple[int, list[Delta]]:
+    """(epoch, each table's part) of a delta; ValueError when it does not add up."""
+    if not isinstance(meta, np.ndarray) or meta.dtype != np.int64 or meta.ndim != 1 or len(meta) < 2:
+        raise ValueError("delta meta must be a 1-D int64 array")
+    epoch, tables = int(meta[0]), int(meta[1])
+    head = meta[2:2 + 5 * tables].reshape(-1, 5).tolist() if tables >= 0 else []
+    if tables < 0 or len(head) != tables or min((min(h[2], h[3], h[4]) for h in head), default=0) < 0:
+        raise ValueError("delta meta: bad table headers")
+    if len(meta) != 2 + 5 * tables + sum(h[2] + h[4] for h in head):
+        raise ValueError("delta meta: counts do not match its length")
+    blocks = unpack_rows(rows, [h[2] for h in head], [h[3] for h in head])
+    parts, start = [], 2 + 5 * tables
+    for (full, version, n, _, r), block in zip(head, blocks, strict=True):
+        parts.append((bool(full), version, meta[start:start + n], block, meta[start + n:start + n + r]))
+        start += n + r
+    return epoch, parts

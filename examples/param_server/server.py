@@ -16,7 +16,11 @@ Consistency (``consistency=``):
 
 A step that a worker cleans up (rvz ``Aborted`` on one of its keys) counts as an empty push
 for that clock, so nobody waits for it; a worker that leaves (``END``) or is lost
-(``PeerLost``) no longer counts for the barrier.
+(``PeerLost``) no longer counts for the barrier. With ``worker_rejoin`` (asp and ssp), a lost
+worker's place waits that many seconds for a new process of the task: the shard greets it
+with the clock the lost one's pushes reached, and serves it from the clock it answers (see
+protocol.py) while the others go on meanwhile; it counts for the consistency bound again
+from there.
 
 Every ``checkpoint_every`` clocks (of the slowest worker) the shard saves its tables to
 ``checkpoint_dir``, incrementally except every ``full_every``-th save; ``evict_every`` clocks
@@ -28,6 +32,11 @@ channel until a well-configured process serves as that worker, and goes on servi
 others meanwhile. A message that does not decode is logged and counts as an aborted step.
 Every ``progress_every`` seconds the shard logs where its clocks stand.
 
+Replicas (``replicas``, tasks of the ``replica`` job): the shard answers each replica's
+delta asks (protocol.py) with what changed in its tables since the versions the replica
+names, computed in one go between two updates, so every delta brings a copy to one state the
+shard was in. A replica's loop ends with the shard's service (or at the replica's END).
+
 Whole-job cuts (``cut_every``, bsp only; see cut.py): when the pushes of clock C - 1 are
 applied and C is a multiple of ``cut_every``, the shard copies its tables out at once (before
 it acknowledges clock C - 1, so before any worker pulls again) and writes the copy in a
@@ -38,7 +47,6 @@ serves every worker from clock C.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import signal
@@ -54,7 +62,11 @@ import rvz
 from ..common import run_together
 from .cut import write_shard_part
 from .protocol import (
+    DELTA_ASK,
+    DELTA_META,
+    DELTA_ROWS,
     HELLO,
+    JOIN,
     PULL_IDS,
     PULL_ROWS,
     PUSH_ACK,
@@ -63,9 +75,12 @@ from .protocol import (
     READ_IDS,
     READ_ROWS,
     REJOIN,
+    REPLICA_JOB,
     WORKER_JOB,
     edge,
+    frame,
     is_end,
+    pack_delta,
     pack_rows,
     read_step_id,
     step_id,
@@ -73,7 +88,7 @@ from .protocol import (
     unpack_pull,
     unpack_rows,
 )
-from .table import EmbeddingTable
+from .table import EmbeddingTable, rows_digest
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +116,9 @@ class ShardStats:
     evicted: int = 0
     max_staleness: int = 0  # the largest c - (slowest clock) a pull was served at
     served: list[tuple[int, int, int]] = field(default_factory=list)  # (worker, clock, slowest)
+    deltas: int = 0             # deltas sent to replicas
+    # With ``record``: (replica, table versions, rows_digest) of each delta, as it was sent.
+    delta_digests: list[tuple[int, tuple[int, ...], str]] = field(default_factory=list)
 
 
 class ShardServer:
@@ -113,9 +131,13 @@ class ShardServer:
                  checkpoint_every: int = 0, full_every: int = 4, epoch: int = 0,
                  rejoin_timeout: float = 30.0, record: bool = False, fsync: bool = True,
                  progress_every: float = 0.0, start_clock: int = 0, cut_every: int = 0,
-                 cut_root: str | Path | None = None) -> None:
+                 cut_root: str | Path | None = None, replicas: int = 0,
+                 replica_job: str = REPLICA_JOB, worker_rejoin: float = 0.0) -> None:
         if consistency not in CONSISTENCY:
             raise ValueError(f"consistency must be one of {CONSISTENCY}, not {consistency!r}")
+        if worker_rejoin and consistency == "bsp":
+            raise ValueError("restarted workers rejoin under asp or ssp: bsp would need the "
+                             "interrupted clock replayed exactly")
         self.node = node
         self.shard = node.task
         self.tables = tables if isinstance(tables, dict) else {"default": tables}
@@ -142,6 +164,11 @@ class ShardServer:
         self.cut_every = cut_every
         self.cut_root = Path(cut_root) if cut_root is not None else None
         self._writes: list[asyncio.Future[Any]] = []
+        self.replicas = replicas
+        self.worker_rejoin = worker_rejoin
+        self.generation = [0] * num_workers  # processes of each worker task after the first
+        self._lost_event: list[asyncio.Event | None] = [None] * num_workers
+        self.replica_job = replica_job
         self.clock = [start_clock] * num_workers  # pushes done (applied or aborted) per worker
         self.active = set(range(num_workers))
         self._changed: asyncio.Event | None = None
@@ -160,7 +187,12 @@ class ShardServer:
         return self.tables[self.names[0]]
 
     def _edge(self, kind: str, worker: int, clock: int) -> rvz.Key:
-        return edge(kind, worker, self.shard, clock, self.epoch, self.worker_job)
+        return edge(kind, worker, self.shard, clock, frame(self.epoch, self.generation[worker]),
+                    self.worker_job)
+
+    def _hello(self, worker: int) -> np.ndarray:
+        return np.array([self.epoch, *[t.global_step for t in self.tables.values()],
+                         self.generation[worker], self.clock[worker]], dtype=np.int64)
 
     # -- life -----------------------------------------------------------------------------------
 
@@ -175,9 +207,13 @@ class ShardServer:
         log.info("%s: serving %d workers, tables %s, %s", self.who, self.num_workers,
                  ", ".join(f"{n} (dim {t.dim}, {t.optimizer.name}, {len(t)} rows)"
                            for n, t in self.tables.items()), self.consistency)
+        replicas = [asyncio.ensure_future(self._serve_replica(r)) for r in range(self.replicas)]
         try:
             await run_together(*(self._serve_worker(w) for w in range(self.num_workers)))
         finally:
+            for task in replicas:
+                task.cancel()
+            await asyncio.gather(*replicas, return_exceptions=True)
             await asyncio.gather(*self._writes)  # the last cut is on disk before we return
         log.info("%s: every worker left; %d pulls, %d pushes served", self.who, self.stats.lookups,
                  self.stats.pushes)
@@ -200,7 +236,7 @@ class ShardServer:
                 await asyncio.sleep(REFUSED_RETRY)
 
     async def _serve_worker(self, worker: int) -> None:
-        hello = np.array([self.epoch, *[t.global_step for t in self.tables.values()]], dtype=np.int64)
+        hello = self._hello(worker)
         key = edge(HELLO, worker, self.shard, self.epoch, 0, self.worker_job)
         await self._patient(worker, 0, "greeting", lambda: self.node.send(key, hello))
         pull_clock = push_clock = self.start_clock
@@ -216,9 +252,67 @@ class ShardServer:
             self.clock[worker] = push_clock
             self._wake()
             self._bsp_recheck()
-        await run_together(self._serve_pulls(worker, pull_clock),
-                           self._serve_pushes(worker, push_clock),
-                           self._serve_pulls(worker, read_seq, read=True))
+        if not self.worker_rejoin:
+            await run_together(self._serve_pulls(worker, pull_clock),
+                               self._serve_pushes(worker, push_clock),
+                               self._serve_pulls(worker, read_seq, read=True))
+            return
+        while await self._serve_process(worker, pull_clock, push_clock, read_seq):
+            pull_clock = push_clock = await self._next_process(worker)
+            read_seq = 0
+            if pull_clock < 0:
+                return
+
+    async def _serve_process(self, worker: int, pull_clock: int, push_clock: int, read_seq: int) -> bool:
+        """Serve one process of ``worker`` until it leaves (False) or is lost (True: the
+        other loops of that process are stopped at once)."""
+        lost = self._lost_event[worker] = asyncio.Event()
+        loops = asyncio.ensure_future(run_together(self._serve_pulls(worker, pull_clock),
+                                                   self._serve_pushes(worker, push_clock),
+                                                   self._serve_pulls(worker, read_seq, read=True)))
+        watch = asyncio.ensure_future(lost.wait())
+        try:
+            await asyncio.wait([loops, watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not loops.done():
+                loops.cancel()
+            await asyncio.gather(loops, watch, return_exceptions=True)
+        if not loops.cancelled() and loops.exception() is not None:
+            raise loops.exception()  # type: ignore[misc]
+        return lost.is_set()
+
+    async def _next_process(self, worker: int) -> int:
+        """Greet the next process of ``worker`` (its next generation) and return the clock it
+        continues at; -1 if none joins within ``worker_rejoin`` seconds."""
+        self.generation[worker] += 1
+        hello = self._hello(worker)
+        key = edge(HELLO, worker, self.shard, self.epoch, 0, self.worker_job)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.worker_rejoin
+        log.warning("%s: waiting up to %g s for a new process of worker %d (its pushes stand at clock "
+                    "%d)", self.who, self.worker_rejoin, worker, self.clock[worker])
+        try:
+            while True:
+                try:
+                    await self.node.send(key, hello, timeout=max(0.0, deadline - loop.time()))
+                    break
+                except (rvz.PeerLost, *REFUSED):
+                    if loop.time() >= deadline:
+                        raise TimeoutError("no new process") from None
+                    await asyncio.sleep(0.05)
+            msg = await self.node.recv(self._edge(JOIN, worker, 0), timeout=max(0.0, deadline - loop.time()))
+            clock = int(msg[0])
+        except (TimeoutError, rvz.PeerLost, *REFUSED, TypeError, ValueError, IndexError) as exc:
+            log.warning("%s: no new process of worker %d joined within %g s (%s: %s); serving without it",
+                        self.who, worker, self.worker_rejoin, type(exc).__name__, exc)
+            return -1
+        log.warning("%s: worker %d's process %d joined at clock %d", self.who, worker,
+                    self.generation[worker], clock)
+        self.clock[worker] = max(clock, self.clock[worker])
+        self.active.add(worker)
+        self._wake()
+        return self.clock[worker]
 
     async def _rejoin(self, worker: int) -> tuple[int, int, int]:
         """The clocks (pull, push) and read sequence ``worker`` continues at after this shard
@@ -321,6 +415,58 @@ class ShardServer:
                     self._lost(worker, clock)
                 return
             clock += 1
+
+    # -- replicas -------------------------------------------------------------------------------
+
+    async def _serve_replica(self, replica: int) -> None:
+        """Answer ``replica``'s delta asks, one at a time, until its END; a new process of
+        the replica numbers its asks from 0 again."""
+        seq = 0
+        while True:
+            try:
+                ask = await self.node.recv(edge(DELTA_ASK, replica, self.shard, seq, 0, self.replica_job))
+            except rvz.PeerLost:
+                seq = 0
+                await asyncio.sleep(REFUSED_RETRY)  # (no busy loop while it stays away)
+                continue
+            except REFUSED as exc:
+                log.warning("%s: replica %d refused: %s: %s", self.who, replica, type(exc).__name__, exc)
+                await asyncio.sleep(REFUSED_RETRY)
+                continue
+            if is_end(ask):
+                return
+            try:
+                session, since = self._parse_ask(ask)
+            except ValueError as exc:
+                self.stats.bad_messages += 1
+                log.warning("%s: replica %d's ask %d does not decode (%s); ignored", self.who, replica,
+                            seq, exc)
+                seq += 1
+                continue
+            parts = []
+            for name, version in zip(self.names, since, strict=True):
+                table = self.tables[name]
+                ids, rows, removed, full = table.delta_since(version)
+                parts.append((full, table.version, ids, rows, removed))
+            if self.record:
+                self.stats.delta_digests.append(
+                    (replica, tuple(t.version for t in self.tables.values()), self.rows_digest()))
+            meta, rows = pack_delta(self.epoch, parts)
+            try:
+                await self.node.send_many(
+                    [(edge(DELTA_META, replica, self.shard, seq, session, self.replica_job), meta),
+                     (edge(DELTA_ROWS, replica, self.shard, seq, session, self.replica_job), rows)])
+            except rvz.PeerLost:
+                seq = 0
+                continue
+            self.stats.deltas += 1
+            seq += 1
+
+    def _parse_ask(self, ask: Any) -> tuple[int, list[int]]:
+        if (not isinstance(ask, np.ndarray) or ask.dtype != np.int64 or ask.shape != (2 + len(self.names),)
+                or ask[1] != len(self.names) or ask[0] < 0):
+            raise ValueError(f"expected int64 [session, {len(self.names)}, versions...]")
+        return int(ask[0]), [int(v) for v in ask[2:]]
 
     # -- pushes ---------------------------------------------------------------------------------
 
@@ -430,6 +576,9 @@ class ShardServer:
         if worker in self.active and clock is not None:
             log.warning("%s: worker %d lost at clock %d; serving the others", self.who, worker, clock)
         self._leave(worker)
+        event = self._lost_event[worker]
+        if event is not None:
+            event.set()
 
     def _bad_message(self, worker: int, clock: int, what: str, exc: Exception) -> None:
         self.stats.bad_messages += 1
@@ -483,6 +632,7 @@ class ShardServer:
                 "reads": self.stats.reads,
                 "pushes": self.stats.pushes, "ids_pushed": self.stats.ids_pushed,
                 "aborted_steps": self.stats.aborted_steps, "lost_workers": self.stats.lost_workers,
+                "worker_clocks": list(self.clock), "worker_processes": [g + 1 for g in self.generation],
                 "checkpoints": list(self.stats.checkpoints), "evicted": self.stats.evicted,
                 "max_staleness": self.stats.max_staleness, "consistency": self.consistency,
                 "busy_poll_spins": (self.node.stats()["busy_poll"] or {}).get("spins"),
@@ -491,13 +641,8 @@ class ShardServer:
     def rows_digest(self) -> str:
         """A hash of every table's ids and whole rows (embedding and slots), in id order: equal
         digests, identical tables (what a resumed job is compared by)."""
-        h = hashlib.sha256()
-        for name in self.names:
-            ids = np.sort(self.tables[name].ids())
-            h.update(name.encode())
-            h.update(ids.tobytes())
-            h.update(self.tables[name].rows(ids).tobytes())
-        return h.hexdigest()[:16]
+        return rows_digest((name, ids, self.tables[name].rows(ids))
+                           for name in self.names for ids in [self.tables[name].ids()])
 
 
 async def _drop(receive: asyncio.Future[Any]) -> None:

@@ -17,13 +17,17 @@ id holds the embedding and the optimizer's slots. This module adds what is polic
 * eviction: ``evict(ttl=..., max_rows=...)`` drops rows not accessed for more than ``ttl``
   steps, then the least recently used beyond ``max_rows`` (ties broken by id, so the choice
   is deterministic).
+* deltas: ``delta_since(version)`` gives the rows changed after ``version`` and the ids
+  removed (deleted or evicted) since, from a log of removals bounded by ``max_tombstones``
+  ids; a version older than what that log still covers gets every live row instead.
 * checkpoints: ``save(path)`` (full) and ``save(path, incremental=True)`` (rows changed or
   accessed, and ids deleted, since the previous save), see checkpoint.py; ``load(path)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,6 +105,12 @@ class EmbeddingTable:
         self.saved_version = 0  # version and step of the last save (incremental base)
         self.saved_step = 0
         self._deleted: list[np.ndarray] = []  # ids deleted since the last save
+        # Removals as (version, ids), for deltas; ``tomb_floor``: the oldest version a delta
+        # can start from (older removals were dropped from the log, or precede a load).
+        self._tombs: list[tuple[int, np.ndarray]] = []
+        self._tomb_count = 0
+        self.tomb_floor = 0
+        self.max_tombstones = 1 << 20
         self.created = 0
         self.evicted = 0
         self.dropped = 0       # gradient rows for absent ids, ignored
@@ -327,6 +337,7 @@ class EmbeddingTable:
             self.version += 1
             self._core.remove(gone)
             self._deleted.append(gone)
+            self._tombstone(gone)
         return len(gone)
 
     def evict(self, ttl: int | None = None, max_rows: int | None = None) -> np.ndarray:
@@ -350,6 +361,7 @@ class EmbeddingTable:
             self.version += 1
             self._core.remove(gone)
             self._deleted.append(gone)
+            self._tombstone(gone)
             self.evicted += len(gone)
         return gone
 
@@ -365,6 +377,29 @@ class EmbeddingTable:
         out = np.empty((len(ids), self.width), dtype=np.float32)
         self._core.gather(rows, out, 0)
         return ids, out
+
+    def _tombstone(self, gone: np.ndarray) -> None:
+        self._tombs.append((self.version, gone))
+        self._tomb_count += len(gone)
+        while self._tomb_count > self.max_tombstones:
+            version, dropped = self._tombs.pop(0)
+            self._tomb_count -= len(dropped)
+            self.tomb_floor = version  # a delta from before it would miss these removals
+
+    def delta_since(self, version: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+        """What changed after ``version``: (ids, whole rows, removed ids, full). Applying it
+        to a copy of the table at ``version`` (removals first, then the rows) gives the table
+        as it is now. ``full``: ``version`` is older than the removal log covers (or newer
+        than the table, another table's): the rows are every live row, the removed ids are
+        empty, and the copy must be emptied first."""
+        if version < self.tomb_floor or version > self.version:
+            ids = self.ids()
+            return ids, self.rows(ids), np.zeros(0, dtype=np.int64), True
+        ids, rows = self.changed_since(version)
+        gone = [g for v, g in self._tombs if v > version]
+        removed = np.unique(np.concatenate([np.zeros(0, dtype=np.int64), *gone]))
+        # An id removed then created again is in both: the copy removes it, then takes its row.
+        return ids, rows, removed, False
 
     def stats(self) -> dict[str, int]:
         return {"live": len(self), "created": self.created, "evicted": self.evicted,
@@ -485,7 +520,19 @@ class EmbeddingTable:
         table.version = state["version"]
         table.created, table.evicted, table.dropped = state["created"], state["evicted"], state["dropped"]
         table.saved_version, table.saved_step = table.version, table.global_step
+        table.tomb_floor = table.version  # loaded rows carry no change versions
         return table
+
+
+def rows_digest(tables: Iterable[tuple[str, np.ndarray, np.ndarray]]) -> str:
+    """A hash of (name, sorted ids, their whole rows) of each table: equal digests, identical
+    tables (a shard's against a resumed one's, or against a replica's copy)."""
+    h = hashlib.sha256()
+    for name, ids, rows in tables:
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
+        h.update(np.ascontiguousarray(rows, dtype=np.float32).tobytes())
+    return h.hexdigest()[:16]
 
 
 @dataclass

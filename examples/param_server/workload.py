@@ -91,13 +91,16 @@ async def train_worker(client: PSClient, cfg: WorkerConfig, num_workers: int = 1
         rng.bit_generator.state = meta["rng"]
         losses = list(meta["losses"])
         client.start_at(cfg.start_clock)
+    await client.connect()
+    # A restarted process of a worker task goes on where the shards say the lost one got.
+    first = client.next_step["push"]
     writes: list[asyncio.Future[Any]] = []
     started = time.perf_counter()
     acks = np.zeros((client.num_shards, len(client.names)), dtype=np.int64)
     log.info("worker %d: training %d steps of %d samples on %d PS shards", worker, cfg.steps,
              cfg.batch, client.num_shards)
     next_progress = time.monotonic() + cfg.progress_every
-    for step in range(cfg.start_clock, cfg.steps):
+    for step in range(first, cfg.steps):
         if cfg.crash_job_at == step and worker == 0:
             await asyncio.to_thread(cut.kill_job_after_cut, cfg.cut_root, cfg.cut_every, step,
                                     client.num_shards, num_workers)
@@ -118,7 +121,7 @@ async def train_worker(client: PSClient, cfg: WorkerConfig, num_workers: int = 1
             grads[name] = np.broadcast_to((err / cfg.batch)[:, None, :], emb[name].shape)
         losses.append(loss)
         acks = await client.push_tables(ids, grads, step)
-        if step == cfg.start_clock:
+        if step == first:
             # Every shard answered: a dial refused from now on is a lost shard, not one still
             # starting. Fail it within a second (rvz would redial for its whole start-up
             # allowance) so that ``restart_timeout`` counts from about when the shard died.
@@ -132,8 +135,8 @@ async def train_worker(client: PSClient, cfg: WorkerConfig, num_workers: int = 1
     await asyncio.gather(*writes)
     seconds = time.perf_counter() - started
     head = max(1, cfg.steps // 10)
-    done = cfg.steps - cfg.start_clock
-    return {"worker": worker, "steps": cfg.steps, "seconds": seconds,
+    done = cfg.steps - first
+    return {"worker": worker, "steps": cfg.steps, "first_step": first, "seconds": seconds,
             "ids_per_s": done * cfg.batch * cfg.bag * len(client.names) / seconds,
             "loss_first": float(np.mean(losses[:head])), "loss_last": float(np.mean(losses[-head:])),
             "loss_digest": loss_digest(losses), "acks": acks.tolist(), "restarts": client.restarts}
