@@ -163,7 +163,26 @@ class Hostile:
             return False
         try:
             self.writer.write(data)
-            await asyncio.wait_for(self.writer.drain(), timeout)
+        except (ConnectionError, OSError):
+            return False
+        # drain() races the close: on Python 3.10 a drain already waiting when the node
+        # resets the connection may never wake, though the stream has seen the reset.
+        drain = asyncio.ensure_future(self.writer.drain())
+        closed = asyncio.ensure_future(self.writer.wait_closed())
+        try:
+            done, _ = await asyncio.wait({drain, closed}, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (drain, closed):
+                task.cancel()
+            if closed.done() and not closed.cancelled():
+                closed.exception()  # the reset it ended with is the node's close: seen
+        if not done:
+            raise asyncio.TimeoutError(f"the node read nothing for {timeout}s")
+        if drain not in done:
+            return False
+        try:
+            drain.result()
             return True
         except (ConnectionError, OSError):
             return False
