@@ -35,14 +35,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
-import hmac
 import ipaddress
 import logging
 import os
 import socket
 import ssl as _ssl
-import sys
 import time
 import warnings
 import weakref
@@ -67,6 +64,7 @@ from .errors import (
     TransportError,
     WrongEndpoint,
 )
+from .handshake import Handshake
 from .poll import BusyPoll, check_budget
 from .types import KeyLike, Mode, NodeStats, PeerStats, SendValue, StepStats, TransportName, Value
 
@@ -95,8 +93,6 @@ _RETIRED_STEPS_MAX = 1 << 12
 # A peer needs one or two connections (each side may dial); a few more cover reconnects
 # whose old connection is not known dead yet.  More is a peer holding sockets open.
 _MAX_INBOUND_PER_PEER = 8
-# Replaced incarnations of each peer remembered, to refuse a second process with its task id.
-_REPLACED_KEPT = 16
 _ABORT_TEXT_MAX = 1024  # characters of a peer's step clean-up message that are kept
 # The default of ``min_rate``: the slowest a large payload may arrive, in bytes/s on average,
 # once it has taken peer_timeout.  Half a megabit per second is below any link tensors are
@@ -386,8 +382,7 @@ class Node(_NodeCalls):
         self.mode = mode
         self.transport: str = transport  # onesided.Host declares it a str
         self._host = host
-        # Kept only as the HMAC key; never logged, never part of an error message.
-        self._secret = _check_secret(secret)
+        secret = _check_secret(secret)  # the handshake keeps it (rvz.handshake)
         self._ssl_server: _ssl.SSLContext | None
         self._ssl_client: _ssl.SSLContext | None
         if isinstance(ssl, tuple):
@@ -452,9 +447,10 @@ class Node(_NodeCalls):
         self._closing_pushes: list[Any] = []
         self._repeats = _Repeats()  # events that may repeat many times a second, logged in sum
         self._said_bye = False  # close() said BYE: a connection made since says it at once
-        # task id -> incarnations of that task a newer one replaced (the last few): one of
-        # them back is a second process with the same task id, never a restart.
-        self._replaced: dict[TaskId, deque[int]] = {}
+        # HELLO and AUTH: their verdicts, and the incarnations newer ones replaced.
+        self._handshake = Handshake(self.id, self.incarnation, secret,
+                                    default_window=push_window, default_parks=_engine.DEFAULT_PARKS,
+                                    in_cluster=self._in_cluster)
         # The pid of the process this node was started in, when this is a child forked
         # from it (``_disown``); None otherwise.
         self._forked_from: int | None = None
@@ -541,7 +537,7 @@ class Node(_NodeCalls):
         self._set_state("running")
         _started.add(self)
         self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
-        if self._secret is None and not _is_loopback(host):
+        if not self._handshake.has_secret and not _is_loopback(host):
             log.warning("%s listens on %s without a secret: any process that reaches the port "
                         "can send, receive and abort steps (see docs/security.md)",
                         self.name, host)
@@ -769,11 +765,8 @@ class Node(_NodeCalls):
 
     def hello_fields(self, conn: Connection) -> dict[str, Any]:
         """What this node says in the HELLO of a new connection."""
-        conn.nonce = os.urandom(16)
-        fields = {"v": _codec.VERSION, "job": self.job, "task": self.task,
-                  "inc": self.incarnation, "order": sys.byteorder, "mode": self.mode,
-                  "n": conn.nonce, "win": self.push_window, "park": self.max_parked,
-                  "auth": self._secret is not None}
+        conn.nonce, fields = self._handshake.hello(mode=self.mode, win=self.push_window,
+                                                   park=self.max_parked)
         if self._onesided is not None:
             fields.update(self._onesided.offer(conn))  # one-sided endpoints it may use
         return fields
@@ -1649,105 +1642,54 @@ class Node(_NodeCalls):
 
     # -- frames the engine hands up ------------------------------------------------------------
 
+    def _in_cluster(self, task_id: TaskId) -> bool:
+        try:
+            self.cluster.address(*task_id)
+        except KeyError:
+            return False
+        return True
+
     def _peer_name(self, conn: Connection) -> str:
         return conn.peer.name if conn.peer is not None else "an unidentified peer"
 
     def _on_hello(self, conn: Connection, fields: dict[str, Any]) -> None:
-        """The peer's HELLO: check who it says it is; with a secret, answer with our AUTH
-        and wait for its own, else accept it now."""
-        try:
-            version = fields["v"]
-            task_id = (str(fields["job"]), int(fields["task"]))
-            incarnation = int(fields["inc"])
-            order = fields.get("order", "little")
-            window = int(fields.get("win", self.push_window))  # its push_window option
-            parks = int(fields.get("park", _engine.DEFAULT_PARKS))  # its max_parked option
-            nonce = fields.get("n", b"")
-        except (KeyError, TypeError, ValueError, OverflowError):
-            raise ProtocolError(f"HELLO is missing fields or has malformed ones: {fields!r}") from None
-        if version != _codec.VERSION:
-            raise ProtocolError(f"peer speaks protocol version {version}, we speak {_codec.VERSION}")
-        if order != sys.byteorder:
-            raise ProtocolError(f"peer is {order}-endian, this node is {sys.byteorder}-endian")
-        if (not 0 <= incarnation < 1 << 64 or window < 0 or not 0 <= parks < 1 << 63
-                or not isinstance(nonce, bytes)):
-            raise ProtocolError(f"HELLO has out-of-range fields: {fields!r}")
-        core = self._core
-        if task_id == self.id:
-            # No node connects to itself (its own keys never leave it): such a HELLO is a
-            # peer replaying ours, to have our own proof accepted as its own.
-            raise ProtocolError(f"a peer claims to be this node ({self.name})")
-        if conn.outbound:
-            assert conn.peer is not None
-            if conn.peer.id != task_id:
-                raise ProtocolError(f"dialled {conn.peer.name} at {conn.peer.address} but "
-                                    f"/job:{task_id[0]}/task:{task_id[1]} answered")
-        else:
-            try:
-                conn.peer = core.peer(task_id)
-            except KeyError:
-                raise ProtocolError(f"/job:{task_id[0]}/task:{task_id[1]} is not in our cluster") from None
-        conn.hello = (incarnation, window, parks, nonce, fields)
-        wants_auth = bool(fields.get("auth", False))
-        if self._secret is None and not wants_auth:
+        """The peer's HELLO: the handshake's verdict binds the connection to its peer, then
+        either accepts it now or answers with our AUTH and waits for the peer's."""
+        dialled = conn.peer if conn.outbound else None
+        hello = self._handshake.on_hello(
+            fields, dialled=None if dialled is None else dialled.id, our_nonce=conn.nonce,
+            address="" if dialled is None else dialled.address)
+        if dialled is None:
+            conn.peer = self._core.peer(hello.task)
+        conn.hello = hello
+        if hello.proof is None:
             self._accept_peer(conn)
-            return
-        if self._secret is None:
-            raise AuthError(f"{conn.peer.name} requires a secret and this node has none "
-                            "(give both Node(secret=...) or RVZ_SECRET)")
-        if not wants_auth:
-            raise AuthError(f"{conn.peer.name} has no secret and this node requires one")
-        if len(nonce) != 16 or nonce == conn.nonce:  # ours sent back: a reflection
-            raise ProtocolError("HELLO carries a malformed nonce")
-        conn.write_frame(_codec.encode_auth(self._mac(conn.outbound, conn.nonce, nonce, self.id,
-                                                      self.incarnation, task_id, incarnation)))
-
-    def _mac(self, dialled: bool, sender_nonce: bytes, receiver_nonce: bytes,
-             sender: tuple[str, int], sender_inc: int, receiver: tuple[str, int],
-             receiver_inc: int) -> bytes:
-        """HMAC-SHA256 of the secret over the sender's side of the connection (it dialled,
-        or it accepted), both fresh nonces and both identities.
-
-        The side is what makes a proof one-way: without it, a node's proof to a peer on
-        one connection is the very proof that node expects from that peer on another, and
-        someone without the secret who dials both (handing each the other's nonce) could
-        pass one's proof to the other as its own.
-        """
-        assert self._secret is not None
-        message = b"".join((b"rvz-auth-2", b"D" if dialled else b"A", sender_nonce, receiver_nonce,
-                            f"{sender[0]}:{sender[1]}:{sender_inc}".encode(),
-                            f"{receiver[0]}:{receiver[1]}:{receiver_inc}".encode()))
-        return hmac.new(self._secret, message, hashlib.sha256).digest()
+        else:
+            conn.write_frame(_codec.encode_auth(hello.proof))
 
     def _on_auth(self, conn: Connection, fields: dict[str, Any]) -> None:
         """The peer's proof that it holds the secret, bound to this connection's nonces."""
-        hello = conn.hello
-        if self._secret is None or hello is None or conn.ready:
+        if conn.ready:
             raise ProtocolError("unexpected AUTH frame")
-        incarnation, _, _, nonce, _ = hello
-        mac = fields.get("mac")
-        # The peer's side is the other one: it dialled if we accepted.
-        expected = self._mac(not conn.outbound, nonce, conn.nonce, conn.peer.id, incarnation,
-                             self.id, self.incarnation)
-        if not isinstance(mac, bytes) or not hmac.compare_digest(mac, expected):
-            raise AuthError(f"authentication of {conn.peer.name} failed: its proof does not "
-                            "match this node's secret")
+        self._handshake.on_auth(conn.hello, fields, dialled=conn.outbound, our_nonce=conn.nonce)
         self._accept_peer(conn)
 
     def _accept_peer(self, conn: Connection) -> None:
         """The handshake is complete: bind the connection to its peer and open it."""
-        incarnation, window, parks, _, fields = conn.hello
-        window = min(window, self.push_window)
+        hello = conn.hello
+        incarnation, window = hello.incarnation, min(hello.window, self.push_window)
         peer = conn.peer
         self._check_certificate(conn, peer)
-        self._check_replaced(peer, incarnation)
+        self._handshake.check_replaced(
+            peer.id, incarnation, peer.incarnation,
+            any(c.ready and not c.bye_received for c in peer.live_connections()))
         if not conn.outbound:
             if len([c for c in peer.inbound if not c.closed]) >= _MAX_INBOUND_PER_PEER:
                 raise ProtocolError(f"{peer.name} opened more than {_MAX_INBOUND_PER_PEER} "
                                     "connections")
             peer.inbound.add(conn)
         if self._onesided is not None:  # agree on the transport; TransportError fails conn
-            self._onesided.on_hello(conn, fields)
+            self._onesided.on_hello(conn, hello.fields)
         if peer.incarnation != incarnation:
             self._replace_incarnation(peer, conn, incarnation, window)
         else:
@@ -1756,8 +1698,8 @@ class Node(_NodeCalls):
                 peer.window = window
             self._core.resync(peer, conn)
         peer.incarnation = incarnation
-        peer.parks = parks
-        peer.mode = _engine.canonical_mode(str(fields.get("mode", "")))
+        peer.parks = hello.parks
+        peer.mode = hello.mode
         conn.ready = True
         self._core.regroup(peer, False)  # back (or new): what we hold for it counts in full
         if peer.link is None or peer.link.closed:
@@ -1784,35 +1726,13 @@ class Node(_NodeCalls):
             raise AuthError(f"{peer.name}'s TLS certificate does not name it (tls_identity): "
                             f"it names {sorted(names)[:8]}, not one of {sorted(wanted)}")
 
-    def _check_replaced(self, peer: Any, incarnation: int) -> None:
-        """Refuse an incarnation of ``peer`` that a newer one replaced while that newer one
-        is connected; take it back when the newer one has no live connection left.
-
-        A restarted process never comes back, so an old incarnation that completes a
-        handshake is alive: a second process run as the same task, or the real process
-        after something claimed its identity with a new incarnation.  While the newer one
-        is connected, the old one is refused, so two live processes are not taken in turns
-        (each replacement fails what the other held).  Once the newer one is gone, refusing
-        the old one for good would lock the real process out after an impostor left: the
-        old one, live and proving it (with a secret, by the secret), is taken back.  A
-        newcomer is not refused while the current process is connected: a restart whose
-        old process is frozen, not dead, must not wait for its connection to time out."""
-        replaced = self._replaced.get(peer.id)
-        if replaced is None or incarnation not in replaced:
-            return
-        if any(c.ready and not c.bye_received for c in peer.live_connections()):
-            raise AuthError(f"{peer.name} incarnation {incarnation:#x} was replaced by "
-                            f"incarnation {peer.incarnation:#x}: two processes run as "
-                            f"{peer.name} (give each task its own job and task index)")
-        replaced.remove(incarnation)  # taken back: the newer one goes in its place
-
     def _replace_incarnation(self, peer: Any, conn: Connection, incarnation: int,
                              window: int) -> None:
         """``peer`` is a new process (``incarnation``), or a replaced one taken back: fail
         what depended on the one it replaces and drop everything kept for that one."""
         old = peer.incarnation
         if old is not None:
-            self._replaced.setdefault(peer.id, deque(maxlen=_REPLACED_KEPT)).append(old)
+            self._handshake.replaced(peer.id, old)
             err = PeerLost(f"peer {peer.name} restarted (new incarnation)")
             err.__cause__ = ConnectionResetError(f"{peer.name} restarted")
             self._peer_lost(peer, err, keep=conn)
