@@ -215,6 +215,12 @@ class Connection(Wire, asyncio.BufferedProtocol):
             self.on_resume = None
             callback(self)
 
+    def hand_back(self, stand_in: Any) -> Any:
+        """In a forked child: put ``stand_in`` in place of the parent's transport, which
+        this process must never touch, and return the parent's (to keep it referenced)."""
+        parent, self.transport = self.transport, stand_in
+        return parent
+
     # -- writing: Wire._write (compiled) hands bytes to self.transport --------------------
 
     def backlog(self) -> int:

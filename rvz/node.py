@@ -297,6 +297,30 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_disown_after_fork)
 
 
+class _EngineHost:
+    """The node as its engine's host (``rvz._fast.host.Host``): the engine's calls upward,
+    bound to the node's methods that answer them."""
+
+    __slots__ = ("check_running", "start_link", "request_when_linked", "on_hello", "on_auth",
+                 "on_error", "on_abort_step")
+
+    def __init__(self, node: Node) -> None:
+        self.check_running = node._check_running
+        self.start_link = node._start_link
+        self.request_when_linked = node._request_when_linked
+        self.on_hello = node._on_hello
+        self.on_auth = node._on_auth
+        self.on_error = node._on_error
+        self.on_abort_step = node._on_abort_step
+
+
+if TYPE_CHECKING:
+    from ._fast.host import Host
+
+    def _checked_host(node: Node) -> Host:
+        return _EngineHost(node)  # mypy holds _EngineHost to the Host protocol
+
+
 class Node(_NodeCalls):
     """One task of a cluster: ``async with Node(cluster, job, task, mode) as node``.
 
@@ -425,7 +449,7 @@ class Node(_NodeCalls):
         self._server: asyncio.AbstractServer | None = None
         self._tick_handle: asyncio.TimerHandle | None = None
         # The protocol engine: tables, routes, requests, credit (see rvz/_fast/engine.py).
-        self._core = _engine.Core(self, self.cluster, self.id, self.name, mode, None,
+        self._core = _engine.Core(_EngineHost(self), self.cluster, self.id, self.name, mode, None,
                                   push_window, hold_limit, claim_timeout, max_parked,
                                   max_steps, answer_backlog, lost_hold_limit)
         self.lost_hold_limit = self._core.lost_hold_limit  # (None: the core's default)
@@ -436,6 +460,7 @@ class Node(_NodeCalls):
         # step -> (table, stamp, puts) of the tables the last tick found empty
         self._empty_seen: dict[int, tuple[Any, Any, Any]] = {}
         self._conns: set[Connection] = set()
+        self._dials: dict[TaskId, asyncio.Future[Connection]] = {}  # task -> the dial under way
         # Connections accepted by a TLS node and still in their TLS handshake: not in
         # ``_conns`` yet, but counted as unidentified (``_unidentified``).
         self._handshaking: set[Connection] = set()
@@ -488,7 +513,7 @@ class Node(_NodeCalls):
         if new not in allowed[self._state]:
             raise RvzError(f"node {self.name}: cannot go from {self._state} to {new}")
         self._state = new
-        self._core.running = new == "running"
+        self._core.set_running(new == "running")
 
     async def start(self) -> Node:
         """Listen on this task's address and start the heartbeat."""
@@ -560,15 +585,11 @@ class Node(_NodeCalls):
         if self._state not in ("running", "closing"):
             return
         self._forked_from = self._core.pid
-        self._core.loop_thread = 0  # enter() fails from now on; wrong_loop() says why
         self._state = "closed"
-        self._core.running = False
-        self._core.closed = True
+        self._core.stop(forked=True)
         # The parent's transports stay referenced here: collected, a uvloop transport would
         # close its handle through the inherited loop.
-        self._parents = [conn.transport for conn in self._conns]
-        for conn in self._conns:
-            conn.transport = _Inherited()
+        self._parents = [conn.hand_back(_Inherited()) for conn in self._conns]
         self._server = None
         self._onesided = None
         self._tasks = set()
@@ -663,7 +684,7 @@ class Node(_NodeCalls):
             state: Literal["connected", "dialling", "idle"]
             if ready:
                 state = "connected"
-            elif conns or (peer.dialling is not None and not peer.dialling.done()):
+            elif conns or self._dialling(peer):
                 state = "dialling"
             else:
                 state = "idle"
@@ -813,11 +834,7 @@ class Node(_NodeCalls):
         peer = conn.peer
         if peer is None:
             return
-        if peer.out is conn:
-            peer.out = None
-        if peer.link is conn:
-            peer.link = None
-        peer.inbound.discard(conn)
+        peer.dropped(conn)
         core = self._core
         for parked in conn.parked.values():
             parked.cancel()
@@ -867,12 +884,10 @@ class Node(_NodeCalls):
             if other.ready:
                 self._link_ready(peer, other)  # sends again what peer did not acknowledge
                 return
-        if self._state != "closed" and (peer.dialling is None or peer.dialling.done()):
-            assert self._loop is not None
+        if self._state != "closed" and not self._dialling(peer):
             log.info("%s: lost the connection to %s (%s): reconnecting", self.name, peer.name,
                      conn.close_reason)
-            peer.dialling = self._loop.create_future()
-            self._spawn(self._dial(peer, peer.dialling, after=conn.close_reason))
+            self._new_dial(peer, after=conn.close_reason)
 
     # -- close ----------------------------------------------------------------------------------
 
@@ -890,8 +905,7 @@ class Node(_NodeCalls):
         self._entry(None)  # from another thread it raises RuntimeError and changes nothing
         if self._state in ("new", "closed"):
             self._state = "closed"
-            self._core.running = False
-            self._core.closed = True
+            self._core.stop()
             return
         if self._state == "closing":
             while self._state != "closed":
@@ -971,9 +985,7 @@ class Node(_NodeCalls):
         takes any frame after BYE as a protocol error, and fails every connection to us.
         A dial, a request or a credit finishing while close() drains would write one, so
         the connection counts as closed here from now on (its writes are dropped)."""
-        conn.write_frame(_codec.encode_bye())
-        conn.flush()
-        conn.closed_here = True
+        conn.say_bye()
 
     def abort(self, exc: BaseException | None = None) -> None:
         """Close at once: every pending and later operation fails with ``NodeClosed`` (an
@@ -996,8 +1008,7 @@ class Node(_NodeCalls):
         core = self._core
         self._close_cause = cause
         self._state = "closed"
-        core.running = False
-        core.closed = True
+        core.stop()
         if self._tick_handle is not None:
             self._tick_handle.cancel()
         self._repeats.flush(force=True)
@@ -1122,7 +1133,7 @@ class Node(_NodeCalls):
 
     def _start_link(self, peer: Any) -> None:
         """Make sure a connection to ``peer`` is on its way (without waiting for it)."""
-        if peer.dialling is None or peer.dialling.done():
+        if not self._dialling(peer):
             self._spawn(self._link(peer))
 
     def _held_for(self) -> dict[Any, int]:
@@ -1265,11 +1276,9 @@ class Node(_NodeCalls):
                 return conn
         if self._state == "closed":
             raise self._closed_error(self._close_cause or NodeClosed(self.name))
-        if peer.dialling is None or peer.dialling.done():
-            assert self._loop is not None
-            peer.dialling = self._loop.create_future()
-            self._spawn(self._dial(peer, peer.dialling))
-        dialling = peer.dialling
+        dialling = self._dials.get(peer.id)
+        if dialling is None or dialling.done():
+            dialling = self._new_dial(peer)
         try:
             return await asyncio.shield(dialling)
         except PeerLost as exc:
@@ -1303,7 +1312,7 @@ class Node(_NodeCalls):
                     hello = self._loop.create_future()
                     conn.hello_waiter = hello
                     await _wait_for(hello, max(0.01, deadline - self._loop.time()))
-                peer.out = conn
+                peer.dialled(conn)
                 if peer.link is None or peer.link.closed:
                     self._link_ready(peer, conn)
                 if not result.done():
@@ -1344,6 +1353,20 @@ class Node(_NodeCalls):
         # A lost connection that could not be made again fails what waited on it.
         self._peer_lost(peer, err, level=None if after is not None else logging.DEBUG)
 
+    def _dialling(self, peer: Any) -> bool:
+        """A dial to ``peer`` is under way."""
+        dial = self._dials.get(peer.id)
+        return dial is not None and not dial.done()
+
+    def _new_dial(self, peer: Any, after: BaseException | None = None) -> asyncio.Future[Connection]:
+        """Dial ``peer`` in the background (``after`` a connection lost for that reason):
+        the future of the connection, or of the error that ends the dial."""
+        assert self._loop is not None
+        dial: asyncio.Future[Connection] = self._loop.create_future()
+        self._dials[peer.id] = dial
+        self._spawn(self._dial(peer, dial, after=after))
+        return dial
+
     def _dialled_us(self, peer: Any, result: asyncio.Future[Connection]) -> bool:
         """``peer`` has a ready connection, which it dialled while we tried to connect again:
         our dial ends with it (it may not fail what that connection now carries)."""
@@ -1357,8 +1380,7 @@ class Node(_NodeCalls):
         return False
 
     def _link_ready(self, peer: Any, conn: Connection) -> None:
-        peer.link = conn
-        self._core.resend(peer, conn)  # what an earlier connection carried, unacknowledged
+        self._core.link(peer, conn)
         if peer.queue:
             assert self._loop is not None
             self._loop.call_soon(self._core.pump, peer)
@@ -1383,24 +1405,9 @@ class Node(_NodeCalls):
         for conn in peer.live_connections():
             if conn is not keep:
                 conn.fail(err)
-        if peer.out is not keep:
-            peer.out = None
-        peer.inbound = {c for c in peer.inbound if c is keep}
-        if peer.link is not keep:
-            peer.link = None
-        # It parks none of our requests any more, but those on ``keep``; the held-back ones
-        # fail below with the recvs behind them (unless a new incarnation can serve them).
-        peer.asking = {i: c for i, c in peer.asking.items() if c is keep}
-        if keep is None:
-            peer.held_back.clear()
-        # Values it has not acknowledged are kept, and keep their credit: they are sent
-        # again if the same process comes back (a new one resets both, ``new_incarnation``).
-        # What we owe it (consumed, not yet credited) is kept and goes on the next
-        # connection, so our count of what it sent us (peer.unreturned) stays right.
-        peer.asked = False
-        peer.owe_now = False
-        peer.stuck = False
-        peer.pushes_on = None
+        # The held-back requests fail below with the recvs behind them (unless a new
+        # incarnation, ``keep``, can serve them).
+        peer.forget_links(keep)
         if core.hold_waiters:  # a send waiting for room may wait on this peer: it dials
             core.wake_holders()
 
@@ -1429,8 +1436,7 @@ class Node(_NodeCalls):
                             step: int | None = None) -> None:
         """Fail the pushes waiting in ``peer``'s queue (only ``step``'s, if given); the
         rest keep their order and are pumped again."""
-        queue = peer.queue
-        peer.queue = deque()
+        queue = peer.take_queue()
         queued = self._core.queued_pushes
         for item in queue:
             done, route = item[0], item[2]
@@ -1501,7 +1507,7 @@ class Node(_NodeCalls):
             self._push_unclaimed(self._loop.time())
         if core.asked and self.claim_timeout is not None:
             horizon = now - self.claim_timeout
-            core.asked = {k: t for k, t in core.asked.items() if t >= horizon}
+            core.forget_asked(horizon)
         self._drop_empty_tables()
         if self.step_idle is not None:
             self._expire_idle_steps(now)
@@ -1552,8 +1558,7 @@ class Node(_NodeCalls):
             if step in core.tables:
                 continue
             for peer in core.step_peers.pop(step):
-                if peer.joined_step == step:
-                    peer.joined_step = None
+                peer.left_step(step)
             excess -= 1
 
     def _expire_idle_steps(self, now: float) -> None:
@@ -1660,7 +1665,7 @@ class Node(_NodeCalls):
             fields, dialled=None if dialled is None else dialled.id, our_nonce=conn.nonce,
             address="" if dialled is None else dialled.address)
         if dialled is None:
-            conn.peer = self._core.peer(hello.task)
+            self._core.identified(conn, hello.task)
         conn.hello = hello
         if hello.proof is None:
             self._accept_peer(conn)
@@ -1693,15 +1698,8 @@ class Node(_NodeCalls):
         if peer.incarnation != incarnation:
             self._replace_incarnation(peer, conn, incarnation, window)
         else:
-            if window != peer.window:
-                peer.credit += window - peer.window
-                peer.window = window
-            self._core.resync(peer, conn)
-        peer.incarnation = incarnation
-        peer.parks = hello.parks
-        peer.mode = hello.mode
-        conn.ready = True
-        self._core.regroup(peer, False)  # back (or new): what we hold for it counts in full
+            self._core.resync(peer, conn, window)
+        self._core.accepted(peer, conn, incarnation, hello.parks, hello.mode)
         if peer.link is None or peer.link.closed:
             # The first ready connection either side dialled carries our traffic: a push
             # to a consumer that dialled us need not wait for a dial of our own.
@@ -1738,9 +1736,6 @@ class Node(_NodeCalls):
             self._peer_lost(peer, err, keep=conn)
             self._forget_dead_steps_of(peer, old)
             self._drop_values_of(peer, old)
-            # Requests we cancelled on the old process are never settled by the new one.
-            core = self._core
-            core.cancelled = {i: p for i, p in core.cancelled.items() if p is not peer}
         self._core.new_incarnation(peer, window)  # nothing of the old process counts
 
     def _drop_values_of(self, peer: Any, incarnation: int) -> None:
@@ -1794,12 +1789,9 @@ class Node(_NodeCalls):
         if request_id == 0 and fields.get("code") == "protocol":
             # It closes this connection for something we sent: not a broken link.  What it
             # did not acknowledge is not sent again (it would be refused again).
-            if conn.close_reason is None:
-                conn.close_reason = ProtocolError(
-                    f"{self._peer_name(conn)} closed the connection: "
-                    f"{str(fields.get('msg', ''))[:500]}")
             core.drop_unacked(conn.peer)
-            conn.close()
+            conn.close_because(ProtocolError(f"{self._peer_name(conn)} closed the connection: "
+                                             f"{str(fields.get('msg', ''))[:500]}"))
             return
         core.asked_no_more(conn.peer, request_id)
         request = core.requests.get(request_id)
@@ -1916,7 +1908,7 @@ class Node(_NodeCalls):
                     peer, lambda key: _table.aborted_error(message, cause, key), step)
         core.drop_outstanding(step)
         for peer in peers:
-            peer.joined_step = None
+            peer.left_step(step)
             if peer is origin:
                 continue
             for conn in peer.live_connections()[:1]:

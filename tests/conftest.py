@@ -78,6 +78,9 @@ def pytest_asyncio_loop_factories(config: pytest.Config,
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "loop_timeout(seconds): bound on an async test's coroutine, "
                                        f"TimeoutError after it (default {LOOP_TIMEOUT:g} s)")
+    config.addinivalue_line("markers", "process: runs a program (an example, rvz-bench, the build) "
+                                       "whose behaviour the hot paths' implementation does not "
+                                       "change; scripts/test runs these in the compiled leg only")
 
 
 def _on_given_loop(test: Callable[..., Coroutine[Any, Any, None]],

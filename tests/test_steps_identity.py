@@ -39,8 +39,8 @@ async def gave_up_on(node: rvz.Node, task: tuple[str, int]) -> None:
     """Wait until ``node`` has found ``task``'s process gone: its reconnect was refused
     (a restart takes longer than that, and a recv issued before it could fail with it)."""
     peer = node._core.peers[task]
-    await eventually(lambda: not peer.live_connections() and (
-        peer.dialling is None or peer.dialling.done()), f"{node.name} gave up on {task}")
+    await eventually(lambda: not peer.live_connections() and not node._dialling(peer),
+                     f"{node.name} gave up on {task}")
 
 
 # -- step ids ------------------------------------------------------------------------------------
