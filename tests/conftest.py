@@ -149,6 +149,26 @@ def run(loop_name: str) -> Runner:
 free_ports = rvz.cluster.free_ports
 
 
+def _worker_ports() -> None:
+    """Under pytest-xdist, each worker draws ports from its own slice of the spans
+    ``free_ports`` draws from: a port one worker's test found free cannot be taken by
+    another worker's before the first one's node binds it."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get(
+        "PYTEST_XDIST_WORKER_COUNT", "")
+    if not worker.startswith("gw") or not count.isdigit() or int(count) < 2:
+        return
+    index, count_ = int(worker[2:]), int(count)
+    spans = rvz.cluster._outside_ephemeral()
+    mine = []
+    for lo, hi in spans:
+        share = (hi - lo + 1) // count_
+        mine.append((lo + index * share, lo + (index + 1) * share - 1))
+    rvz.cluster._outside_ephemeral = lambda: mine  # type: ignore[attr-defined]
+
+
+_worker_ports()
+
+
 @pytest.fixture
 def cluster() -> rvz.ClusterSpec:
     """Two jobs on loopback: worker/0 and ps/0."""

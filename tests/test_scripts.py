@@ -59,6 +59,8 @@ def test_scripts_test_runs_every_leg_and_fails_at_the_end(tmp_path: Path) -> Non
                 "API reference"):
         assert f"== {leg}\n" in out, (leg, out, proc.stderr)
     summary = out.split("== summary\n", 1)[1].splitlines()
+    assert all(re.search(r"\d+ s\)$", line) for line in summary), summary  # each leg's time
+    summary = [re.sub(r", \d+ s\)$", ")", re.sub(r" \(\d+ s\)$", "", line)) for line in summary]
     assert summary == ["FAILED  ruff (exit 1)", "passed  mypy",
                        "FAILED  tests: compiled hot paths (exit 3)",
                        "FAILED  tests: pure-Python hot paths (exit 3)",
