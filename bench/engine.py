@@ -29,13 +29,14 @@ B = "/job:b/replica:0/task:0/device:CPU:0"
 KEYS = [str(rvz.Key(src=A, dst=B, name=f"s{i}", incarnation=1)) for i in range(64)]
 
 
-class Shell:
-    """The node's side of the engine, reduced to what a running node answers."""
+class Host:
+    """The node's side of the engine (rvz._fast.host.Host), reduced to what a running,
+    linked node answers: the benchmark never calls the rest."""
 
-    def _check_running(self, key: Any) -> None:
+    def check_running(self, key: Any = None) -> None:
         pass
 
-    def _start_link(self, peer: Any) -> None:
+    def start_link(self, peer: Any) -> None:
         pass
 
 
@@ -59,9 +60,9 @@ class NullWire(engine.Wire):  # type: ignore[misc,name-defined]
 
 
 def core(job: str, peer: str, loop: Any) -> Any:
-    c = engine.Core(Shell(), CLUSTER, (job, 0), job, "send", loop, 64 << 20, 256 << 20, None)
+    c = engine.Core(Host(), CLUSTER, (job, 0), job, "send", loop, 64 << 20, 256 << 20, None)
     c.attach(loop, threading.get_ident())  # as Node.start does
-    c.running = True
+    c.set_running(True)
     return c
 
 

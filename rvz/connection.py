@@ -82,7 +82,7 @@ class Connection(Wire, asyncio.BufferedProtocol):
         self.idle_ticks = 0
         self.on_resume: Any = None        # the engine's push queue, waiting for the socket
         self.nonce = b""                  # ours, in our HELLO (the handshake's challenge)
-        self.hello: Any = None            # the peer's (incarnation, window, parks, nonce, fields)
+        self.hello: Any = None            # the peer's checked HELLO (rvz.handshake.Hello)
         self.opened = 0.0                 # loop time of connection_made (HELLO deadline)
         self.lowat_sock: Any = None       # the plain TCP socket whose SO_RCVLOWAT we tune
         self._lowat_fd = -1
@@ -214,6 +214,12 @@ class Connection(Wire, asyncio.BufferedProtocol):
         if callback is not None:
             self.on_resume = None
             callback(self)
+
+    def hand_back(self, stand_in: Any) -> Any:
+        """In a forked child: put ``stand_in`` in place of the parent's transport, which
+        this process must never touch, and return the parent's (to keep it referenced)."""
+        parent, self.transport = self.transport, stand_in
+        return parent
 
     # -- writing: Wire._write (compiled) hands bytes to self.transport --------------------
 

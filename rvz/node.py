@@ -35,14 +35,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
-import hmac
 import ipaddress
 import logging
 import os
 import socket
 import ssl as _ssl
-import sys
 import time
 import warnings
 import weakref
@@ -67,6 +64,7 @@ from .errors import (
     TransportError,
     WrongEndpoint,
 )
+from .handshake import Handshake
 from .poll import BusyPoll, check_budget
 from .types import KeyLike, Mode, NodeStats, PeerStats, SendValue, StepStats, TransportName, Value
 
@@ -95,8 +93,6 @@ _RETIRED_STEPS_MAX = 1 << 12
 # A peer needs one or two connections (each side may dial); a few more cover reconnects
 # whose old connection is not known dead yet.  More is a peer holding sockets open.
 _MAX_INBOUND_PER_PEER = 8
-# Replaced incarnations of each peer remembered, to refuse a second process with its task id.
-_REPLACED_KEPT = 16
 _ABORT_TEXT_MAX = 1024  # characters of a peer's step clean-up message that are kept
 # The default of ``min_rate``: the slowest a large payload may arrive, in bytes/s on average,
 # once it has taken peer_timeout.  Half a megabit per second is below any link tensors are
@@ -301,6 +297,30 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_disown_after_fork)
 
 
+class _EngineHost:
+    """The node as its engine's host (``rvz._fast.host.Host``): the engine's calls upward,
+    bound to the node's methods that answer them."""
+
+    __slots__ = ("check_running", "start_link", "request_when_linked", "on_hello", "on_auth",
+                 "on_error", "on_abort_step")
+
+    def __init__(self, node: Node) -> None:
+        self.check_running = node._check_running
+        self.start_link = node._start_link
+        self.request_when_linked = node._request_when_linked
+        self.on_hello = node._on_hello
+        self.on_auth = node._on_auth
+        self.on_error = node._on_error
+        self.on_abort_step = node._on_abort_step
+
+
+if TYPE_CHECKING:
+    from ._fast.host import Host
+
+    def _checked_host(node: Node) -> Host:
+        return _EngineHost(node)  # mypy holds _EngineHost to the Host protocol
+
+
 class Node(_NodeCalls):
     """One task of a cluster: ``async with Node(cluster, job, task, mode) as node``.
 
@@ -386,8 +406,7 @@ class Node(_NodeCalls):
         self.mode = mode
         self.transport: str = transport  # onesided.Host declares it a str
         self._host = host
-        # Kept only as the HMAC key; never logged, never part of an error message.
-        self._secret = _check_secret(secret)
+        secret = _check_secret(secret)  # the handshake keeps it (rvz.handshake)
         self._ssl_server: _ssl.SSLContext | None
         self._ssl_client: _ssl.SSLContext | None
         if isinstance(ssl, tuple):
@@ -430,7 +449,7 @@ class Node(_NodeCalls):
         self._server: asyncio.AbstractServer | None = None
         self._tick_handle: asyncio.TimerHandle | None = None
         # The protocol engine: tables, routes, requests, credit (see rvz/_fast/engine.py).
-        self._core = _engine.Core(self, self.cluster, self.id, self.name, mode, None,
+        self._core = _engine.Core(_EngineHost(self), self.cluster, self.id, self.name, mode, None,
                                   push_window, hold_limit, claim_timeout, max_parked,
                                   max_steps, answer_backlog, lost_hold_limit)
         self.lost_hold_limit = self._core.lost_hold_limit  # (None: the core's default)
@@ -441,6 +460,7 @@ class Node(_NodeCalls):
         # step -> (table, stamp, puts) of the tables the last tick found empty
         self._empty_seen: dict[int, tuple[Any, Any, Any]] = {}
         self._conns: set[Connection] = set()
+        self._dials: dict[TaskId, asyncio.Future[Connection]] = {}  # task -> the dial under way
         # Connections accepted by a TLS node and still in their TLS handshake: not in
         # ``_conns`` yet, but counted as unidentified (``_unidentified``).
         self._handshaking: set[Connection] = set()
@@ -452,9 +472,10 @@ class Node(_NodeCalls):
         self._closing_pushes: list[Any] = []
         self._repeats = _Repeats()  # events that may repeat many times a second, logged in sum
         self._said_bye = False  # close() said BYE: a connection made since says it at once
-        # task id -> incarnations of that task a newer one replaced (the last few): one of
-        # them back is a second process with the same task id, never a restart.
-        self._replaced: dict[TaskId, deque[int]] = {}
+        # HELLO and AUTH: their verdicts, and the incarnations newer ones replaced.
+        self._handshake = Handshake(self.id, self.incarnation, secret,
+                                    default_window=push_window, default_parks=_engine.DEFAULT_PARKS,
+                                    in_cluster=self._in_cluster)
         # The pid of the process this node was started in, when this is a child forked
         # from it (``_disown``); None otherwise.
         self._forked_from: int | None = None
@@ -492,7 +513,7 @@ class Node(_NodeCalls):
         if new not in allowed[self._state]:
             raise RvzError(f"node {self.name}: cannot go from {self._state} to {new}")
         self._state = new
-        self._core.running = new == "running"
+        self._core.set_running(new == "running")
 
     async def start(self) -> Node:
         """Listen on this task's address and start the heartbeat."""
@@ -541,7 +562,7 @@ class Node(_NodeCalls):
         self._set_state("running")
         _started.add(self)
         self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
-        if self._secret is None and not _is_loopback(host):
+        if not self._handshake.has_secret and not _is_loopback(host):
             log.warning("%s listens on %s without a secret: any process that reaches the port "
                         "can send, receive and abort steps (see docs/security.md)",
                         self.name, host)
@@ -564,15 +585,11 @@ class Node(_NodeCalls):
         if self._state not in ("running", "closing"):
             return
         self._forked_from = self._core.pid
-        self._core.loop_thread = 0  # enter() fails from now on; wrong_loop() says why
         self._state = "closed"
-        self._core.running = False
-        self._core.closed = True
+        self._core.stop(forked=True)
         # The parent's transports stay referenced here: collected, a uvloop transport would
         # close its handle through the inherited loop.
-        self._parents = [conn.transport for conn in self._conns]
-        for conn in self._conns:
-            conn.transport = _Inherited()
+        self._parents = [conn.hand_back(_Inherited()) for conn in self._conns]
         self._server = None
         self._onesided = None
         self._tasks = set()
@@ -667,7 +684,7 @@ class Node(_NodeCalls):
             state: Literal["connected", "dialling", "idle"]
             if ready:
                 state = "connected"
-            elif conns or (peer.dialling is not None and not peer.dialling.done()):
+            elif conns or self._dialling(peer):
                 state = "dialling"
             else:
                 state = "idle"
@@ -769,11 +786,8 @@ class Node(_NodeCalls):
 
     def hello_fields(self, conn: Connection) -> dict[str, Any]:
         """What this node says in the HELLO of a new connection."""
-        conn.nonce = os.urandom(16)
-        fields = {"v": _codec.VERSION, "job": self.job, "task": self.task,
-                  "inc": self.incarnation, "order": sys.byteorder, "mode": self.mode,
-                  "n": conn.nonce, "win": self.push_window, "park": self.max_parked,
-                  "auth": self._secret is not None}
+        conn.nonce, fields = self._handshake.hello(mode=self.mode, win=self.push_window,
+                                                   park=self.max_parked)
         if self._onesided is not None:
             fields.update(self._onesided.offer(conn))  # one-sided endpoints it may use
         return fields
@@ -820,11 +834,7 @@ class Node(_NodeCalls):
         peer = conn.peer
         if peer is None:
             return
-        if peer.out is conn:
-            peer.out = None
-        if peer.link is conn:
-            peer.link = None
-        peer.inbound.discard(conn)
+        peer.dropped(conn)
         core = self._core
         for parked in conn.parked.values():
             parked.cancel()
@@ -874,12 +884,10 @@ class Node(_NodeCalls):
             if other.ready:
                 self._link_ready(peer, other)  # sends again what peer did not acknowledge
                 return
-        if self._state != "closed" and (peer.dialling is None or peer.dialling.done()):
-            assert self._loop is not None
+        if self._state != "closed" and not self._dialling(peer):
             log.info("%s: lost the connection to %s (%s): reconnecting", self.name, peer.name,
                      conn.close_reason)
-            peer.dialling = self._loop.create_future()
-            self._spawn(self._dial(peer, peer.dialling, after=conn.close_reason))
+            self._new_dial(peer, after=conn.close_reason)
 
     # -- close ----------------------------------------------------------------------------------
 
@@ -897,8 +905,7 @@ class Node(_NodeCalls):
         self._entry(None)  # from another thread it raises RuntimeError and changes nothing
         if self._state in ("new", "closed"):
             self._state = "closed"
-            self._core.running = False
-            self._core.closed = True
+            self._core.stop()
             return
         if self._state == "closing":
             while self._state != "closed":
@@ -978,9 +985,7 @@ class Node(_NodeCalls):
         takes any frame after BYE as a protocol error, and fails every connection to us.
         A dial, a request or a credit finishing while close() drains would write one, so
         the connection counts as closed here from now on (its writes are dropped)."""
-        conn.write_frame(_codec.encode_bye())
-        conn.flush()
-        conn.closed_here = True
+        conn.say_bye()
 
     def abort(self, exc: BaseException | None = None) -> None:
         """Close at once: every pending and later operation fails with ``NodeClosed`` (an
@@ -1003,8 +1008,7 @@ class Node(_NodeCalls):
         core = self._core
         self._close_cause = cause
         self._state = "closed"
-        core.running = False
-        core.closed = True
+        core.stop()
         if self._tick_handle is not None:
             self._tick_handle.cancel()
         self._repeats.flush(force=True)
@@ -1129,7 +1133,7 @@ class Node(_NodeCalls):
 
     def _start_link(self, peer: Any) -> None:
         """Make sure a connection to ``peer`` is on its way (without waiting for it)."""
-        if peer.dialling is None or peer.dialling.done():
+        if not self._dialling(peer):
             self._spawn(self._link(peer))
 
     def _held_for(self) -> dict[Any, int]:
@@ -1272,11 +1276,9 @@ class Node(_NodeCalls):
                 return conn
         if self._state == "closed":
             raise self._closed_error(self._close_cause or NodeClosed(self.name))
-        if peer.dialling is None or peer.dialling.done():
-            assert self._loop is not None
-            peer.dialling = self._loop.create_future()
-            self._spawn(self._dial(peer, peer.dialling))
-        dialling = peer.dialling
+        dialling = self._dials.get(peer.id)
+        if dialling is None or dialling.done():
+            dialling = self._new_dial(peer)
         try:
             return await asyncio.shield(dialling)
         except PeerLost as exc:
@@ -1310,7 +1312,7 @@ class Node(_NodeCalls):
                     hello = self._loop.create_future()
                     conn.hello_waiter = hello
                     await _wait_for(hello, max(0.01, deadline - self._loop.time()))
-                peer.out = conn
+                peer.dialled(conn)
                 if peer.link is None or peer.link.closed:
                     self._link_ready(peer, conn)
                 if not result.done():
@@ -1351,6 +1353,20 @@ class Node(_NodeCalls):
         # A lost connection that could not be made again fails what waited on it.
         self._peer_lost(peer, err, level=None if after is not None else logging.DEBUG)
 
+    def _dialling(self, peer: Any) -> bool:
+        """A dial to ``peer`` is under way."""
+        dial = self._dials.get(peer.id)
+        return dial is not None and not dial.done()
+
+    def _new_dial(self, peer: Any, after: BaseException | None = None) -> asyncio.Future[Connection]:
+        """Dial ``peer`` in the background (``after`` a connection lost for that reason):
+        the future of the connection, or of the error that ends the dial."""
+        assert self._loop is not None
+        dial: asyncio.Future[Connection] = self._loop.create_future()
+        self._dials[peer.id] = dial
+        self._spawn(self._dial(peer, dial, after=after))
+        return dial
+
     def _dialled_us(self, peer: Any, result: asyncio.Future[Connection]) -> bool:
         """``peer`` has a ready connection, which it dialled while we tried to connect again:
         our dial ends with it (it may not fail what that connection now carries)."""
@@ -1364,8 +1380,7 @@ class Node(_NodeCalls):
         return False
 
     def _link_ready(self, peer: Any, conn: Connection) -> None:
-        peer.link = conn
-        self._core.resend(peer, conn)  # what an earlier connection carried, unacknowledged
+        self._core.link(peer, conn)
         if peer.queue:
             assert self._loop is not None
             self._loop.call_soon(self._core.pump, peer)
@@ -1390,24 +1405,9 @@ class Node(_NodeCalls):
         for conn in peer.live_connections():
             if conn is not keep:
                 conn.fail(err)
-        if peer.out is not keep:
-            peer.out = None
-        peer.inbound = {c for c in peer.inbound if c is keep}
-        if peer.link is not keep:
-            peer.link = None
-        # It parks none of our requests any more, but those on ``keep``; the held-back ones
-        # fail below with the recvs behind them (unless a new incarnation can serve them).
-        peer.asking = {i: c for i, c in peer.asking.items() if c is keep}
-        if keep is None:
-            peer.held_back.clear()
-        # Values it has not acknowledged are kept, and keep their credit: they are sent
-        # again if the same process comes back (a new one resets both, ``new_incarnation``).
-        # What we owe it (consumed, not yet credited) is kept and goes on the next
-        # connection, so our count of what it sent us (peer.unreturned) stays right.
-        peer.asked = False
-        peer.owe_now = False
-        peer.stuck = False
-        peer.pushes_on = None
+        # The held-back requests fail below with the recvs behind them (unless a new
+        # incarnation, ``keep``, can serve them).
+        peer.forget_links(keep)
         if core.hold_waiters:  # a send waiting for room may wait on this peer: it dials
             core.wake_holders()
 
@@ -1436,8 +1436,7 @@ class Node(_NodeCalls):
                             step: int | None = None) -> None:
         """Fail the pushes waiting in ``peer``'s queue (only ``step``'s, if given); the
         rest keep their order and are pumped again."""
-        queue = peer.queue
-        peer.queue = deque()
+        queue = peer.take_queue()
         queued = self._core.queued_pushes
         for item in queue:
             done, route = item[0], item[2]
@@ -1508,7 +1507,7 @@ class Node(_NodeCalls):
             self._push_unclaimed(self._loop.time())
         if core.asked and self.claim_timeout is not None:
             horizon = now - self.claim_timeout
-            core.asked = {k: t for k, t in core.asked.items() if t >= horizon}
+            core.forget_asked(horizon)
         self._drop_empty_tables()
         if self.step_idle is not None:
             self._expire_idle_steps(now)
@@ -1559,8 +1558,7 @@ class Node(_NodeCalls):
             if step in core.tables:
                 continue
             for peer in core.step_peers.pop(step):
-                if peer.joined_step == step:
-                    peer.joined_step = None
+                peer.left_step(step)
             excess -= 1
 
     def _expire_idle_steps(self, now: float) -> None:
@@ -1649,117 +1647,59 @@ class Node(_NodeCalls):
 
     # -- frames the engine hands up ------------------------------------------------------------
 
+    def _in_cluster(self, task_id: TaskId) -> bool:
+        try:
+            self.cluster.address(*task_id)
+        except KeyError:
+            return False
+        return True
+
     def _peer_name(self, conn: Connection) -> str:
         return conn.peer.name if conn.peer is not None else "an unidentified peer"
 
     def _on_hello(self, conn: Connection, fields: dict[str, Any]) -> None:
-        """The peer's HELLO: check who it says it is; with a secret, answer with our AUTH
-        and wait for its own, else accept it now."""
-        try:
-            version = fields["v"]
-            task_id = (str(fields["job"]), int(fields["task"]))
-            incarnation = int(fields["inc"])
-            order = fields.get("order", "little")
-            window = int(fields.get("win", self.push_window))  # its push_window option
-            parks = int(fields.get("park", _engine.DEFAULT_PARKS))  # its max_parked option
-            nonce = fields.get("n", b"")
-        except (KeyError, TypeError, ValueError, OverflowError):
-            raise ProtocolError(f"HELLO is missing fields or has malformed ones: {fields!r}") from None
-        if version != _codec.VERSION:
-            raise ProtocolError(f"peer speaks protocol version {version}, we speak {_codec.VERSION}")
-        if order != sys.byteorder:
-            raise ProtocolError(f"peer is {order}-endian, this node is {sys.byteorder}-endian")
-        if (not 0 <= incarnation < 1 << 64 or window < 0 or not 0 <= parks < 1 << 63
-                or not isinstance(nonce, bytes)):
-            raise ProtocolError(f"HELLO has out-of-range fields: {fields!r}")
-        core = self._core
-        if task_id == self.id:
-            # No node connects to itself (its own keys never leave it): such a HELLO is a
-            # peer replaying ours, to have our own proof accepted as its own.
-            raise ProtocolError(f"a peer claims to be this node ({self.name})")
-        if conn.outbound:
-            assert conn.peer is not None
-            if conn.peer.id != task_id:
-                raise ProtocolError(f"dialled {conn.peer.name} at {conn.peer.address} but "
-                                    f"/job:{task_id[0]}/task:{task_id[1]} answered")
-        else:
-            try:
-                conn.peer = core.peer(task_id)
-            except KeyError:
-                raise ProtocolError(f"/job:{task_id[0]}/task:{task_id[1]} is not in our cluster") from None
-        conn.hello = (incarnation, window, parks, nonce, fields)
-        wants_auth = bool(fields.get("auth", False))
-        if self._secret is None and not wants_auth:
+        """The peer's HELLO: the handshake's verdict binds the connection to its peer, then
+        either accepts it now or answers with our AUTH and waits for the peer's."""
+        dialled = conn.peer if conn.outbound else None
+        hello = self._handshake.on_hello(
+            fields, dialled=None if dialled is None else dialled.id, our_nonce=conn.nonce,
+            address="" if dialled is None else dialled.address)
+        if dialled is None:
+            self._core.identified(conn, hello.task)
+        conn.hello = hello
+        if hello.proof is None:
             self._accept_peer(conn)
-            return
-        if self._secret is None:
-            raise AuthError(f"{conn.peer.name} requires a secret and this node has none "
-                            "(give both Node(secret=...) or RVZ_SECRET)")
-        if not wants_auth:
-            raise AuthError(f"{conn.peer.name} has no secret and this node requires one")
-        if len(nonce) != 16 or nonce == conn.nonce:  # ours sent back: a reflection
-            raise ProtocolError("HELLO carries a malformed nonce")
-        conn.write_frame(_codec.encode_auth(self._mac(conn.outbound, conn.nonce, nonce, self.id,
-                                                      self.incarnation, task_id, incarnation)))
-
-    def _mac(self, dialled: bool, sender_nonce: bytes, receiver_nonce: bytes,
-             sender: tuple[str, int], sender_inc: int, receiver: tuple[str, int],
-             receiver_inc: int) -> bytes:
-        """HMAC-SHA256 of the secret over the sender's side of the connection (it dialled,
-        or it accepted), both fresh nonces and both identities.
-
-        The side is what makes a proof one-way: without it, a node's proof to a peer on
-        one connection is the very proof that node expects from that peer on another, and
-        someone without the secret who dials both (handing each the other's nonce) could
-        pass one's proof to the other as its own.
-        """
-        assert self._secret is not None
-        message = b"".join((b"rvz-auth-2", b"D" if dialled else b"A", sender_nonce, receiver_nonce,
-                            f"{sender[0]}:{sender[1]}:{sender_inc}".encode(),
-                            f"{receiver[0]}:{receiver[1]}:{receiver_inc}".encode()))
-        return hmac.new(self._secret, message, hashlib.sha256).digest()
+        else:
+            conn.write_frame(_codec.encode_auth(hello.proof))
 
     def _on_auth(self, conn: Connection, fields: dict[str, Any]) -> None:
         """The peer's proof that it holds the secret, bound to this connection's nonces."""
-        hello = conn.hello
-        if self._secret is None or hello is None or conn.ready:
+        if conn.ready:
             raise ProtocolError("unexpected AUTH frame")
-        incarnation, _, _, nonce, _ = hello
-        mac = fields.get("mac")
-        # The peer's side is the other one: it dialled if we accepted.
-        expected = self._mac(not conn.outbound, nonce, conn.nonce, conn.peer.id, incarnation,
-                             self.id, self.incarnation)
-        if not isinstance(mac, bytes) or not hmac.compare_digest(mac, expected):
-            raise AuthError(f"authentication of {conn.peer.name} failed: its proof does not "
-                            "match this node's secret")
+        self._handshake.on_auth(conn.hello, fields, dialled=conn.outbound, our_nonce=conn.nonce)
         self._accept_peer(conn)
 
     def _accept_peer(self, conn: Connection) -> None:
         """The handshake is complete: bind the connection to its peer and open it."""
-        incarnation, window, parks, _, fields = conn.hello
-        window = min(window, self.push_window)
+        hello = conn.hello
+        incarnation, window = hello.incarnation, min(hello.window, self.push_window)
         peer = conn.peer
         self._check_certificate(conn, peer)
-        self._check_replaced(peer, incarnation)
+        self._handshake.check_replaced(
+            peer.id, incarnation, peer.incarnation,
+            any(c.ready and not c.bye_received for c in peer.live_connections()))
         if not conn.outbound:
             if len([c for c in peer.inbound if not c.closed]) >= _MAX_INBOUND_PER_PEER:
                 raise ProtocolError(f"{peer.name} opened more than {_MAX_INBOUND_PER_PEER} "
                                     "connections")
             peer.inbound.add(conn)
         if self._onesided is not None:  # agree on the transport; TransportError fails conn
-            self._onesided.on_hello(conn, fields)
+            self._onesided.on_hello(conn, hello.fields)
         if peer.incarnation != incarnation:
             self._replace_incarnation(peer, conn, incarnation, window)
         else:
-            if window != peer.window:
-                peer.credit += window - peer.window
-                peer.window = window
-            self._core.resync(peer, conn)
-        peer.incarnation = incarnation
-        peer.parks = parks
-        peer.mode = _engine.canonical_mode(str(fields.get("mode", "")))
-        conn.ready = True
-        self._core.regroup(peer, False)  # back (or new): what we hold for it counts in full
+            self._core.resync(peer, conn, window)
+        self._core.accepted(peer, conn, incarnation, hello.parks, hello.mode)
         if peer.link is None or peer.link.closed:
             # The first ready connection either side dialled carries our traffic: a push
             # to a consumer that dialled us need not wait for a dial of our own.
@@ -1784,43 +1724,18 @@ class Node(_NodeCalls):
             raise AuthError(f"{peer.name}'s TLS certificate does not name it (tls_identity): "
                             f"it names {sorted(names)[:8]}, not one of {sorted(wanted)}")
 
-    def _check_replaced(self, peer: Any, incarnation: int) -> None:
-        """Refuse an incarnation of ``peer`` that a newer one replaced while that newer one
-        is connected; take it back when the newer one has no live connection left.
-
-        A restarted process never comes back, so an old incarnation that completes a
-        handshake is alive: a second process run as the same task, or the real process
-        after something claimed its identity with a new incarnation.  While the newer one
-        is connected, the old one is refused, so two live processes are not taken in turns
-        (each replacement fails what the other held).  Once the newer one is gone, refusing
-        the old one for good would lock the real process out after an impostor left: the
-        old one, live and proving it (with a secret, by the secret), is taken back.  A
-        newcomer is not refused while the current process is connected: a restart whose
-        old process is frozen, not dead, must not wait for its connection to time out."""
-        replaced = self._replaced.get(peer.id)
-        if replaced is None or incarnation not in replaced:
-            return
-        if any(c.ready and not c.bye_received for c in peer.live_connections()):
-            raise AuthError(f"{peer.name} incarnation {incarnation:#x} was replaced by "
-                            f"incarnation {peer.incarnation:#x}: two processes run as "
-                            f"{peer.name} (give each task its own job and task index)")
-        replaced.remove(incarnation)  # taken back: the newer one goes in its place
-
     def _replace_incarnation(self, peer: Any, conn: Connection, incarnation: int,
                              window: int) -> None:
         """``peer`` is a new process (``incarnation``), or a replaced one taken back: fail
         what depended on the one it replaces and drop everything kept for that one."""
         old = peer.incarnation
         if old is not None:
-            self._replaced.setdefault(peer.id, deque(maxlen=_REPLACED_KEPT)).append(old)
+            self._handshake.replaced(peer.id, old)
             err = PeerLost(f"peer {peer.name} restarted (new incarnation)")
             err.__cause__ = ConnectionResetError(f"{peer.name} restarted")
             self._peer_lost(peer, err, keep=conn)
             self._forget_dead_steps_of(peer, old)
             self._drop_values_of(peer, old)
-            # Requests we cancelled on the old process are never settled by the new one.
-            core = self._core
-            core.cancelled = {i: p for i, p in core.cancelled.items() if p is not peer}
         self._core.new_incarnation(peer, window)  # nothing of the old process counts
 
     def _drop_values_of(self, peer: Any, incarnation: int) -> None:
@@ -1874,12 +1789,9 @@ class Node(_NodeCalls):
         if request_id == 0 and fields.get("code") == "protocol":
             # It closes this connection for something we sent: not a broken link.  What it
             # did not acknowledge is not sent again (it would be refused again).
-            if conn.close_reason is None:
-                conn.close_reason = ProtocolError(
-                    f"{self._peer_name(conn)} closed the connection: "
-                    f"{str(fields.get('msg', ''))[:500]}")
             core.drop_unacked(conn.peer)
-            conn.close()
+            conn.close_because(ProtocolError(f"{self._peer_name(conn)} closed the connection: "
+                                             f"{str(fields.get('msg', ''))[:500]}"))
             return
         core.asked_no_more(conn.peer, request_id)
         request = core.requests.get(request_id)
@@ -1996,7 +1908,7 @@ class Node(_NodeCalls):
                     peer, lambda key: _table.aborted_error(message, cause, key), step)
         core.drop_outstanding(step)
         for peer in peers:
-            peer.joined_step = None
+            peer.left_step(step)
             if peer is origin:
                 continue
             for conn in peer.live_connections()[:1]:

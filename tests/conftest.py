@@ -78,6 +78,9 @@ def pytest_asyncio_loop_factories(config: pytest.Config,
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "loop_timeout(seconds): bound on an async test's coroutine, "
                                        f"TimeoutError after it (default {LOOP_TIMEOUT:g} s)")
+    config.addinivalue_line("markers", "process: runs a program (an example, rvz-bench, the build) "
+                                       "whose behaviour the hot paths' implementation does not "
+                                       "change; scripts/test runs these in the compiled leg only")
 
 
 def _on_given_loop(test: Callable[..., Coroutine[Any, Any, None]],
@@ -144,6 +147,26 @@ def run(loop_name: str) -> Runner:
 
 
 free_ports = rvz.cluster.free_ports
+
+
+def _worker_ports() -> None:
+    """Under pytest-xdist, each worker draws ports from its own slice of the spans
+    ``free_ports`` draws from: a port one worker's test found free cannot be taken by
+    another worker's before the first one's node binds it."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get(
+        "PYTEST_XDIST_WORKER_COUNT", "")
+    if not worker.startswith("gw") or not count.isdigit() or int(count) < 2:
+        return
+    index, count_ = int(worker[2:]), int(count)
+    spans = rvz.cluster._outside_ephemeral()
+    mine = []
+    for lo, hi in spans:
+        share = (hi - lo + 1) // count_
+        mine.append((lo + index * share, lo + (index + 1) * share - 1))
+    rvz.cluster._outside_ephemeral = lambda: mine  # type: ignore[attr-defined]
+
+
+_worker_ports()
 
 
 @pytest.fixture

@@ -28,6 +28,10 @@ import rvz
 from rvz.bench import report
 from rvz.bench.worker import zmq_available
 
+# An example or a program, which the choice of hot paths does not change: scripts/test
+# runs these in its compiled leg only.
+pytestmark = pytest.mark.process
+
 TINY = ["--warmup", "3", "--quiet"]
 # What the workers (same interpreter, same environment) can run.
 PYZMQ = zmq_available() is None

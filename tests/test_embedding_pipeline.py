@@ -57,7 +57,7 @@ from examples.param_server.protocol import WORKER_JOB
 
 from .procs import run_module
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.process]  # an example program
 
 REPO = Path(__file__).resolve().parent.parent
 DIM = 4

@@ -1,4 +1,6 @@
-"""The package's import structure: no import cycle inside rvz/, and layers that import downward.
+"""The package's structure: no import cycle inside rvz/, layers that import downward, an
+engine that calls its host only through ``rvz._fast.host.Host``, and a node that assigns no
+field of the engine's objects (it calls the part that owns the field).
 
 Both checks read the source with ``ast`` (nothing is imported), so they see every import:
 module level, inside functions (lazy imports), under ``try``, relative (``from . import x``,
@@ -30,11 +32,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors",       ("rvz.errors",)),
     ("hot paths",    ("rvz._fast", "rvz._fast.keys", "rvz._fast.table", "rvz._fast.codec",
                       "rvz._fast.recvpool", "rvz._fast.arrays", "rvz._fast.wire")),
-    ("engine",       ("rvz._fast.engine",)),
+    ("engine",       ("rvz._fast.engine", "rvz._fast.host")),
     # picks the compiled or the pure-Python variant of the two layers above
     ("impl switch",  ("rvz._impl",)),
     # usable by every layer above _fast
     ("utilities",    ("rvz.rendezvous", "rvz.cluster", "rvz.runner", "rvz.types", "rvz.poll")),
+    # the protocol's parts that need no compiled twin (sans-IO)
+    ("protocol",     ("rvz.handshake",)),
     ("transports",   ("rvz.connection", "rvz.onesided", "rvz.onesided.*")),
     # Node, and its compiled base (send and recv), which rvz._impl loads like the hot paths
     ("node",         ("rvz._fast.calls", "rvz.node")),
@@ -286,3 +290,103 @@ def test_layers_import_downward_only() -> None:
             upward.append(f"  {e.importer} ({LAYERS[here][0]}) line {e.line} imports {e.target} "
                           f"({LAYERS[there][0]})" + (" [under TYPE_CHECKING]" if e.type_only else ""))
     assert not upward, "imports that go up a layer:\n" + "\n".join(upward)
+
+
+# -- calls across the engine's boundary ---------------------------------------------------------
+
+
+def _tree(path: str) -> ast.Module:
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read(), path)
+
+
+def _methods(tree: ast.AST, class_name: str | None = None) -> set[str]:
+    """The names of the methods defined in ``tree`` (in class ``class_name`` only, if given)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and class_name in (None, node.name):
+            names |= {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return names
+
+
+def _fast_sources() -> dict[str, ast.Module]:
+    folder = os.path.join(ROOT, "_fast")
+    return {name: _tree(os.path.join(folder, name))
+            for name in sorted(os.listdir(folder)) if name.endswith(".py")}
+
+
+def host_calls(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, name)`` of every attribute read from the engine's host (``<x>.host.name``)."""
+    return [(node.lineno, node.attr) for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "host"]
+
+
+def test_the_engine_calls_its_host_only_through_the_host_interface() -> None:
+    declared = _methods(_tree(os.path.join(ROOT, "_fast", "host.py")), "Host")
+    assert declared, "rvz/_fast/host.py declares no Host methods"
+    assert not [n for n in declared if n.startswith("_")], "Host names a private method"
+    # No private method of the node is called from the engine, through the host or not.
+    node_private = {n for n in _methods(_tree(os.path.join(ROOT, "node.py"))) if n.startswith("_")
+                    and not n.startswith("__")}
+    wrong = []
+    for name, tree in _fast_sources().items():
+        own = _methods(tree)
+        for line, attr in host_calls(tree):
+            if attr not in declared:
+                wrong.append(f"  rvz/_fast/{name}:{line} calls host.{attr}, not in Host")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr in node_private - own
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                wrong.append(f"  rvz/_fast/{name}:{node.lineno} reaches the node's {node.attr}")
+    assert not wrong, "calls from the engine into its host outside Host:\n" + "\n".join(wrong)
+
+
+def test_the_host_check_sees_a_call_outside_the_interface() -> None:
+    tree = ast.parse("class Core:\n    def f(self):\n        self.host._start_link(1)\n")
+    assert host_calls(tree) == [(3, "_start_link")]
+
+
+# Fields of its connections that the node owns (rvz.connection.Connection's life cycle, not
+# the engine's ``Wire``), and of exceptions.
+def _connection_fields() -> set[str]:
+    tree = _tree(os.path.join(ROOT, "connection.py"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            return {t.attr for a in ast.walk(node) if isinstance(a, (ast.Assign, ast.AnnAssign))
+                    for t in (a.targets if isinstance(a, ast.Assign) else [a.target])
+                    if isinstance(t, ast.Attribute)}
+    raise AssertionError("rvz/connection.py has no __init__")
+
+
+def foreign_assignments(tree: ast.AST, allowed: set[str]) -> list[tuple[int, str]]:
+    """``(line, target)`` of each assignment (or ``del``) to an attribute of an object other
+    than ``self``, but for the attribute names in ``allowed``."""
+    found = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            for sub in ast.walk(target):
+                if (isinstance(sub, ast.Attribute) and isinstance(sub.ctx, (ast.Store, ast.Del))
+                        and not (isinstance(sub.value, ast.Name) and sub.value.id == "self")
+                        and sub.attr not in allowed):
+                    found.append((node.lineno, ast.unparse(sub)))
+    return found
+
+
+def test_the_node_assigns_no_field_of_the_engine() -> None:
+    allowed = _connection_fields() | {"__cause__"}
+    wrong = foreign_assignments(_tree(os.path.join(ROOT, "node.py")), allowed)
+    assert not wrong, "rvz/node.py assigns fields it does not own:\n" + "\n".join(
+        f"  line {line}: {target}" for line, target in wrong)
+
+
+def test_the_assignment_check_sees_every_form() -> None:
+    tree = ast.parse("core.running = 1\npeer.credit += 2\nself._core.closed = 3\n"
+                     "del peer.link\nx: int\nself.mine = 4\nerr.__cause__ = 5\n")
+    assert [t for _, t in foreign_assignments(tree, {"__cause__"})] == [
+        "core.running", "peer.credit", "self._core.closed", "peer.link"]

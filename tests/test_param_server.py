@@ -30,6 +30,10 @@ from examples.param_server import (
 from examples.param_server.checkpoint import MANIFEST, CheckpointError
 from examples.param_server.sparse import SHARD_SALT, shard_of
 
+# An example or a program, which the choice of hot paths does not change: scripts/test
+# runs these in its compiled leg only.
+pytestmark = pytest.mark.process
+
 CORES = ["python"] + (["compiled"] if native.implementation() == "compiled" else [])
 
 

@@ -17,6 +17,10 @@ import pytest
 
 from .conftest import free_ports
 
+# An example or a program, which the choice of hot paths does not change: scripts/test
+# runs these in its compiled leg only.
+pytestmark = pytest.mark.process
+
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 400
 

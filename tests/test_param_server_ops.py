@@ -31,6 +31,10 @@ from examples.param_server.server import ShardServer
 from .conftest import free_ports
 from .procs import run_module
 
+# An example or a program, which the choice of hot paths does not change: scripts/test
+# runs these in its compiled leg only.
+pytestmark = pytest.mark.process
+
 REPO = Path(__file__).resolve().parent.parent
 # Secrets of the length a node requires; a worker given the wrong one is refused.
 RIGHT = "right-secret-0123456789"

@@ -29,6 +29,10 @@ from examples.param_server.sparse import sum_by_id
 from .conftest import free_ports
 from .procs import run_module, run_python
 
+# An example or a program, which the choice of hot paths does not change: scripts/test
+# runs these in its compiled leg only.
+pytestmark = pytest.mark.process
+
 MODES = ["recv", "send"]
 REPO = Path(__file__).resolve().parent.parent
 TABLES = (TableSpec("user", 3, "adam", 0.05), TableSpec("item", 5, "adagrad", 0.2))

@@ -25,6 +25,10 @@ from examples.param_server.table import rows_digest
 
 from .conftest import free_ports
 
+# An example or a program, which the choice of hot paths does not change: scripts/test
+# runs these in its compiled leg only.
+pytestmark = pytest.mark.process
+
 REPO = Path(__file__).resolve().parent.parent
 TABLES = (TableSpec("user", 3, "adam", 0.05), TableSpec("item", 5, "adagrad", 0.2))
 

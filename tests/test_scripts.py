@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+# An example or a program, which the choice of hot paths does not change: scripts/test
+# runs these in its compiled leg only.
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Stands in for the virtualenv's python: rvz counts as installed and compiled, pdoc is
@@ -55,6 +59,8 @@ def test_scripts_test_runs_every_leg_and_fails_at_the_end(tmp_path: Path) -> Non
                 "API reference"):
         assert f"== {leg}\n" in out, (leg, out, proc.stderr)
     summary = out.split("== summary\n", 1)[1].splitlines()
+    assert all(re.search(r"\d+ s\)$", line) for line in summary), summary  # each leg's time
+    summary = [re.sub(r", \d+ s\)$", ")", re.sub(r" \(\d+ s\)$", "", line)) for line in summary]
     assert summary == ["FAILED  ruff (exit 1)", "passed  mypy",
                        "FAILED  tests: compiled hot paths (exit 3)",
                        "FAILED  tests: pure-Python hot paths (exit 3)",

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import rvz
+import rvz.handshake
 import rvz.node
 from rvz import _impl
 
@@ -38,8 +39,8 @@ async def gave_up_on(node: rvz.Node, task: tuple[str, int]) -> None:
     """Wait until ``node`` has found ``task``'s process gone: its reconnect was refused
     (a restart takes longer than that, and a recv issued before it could fail with it)."""
     peer = node._core.peers[task]
-    await eventually(lambda: not peer.live_connections() and (
-        peer.dialling is None or peer.dialling.done()), f"{node.name} gave up on {task}")
+    await eventually(lambda: not peer.live_connections() and not node._dialling(peer),
+                     f"{node.name} gave up on {task}")
 
 
 # -- step ids ------------------------------------------------------------------------------------
@@ -202,7 +203,7 @@ def test_new_incarnations_leave_nothing_of_the_old_ones_behind(run) -> None:  # 
             after = {kind: _count(kind) for kind in ("Connection", "Decoder", "Table")}
             for kind in before:
                 assert after[kind] <= before[kind] + 3, (kind, before, after)
-            assert len(p._replaced[W1]) <= rvz.node._REPLACED_KEPT
+            assert len(p._handshake.replaced_of(W1)) <= rvz.handshake.REPLACED_KEPT
             assert p.stats()["steps"].get(0, {}).get("queued_values", 0) == 1  # the last one's
 
     run(body(), timeout=60)
@@ -230,7 +231,7 @@ def test_the_real_process_is_taken_back_once_an_impostor_left(run, secret) -> No
             # (The real worker:0, whose connection the impostor's replaced, dials again
             # by itself: it may already be back.)
             await eventually(lambda: not any(
-                (getattr(c, "hello", None) or (None,))[0] == 0xBAD
+                getattr(getattr(c, "hello", None), "incarnation", None) == 0xBAD
                 for c in p._core.peers[W0].live_connections()), "impostor gone")
             got = None
             loop = asyncio.get_running_loop()

@@ -18,6 +18,10 @@ from pathlib import Path
 
 import pytest
 
+# An example or a program, which the choice of hot paths does not change: scripts/test
+# runs these in its compiled leg only.
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = Path(__file__).resolve().parent / "typing_programs"
 CONFIG = """\

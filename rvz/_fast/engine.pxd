@@ -54,7 +54,6 @@ cdef class Peer:
     cdef public str name
     cdef public str address
     cdef public object out
-    cdef public object dialling
     cdef public set inbound
     cdef public object incarnation
     cdef public str mode
@@ -92,6 +91,11 @@ cdef class Peer:
     cdef object __weakref__
 
     cpdef list live_connections(self)
+    cpdef dialled(self, object conn)
+    cpdef dropped(self, object conn)
+    cpdef forget_links(self, object keep)
+    cpdef object take_queue(self)
+    cpdef left_step(self, object step)
     cpdef Py_ssize_t kept(self)
     @cython.locals(link=Wire)
     cpdef bint unconnected(self) except -1
@@ -197,7 +201,7 @@ cdef class Wire:
 
 
 cdef class Core:
-    cdef public object shell
+    cdef public object host
     cdef public object cluster
     cdef public tuple id
     cdef public str name
@@ -396,9 +400,15 @@ cdef class Core:
     cpdef on_ack(self, Wire conn, object seq)
     @cython.locals(kept=Py_ssize_t)
     cpdef resend(self, Peer peer, Wire conn)
-    cpdef resync(self, Peer peer, Wire conn)
+    cpdef resync(self, Peer peer, Wire conn, Py_ssize_t window)
     cpdef drop_unacked(self, Peer peer)
     cpdef new_incarnation(self, Peer peer, Py_ssize_t window)
+    cpdef Peer identified(self, Wire conn, tuple task_id)
+    cpdef accepted(self, Peer peer, Wire conn, object incarnation, Py_ssize_t parks, str mode)
+    cpdef link(self, Peer peer, Wire conn)
+    cpdef forget_asked(self, double horizon)
+    cpdef set_running(self, bint running)
+    cpdef stop(self, bint forked=*)
     @cython.locals(again=list, keys=dict, request=Request, table=Table)
     cpdef reask(self, Wire conn)
     cpdef on_cancel(self, Wire conn, object request_id)

@@ -17,8 +17,8 @@ callbacks); the transports feed it bytes and the node calls it from its public A
 * All frames decoded from one read are dispatched by one ``Core.dispatch`` call.
 
 Everything that dials, times out or spans several peers (connections, heartbeats, steps,
-close) stays in ``rvz.node.Node``; this module calls back into it only for those
-(``shell._start_link``, ``shell._on_hello`` ...).
+close) stays in ``rvz.node.Node``; this module calls up into it only through the methods
+of ``rvz._fast.host.Host`` (``Core.host``).
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ class Route:
 class Peer:
     """Another node: its connections, the push window it granted us, and what we owe it."""
 
-    __slots__ = ("id", "name", "address", "out", "dialling", "inbound", "incarnation", "mode",
+    __slots__ = ("id", "name", "address", "out", "inbound", "incarnation", "mode",
                  "link", "credit", "asked", "queue", "owed", "owed_scheduled", "owe_now",
                  "stuck", "pushes_on", "joined_step", "steps_opened", "window", "unreturned", "answered",
                  "parks", "asking", "held_back", "held_back_mark", "lost", "held_bytes",
@@ -267,7 +267,6 @@ class Peer:
         self.name = f"/job:{task_id[0]}/replica:0/task:{task_id[1]}"
         self.address = address
         self.out: Any = None                        # the connection we dialled
-        self.dialling: Any = None                   # future of a dial under way
         self.inbound: set = set()                   # connections it dialled to us
         self.incarnation: Any = None
         self.mode = ""                              # its default mode, from its HELLO
@@ -363,6 +362,48 @@ class Peer:
         """No live connection to it (a live link answers without building the list)."""
         link = self.link
         return (link is None or link.closed) and not self.live_connections()
+
+    def dialled(self, conn: Any) -> None:
+        """``conn``, a connection we dialled, completed its handshake."""
+        self.out = conn
+
+    def dropped(self, conn: Any) -> None:
+        """``conn`` closed: it carries nothing to or from this peer any more."""
+        if self.out is conn:
+            self.out = None
+        if self.link is conn:
+            self.link = None
+        self.inbound.discard(conn)
+
+    def forget_links(self, keep: Any) -> None:
+        """The peer was lost: of its connections only ``keep`` (a new incarnation's, or
+        None) stays, with the requests it parks; what tracked the lost link is reset.
+        Values it has not acknowledged are kept, with their credit, for the same process
+        coming back (``Core.new_incarnation`` resets both for a new one).  What we owe it
+        is kept and goes on the next connection, so ``unreturned`` stays right."""
+        if self.out is not keep:
+            self.out = None
+        self.inbound = {c for c in self.inbound if c is keep}
+        if self.link is not keep:
+            self.link = None
+        self.asking = {i: c for i, c in self.asking.items() if c is keep}
+        if keep is None:
+            self.held_back.clear()
+        self.asked = False
+        self.owe_now = False
+        self.stuck = False
+        self.pushes_on = None
+
+    def take_queue(self) -> Any:
+        """The pushes queued for this peer; its queue is empty after."""
+        queue = self.queue
+        self.queue = deque()
+        return queue
+
+    def left_step(self, step: Any) -> None:
+        """``step`` is gone: if it joined that one last, it has joined none."""
+        if self.joined_step == step:
+            self.joined_step = None
 
     def __repr__(self) -> str:
         return f"<Peer {self.name} at {self.address}>"
@@ -879,15 +920,24 @@ class Wire:
         """A failed handshake, at the listener: tell the dialler why (a dialler told "auth"
         does not retry), then close after that frame."""
         self.write_frame(encode_error(0, 0, "", "auth", str(reason)))
-        self.close_handshake(reason)
+        self.close_because(reason)
 
-    def close_handshake(self, reason: BaseException) -> None:
-        """A failed handshake: ``reason`` is why, and we close after what we queued (not a
-        reset, which could discard it: the peer must still get our AUTH or ERROR)."""
+    def close_because(self, reason: BaseException) -> None:
+        """Close after what we queued, for ``reason`` (unless a reason is known already):
+        not a reset, which could discard it, as the peer must still get our AUTH or
+        ERROR."""
         if self.close_reason is None:
             self.close_reason = reason
         if not self.closed_here:
             self.close()
+
+    def say_bye(self) -> None:
+        """Write BYE as this connection's last frame.  Nothing may follow it (the peer
+        takes any frame after BYE as a protocol error), so from now on the connection
+        counts as closed here and its writes are dropped."""
+        self.write_frame(_codec.encode_bye())
+        self.flush()
+        self.closed_here = True
 
     def lost_error(self, key: Any = None) -> PeerLost:
         name = self.peer.name if self.peer is not None else "an unidentified peer"
@@ -900,11 +950,11 @@ class Wire:
 class Core:
     """The node's protocol state and its per-message work (see the module docstring)."""
 
-    def __init__(self, shell: Any, cluster: Any, task_id: tuple, name: str, mode: str,
+    def __init__(self, host: Any, cluster: Any, task_id: tuple, name: str, mode: str,
                  loop: Any, push_window: int, hold_limit: int, claim_timeout: Any,
                  max_parked: int = 65536, max_steps: int = 65536,
                  answer_backlog: int = 32 << 20, lost_hold_limit: Any = None) -> None:
-        self.shell = shell                 # the rvz.node.Node that owns this core
+        self.host = host                   # a rvz._fast.host.Host: the node that owns this core
         self.cluster = cluster
         self.id = task_id
         self.name = name
@@ -1036,7 +1086,7 @@ class Core:
             raise WrongEndpoint(f"cannot {op} key {route.text} on {self.name}: its {role} is "
                                 f"/job:{end[0]}/task:{end[1]}")
         if not self.running:
-            self.shell._check_running(route.text)
+            self.host.check_running(route.text)
         return route
 
     def peer(self, task_id: tuple) -> Peer:
@@ -1487,7 +1537,7 @@ class Core:
             if conn is not None and conn.closed_here:
                 return  # we said BYE on it, so nothing may follow: close() fails what is left
             if conn is None or conn.closed or not conn.ready:
-                self.shell._start_link(peer)  # the node pumps again once linked
+                self.host.start_link(peer)  # the node pumps again once linked
                 return
             if conn.paused:
                 conn.on_resume = self.pump_later  # resume_writing pumps again
@@ -1752,7 +1802,7 @@ class Core:
         request = self.new_request(peer, step, route)
         conn = self.request_link(peer, request)
         if conn is None or not conn.ready or conn.closed:
-            self.shell._request_when_linked([request])
+            self.host.request_when_linked([request])
         elif peer.held_back or len(peer.asking) >= peer.parks:
             self.hold_back(peer, [request])  # it parks no more: sent as answers come
         else:
@@ -2202,13 +2252,13 @@ class Core:
                 elif kind == PING:
                     pass
                 elif kind == HELLO:
-                    self.shell._on_hello(conn, event[1])
+                    self.host.on_hello(conn, event[1])
                 elif kind == AUTH:
-                    self.shell._on_auth(conn, event[1])
+                    self.host.on_auth(conn, event[1])
                 elif kind == ERROR:
-                    self.shell._on_error(conn, event[1])
+                    self.host.on_error(conn, event[1])
                 elif kind == ABORT_STEP:
-                    self.shell._on_abort_step(conn, event[1], event[2])
+                    self.host.on_abort_step(conn, event[1], event[2])
                 elif kind == BYE:
                     conn.bye_received = True
             except AuthError as exc:
@@ -2220,7 +2270,7 @@ class Core:
                     # the write buffer: a reset discarded it, and the listener saw a
                     # connection closed without a word instead of a failed proof, so it
                     # neither refused nor logged it.  It leaves first; the listener closes.
-                    conn.close_handshake(exc)
+                    conn.close_because(exc)
                 else:
                     conn.refuse(exc)  # we are the listener: the dialler must learn why
                 return
@@ -2485,9 +2535,13 @@ class Core:
         if kept and conn.ready and not conn.closed and not conn.closed_here:
             conn.resend(peer.tx_seq - kept + 1, peer.unacked[peer.unacked_head:])
 
-    def resync(self, peer: Peer, conn: Wire) -> None:
-        """A new connection to the same incarnation of ``peer``: tell it again the credit
-        we returned and the values we have (either may have been lost with the last one)."""
+    def resync(self, peer: Peer, conn: Wire, window: int) -> None:
+        """A new connection to the same incarnation of ``peer``, which grants ``window``
+        now: tell it again the credit we returned and the values we have (either may have
+        been lost with the last one)."""
+        if window != peer.window:
+            peer.credit += window - peer.window
+            peer.window = window
         if peer.credited > 0:
             conn.write_frame(encode_credit(peer.credited))
         if peer.rx_floor > 0:
@@ -2518,6 +2572,47 @@ class Core:
         peer.rx_floor = 0
         peer.rx_above.clear()
         peer.acked_sent = 0
+        # Requests we cancelled on an old process are never settled by the new one.
+        if self.cancelled:
+            self.cancelled = {i: p for i, p in self.cancelled.items() if p is not peer}
+
+    def identified(self, conn: Wire, task_id: tuple) -> Peer:
+        """``conn``, accepted here, is from ``task_id`` (its HELLO says so): it is bound to
+        that peer."""
+        peer = self.peer(task_id)
+        conn.peer = peer
+        return peer
+
+    def accepted(self, peer: Peer, conn: Wire, incarnation: Any, parks: int, mode: str) -> None:
+        """``conn`` completed its handshake with ``peer`` (its process ``incarnation``, which
+        parks up to ``parks`` requests and defaults to ``mode``): it is ready."""
+        peer.incarnation = incarnation
+        peer.parks = parks
+        peer.mode = mode
+        conn.ready = True
+        self.regroup(peer, False)  # back (or new): what we hold for it counts in full
+
+    def link(self, peer: Peer, conn: Wire) -> None:
+        """``conn`` carries our traffic to ``peer`` from now on: what an earlier connection
+        carried and ``peer`` did not acknowledge goes again on it."""
+        peer.link = conn
+        self.resend(peer, conn)
+
+    def forget_asked(self, horizon: float) -> None:
+        """Forget the claims of held keys made before ``horizon`` (loop time)."""
+        self.asked = {k: t for k, t in self.asked.items() if t >= horizon}
+
+    def set_running(self, running: bool) -> None:
+        """Whether the node runs: send and recv work only while it does."""
+        self.running = running
+
+    def stop(self, forked: bool = False) -> None:
+        """The node is closed: every operation fails from now on (in a ``forked`` child,
+        from the thread check on: ``wrong_loop`` says why)."""
+        self.running = False
+        self.closed = True
+        if forked:
+            self.loop_thread = 0
 
     def reask(self, conn: Wire) -> None:
         """``conn`` closed with requests of ours on it: ask again, with new ids, once a

@@ -76,9 +76,8 @@ class ShmProvider:
     # Pushes up to this size cost less over the TCP connection (compiled and coalesced)
     # than as one pipe record each; from about 1 MiB the one-sided copy is faster.
     tcp_max = 256 << 10
-    # Answers up to this size too: a destination offered (a control frame before each
-    # request), the write and its completion cost more than the TCP answer up to 64 KiB
-    # (four lanes: 1.1x-1.6x the channel's rate from 4 KiB to 64 KiB), less from 128 KiB.
+    # Answers up to this size too: below it, offering a destination (a control frame
+    # before each request), the write and its completion cost more than the TCP answer.
     answer_tcp_max = 64 << 10
 
     def __init__(self, loop: asyncio.AbstractEventLoop, pipe_size: int = 1 << 20) -> None:
