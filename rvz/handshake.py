@@ -140,6 +140,32 @@ class Handshake:
             raise AuthError(f"authentication of {task_name(hello.task)} failed: its proof "
                             "does not match this node's secret")
 
+    # -- on a connection of the engine (a ``Wire``) -------------------------------------------
+
+    def hello_on(self, core: Any, conn: Any, fields: dict[str, Any],
+                 accept: Callable[[Any], None]) -> None:
+        """A peer's HELLO on ``conn``, a connection of ``core``: the verdict binds the
+        connection to its peer, then either ``accept``s it now or answers with our AUTH
+        (``conn.nonce`` is the one our HELLO sent)."""
+        dialled = conn.peer if conn.outbound else None
+        hello = self.on_hello(fields, dialled=None if dialled is None else dialled.id,
+                              our_nonce=conn.nonce,
+                              address="" if dialled is None else dialled.address)
+        if dialled is None:
+            core.identified(conn, hello.task)
+        conn.hello = hello
+        if hello.proof is None:
+            accept(conn)
+        else:
+            conn.write_frame(_impl.codec.encode_auth(hello.proof))
+
+    def auth_on(self, conn: Any, fields: dict[str, Any], accept: Callable[[Any], None]) -> None:
+        """A peer's AUTH on ``conn``: ``accept`` it once its proof checks out."""
+        if conn.ready:
+            raise ProtocolError("unexpected AUTH frame")
+        self.on_auth(conn.hello, fields, dialled=conn.outbound, our_nonce=conn.nonce)
+        accept(conn)
+
     def proof(self, dialled: bool, sender_nonce: bytes, receiver_nonce: bytes,
               sender: TaskId, sender_inc: int, receiver: TaskId, receiver_inc: int) -> bytes:
         """HMAC-SHA256 of the secret over the sender's side of the connection (it dialled,

@@ -1658,26 +1658,12 @@ class Node(_NodeCalls):
         return conn.peer.name if conn.peer is not None else "an unidentified peer"
 
     def _on_hello(self, conn: Connection, fields: dict[str, Any]) -> None:
-        """The peer's HELLO: the handshake's verdict binds the connection to its peer, then
-        either accepts it now or answers with our AUTH and waits for the peer's."""
-        dialled = conn.peer if conn.outbound else None
-        hello = self._handshake.on_hello(
-            fields, dialled=None if dialled is None else dialled.id, our_nonce=conn.nonce,
-            address="" if dialled is None else dialled.address)
-        if dialled is None:
-            self._core.identified(conn, hello.task)
-        conn.hello = hello
-        if hello.proof is None:
-            self._accept_peer(conn)
-        else:
-            conn.write_frame(_codec.encode_auth(hello.proof))
+        """The peer's HELLO: accepted now, or answered with our AUTH (rvz.handshake)."""
+        self._handshake.hello_on(self._core, conn, fields, self._accept_peer)
 
     def _on_auth(self, conn: Connection, fields: dict[str, Any]) -> None:
         """The peer's proof that it holds the secret, bound to this connection's nonces."""
-        if conn.ready:
-            raise ProtocolError("unexpected AUTH frame")
-        self._handshake.on_auth(conn.hello, fields, dialled=conn.outbound, our_nonce=conn.nonce)
-        self._accept_peer(conn)
+        self._handshake.auth_on(conn, fields, self._accept_peer)
 
     def _accept_peer(self, conn: Connection) -> None:
         """The handshake is complete: bind the connection to its peer and open it."""

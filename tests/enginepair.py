@@ -61,6 +61,8 @@ class MemWire(engine.Wire):  # type: ignore[misc,name-defined]
         super().__init__(core, outbound, peer, codec.Decoder())
         self.transport = MemTransport()
         self.failed: BaseException | None = None
+        self.nonce = b""   # ours, in our HELLO
+        self.hello: Any = None  # the peer's, checked (rvz.handshake.Hello)
 
     def fail(self, reason: BaseException) -> None:
         if self.failed is None:
@@ -96,7 +98,6 @@ class Side(_impl.calls.NodeCalls):  # type: ignore[misc,name-defined]
         self.calls: list[tuple[str, Any]] = []
         self.tasks: set[asyncio.Task[Any]] = set()
         self.wire: Any = None
-        self.nonce = b""
 
     # -- the engine's calls upward (Host) ----------------------------------------------------
 
@@ -110,19 +111,10 @@ class Side(_impl.calls.NodeCalls):  # type: ignore[misc,name-defined]
         self.calls.append(("request_when_linked", [r.id for r in requests]))
 
     def on_hello(self, conn: Any, fields: dict[str, Any]) -> None:
-        dialled = conn.peer.id if conn.outbound else None
-        hello = self.handshake.on_hello(fields, dialled=dialled, our_nonce=self.nonce)
-        if dialled is None:
-            self.core.identified(conn, hello.task)
-        conn.hello = hello
-        if hello.proof is None:
-            self.accept(conn)
-        else:
-            conn.write_frame(codec.encode_auth(hello.proof))
+        self.handshake.hello_on(self.core, conn, fields, self.accept)
 
     def on_auth(self, conn: Any, fields: dict[str, Any]) -> None:
-        self.handshake.on_auth(conn.hello, fields, dialled=conn.outbound, our_nonce=self.nonce)
-        self.accept(conn)
+        self.handshake.auth_on(conn, fields, self.accept)
 
     def on_error(self, conn: Any, fields: dict[str, Any]) -> None:
         self.calls.append(("on_error", fields))
@@ -154,7 +146,7 @@ class Side(_impl.calls.NodeCalls):  # type: ignore[misc,name-defined]
         await asyncio.wait_for(pending, timeout)
 
     def hello(self, conn: Any) -> None:
-        self.nonce, fields = self.handshake.hello(mode=self.mode, win=self.push_window,
+        conn.nonce, fields = self.handshake.hello(mode=self.mode, win=self.push_window,
                                                   park=self.max_parked)
         conn.write_frame(codec.encode_hello(fields))
 

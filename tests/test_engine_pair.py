@@ -130,21 +130,16 @@ async def test_a_wrong_secret_fails_the_connection_with_auth_error() -> None:
     assert not (pair.producer.wire.ready and pair.consumer.wire.ready)
 
 
-async def test_bytes_that_are_no_frame_fail_the_connection() -> None:
+@pytest.mark.parametrize("breach", ["bytes that are no frame", "a frame after BYE"])
+async def test_what_breaks_the_protocol_fails_the_connection(breach: str) -> None:
     pair = await Pair.open("recv")
     try:
-        pair.producer.wire.transport.write(b"\xff" * 64)
-        pair.deliver(pair.producer)
-        assert isinstance(pair.consumer.wire.failed, rvz.ProtocolError)
-    finally:
-        pair.close()
-
-
-async def test_a_frame_after_bye_fails_the_connection() -> None:
-    pair = await Pair.open("recv")
-    try:
-        pair.producer.wire.say_bye()
-        pair.producer.wire.transport.write(codec.encode_ping())  # what BYE forbids
+        wire = pair.producer.wire
+        if breach == "a frame after BYE":
+            wire.say_bye()
+            wire.transport.write(codec.encode_ping())  # what BYE forbids
+        else:
+            wire.transport.write(b"\xff" * 64)
         pair.deliver(pair.producer)
         assert isinstance(pair.consumer.wire.failed, rvz.ProtocolError)
     finally:
