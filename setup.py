@@ -59,6 +59,11 @@ def extensions():
 class BuildExt(build_ext):
     """Cythonizes, then compiles what it can (see the module docstring)."""
 
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:  # one compiler per core, unless --parallel said otherwise
+            self.parallel = os.cpu_count() or 1
+
     def run(self):
         if not self.inplace:  # a wheel: leave the example's module out
             for ext in self.extensions:
@@ -82,6 +87,7 @@ class BuildExt(build_ext):
             if ext.name == "rvz._fast.arrays":
                 ext.include_dirs.append(numpy.get_include())
         generated = cythonize(self.extensions, language_level=3, quiet=True,
+                              nthreads=os.cpu_count() or 1,
                               compiler_directives={
                                   "boundscheck": False, "wraparound": False, "cdivision": True,
                                   "embedsignature": True, "annotation_typing": False})

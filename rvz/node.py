@@ -1467,14 +1467,24 @@ class Node(_NodeCalls):
                 log.error("%s: background task failed", self.name, exc_info=exc)
 
     def _tick(self) -> None:
-        """Heartbeat: ping idle connections, drop silent ones, push unclaimed values,
-        return credit held back in a batch."""
+        """Heartbeat: its jobs, then the next one."""
         if self._forked_from is not None:
             return  # a forked child's copy of the parent's heartbeat (_disown)
         assert self._loop is not None
-        core = self._core
-        limit = max(1, round(self.peer_timeout / self.heartbeat))
         now = self._loop.time()
+        self._check_connections(now)
+        self._sweep_claims(now)
+        self._sweep_steps(now)
+        for peer in self._core.peers.values():
+            if peer.owed > 0:  # a batch below a quarter window still goes back when idle
+                self._core.flush_credit_now(peer)
+        self._repeats.flush()
+        self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
+
+    def _check_connections(self, now: float) -> None:
+        """Fail the connections that did not complete their handshake in time, went silent
+        for ``peer_timeout`` or trickle a payload below ``min_rate``; ping the idle ones."""
+        limit = max(1, round(self.peer_timeout / self.heartbeat))
         for conn in list(self._conns):
             if conn.closed:
                 continue
@@ -1503,21 +1513,22 @@ class Node(_NodeCalls):
             if conn.ready and conn.bytes_out == conn.seen_out:
                 conn.write_frame(_codec.encode_ping())
             conn.seen_out = conn.bytes_out
+
+    def _sweep_claims(self, now: float) -> None:
+        """Push the held values nobody claimed in time; forget claims past ``claim_timeout``."""
+        core = self._core
         if core.claims:
-            self._push_unclaimed(self._loop.time())
+            self._push_unclaimed(now)
         if core.asked and self.claim_timeout is not None:
-            horizon = now - self.claim_timeout
-            core.forget_asked(horizon)
+            core.forget_asked(now - self.claim_timeout)
+
+    def _sweep_steps(self, now: float) -> None:
+        """Drop empty tables, expire idle steps, forget the oldest retired ones."""
         self._drop_empty_tables()
         if self.step_idle is not None:
             self._expire_idle_steps(now)
-        if len(core.step_peers) - len(core.tables) > _RETIRED_STEPS_MAX:
+        if len(self._core.step_peers) - len(self._core.tables) > _RETIRED_STEPS_MAX:
             self._forget_retired_steps()
-        for peer in core.peers.values():
-            if peer.owed > 0:  # a batch below a quarter window still goes back when idle
-                core.flush_credit_now(peer)
-        self._repeats.flush()
-        self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
 
     def _drop_empty_tables(self) -> None:
         """A step's table is made on first use; dropping the empty ones keeps finished steps

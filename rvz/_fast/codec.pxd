@@ -17,6 +17,7 @@ cdef Py_ssize_t KEY_CACHE
 cdef Py_ssize_t _C_HEADER, _C_VERSION, _C_MAX_META, _C_MAX_NDIM, _C_MAX_KEY, _C_NCODES, _C_BYTES
 cdef Py_ssize_t _C_DATA, _C_DATA_MANY, _C_HELLO, _C_ENTRY, _C_MANY_PAYLOAD, _C_MAX_MANY
 cdef Py_ssize_t _C_REQUEST, _C_REQUESTS, _C_CANCEL, _C_CREDIT, _C_SEQ, _C_ACK
+cdef int _S_HELLO, _S_OPEN, _S_BYE
 
 
 cdef inline Py_ssize_t _key_slot(bytearray buf, Py_ssize_t start, Py_ssize_t length) noexcept:

@@ -124,6 +124,11 @@ _C_ENTRY = MANY_OVERHEAD
 _C_MANY_PAYLOAD = MANY_PAYLOAD
 _C_MAX_MANY = MAX_MANY
 
+# The decoder's states: what the next frame may be.
+_S_HELLO = 0  # only HELLO: it opens every connection
+_S_OPEN = 1   # any frame but a second HELLO
+_S_BYE = 2    # none: BYE was the peer's last
+
 # dtype code 0 is a ``bytes`` value; the others are numpy dtypes, little-endian on the wire.
 BYTES_CODE = _wire.BYTES_CODE
 DTYPES = _wire.DTYPES
@@ -364,7 +369,7 @@ class Decoder:
         self._dest_filled = 0
         self._dest_len = 0
         self._pending: Any = None
-        self._state = 0  # 0: expect HELLO, 1: open, 2: BYE received
+        self._state = _S_HELLO
         self._peek = False  # since a large payload, until a read fills PEEK: read the next header alone
         self._failed: Any = None
         self.pool = pool  # a RecvPool for large arrays, or None
@@ -494,10 +499,10 @@ class Decoder:
                 self._fail(f"frame flags {flags:#x} are not defined in version {VERSION}")
             if meta_len > _C_MAX_META:
                 self._fail(f"frame metadata of {meta_len} bytes exceeds the limit of {MAX_META}")
-            if self._state != 1:
-                if self._state == 0 and ftype != _C_HELLO:
+            if self._state != _S_OPEN:
+                if self._state == _S_HELLO and ftype != _C_HELLO:
                     self._fail(f"first frame is {FRAME_NAMES.get(ftype, ftype)}, expected HELLO")
-                if self._state == 2:
+                if self._state == _S_BYE:
                     self._fail(f"{FRAME_NAMES.get(ftype, ftype)} frame after BYE")
             mstart = pos + _C_HEADER
             if end - mstart < meta_len:
@@ -628,9 +633,9 @@ class Decoder:
             elif ftype == HELLO or ftype == ERROR:
                 fields = self._map(view, mstart, meta_len, ftype)
                 if ftype == HELLO:
-                    if self._state != 0:
+                    if self._state != _S_HELLO:
                         self._fail("second HELLO on one connection")
-                    self._state = 1
+                    self._state = _S_OPEN
                 events.append((ftype, fields))
                 if ftype == HELLO:
                     handshake = self.stop_at_handshake
@@ -642,7 +647,7 @@ class Decoder:
             elif ftype == BYE:
                 if meta_len != 0:
                     self._fail("BYE frame carries metadata")
-                self._state = 2
+                self._state = _S_BYE
                 events.append((BYE,))
             else:
                 self._fail(f"unknown frame type {ftype}")
@@ -659,7 +664,7 @@ class Decoder:
             self._start = pos
             if pos + need > self._size:
                 self._compact()
-        if self._state != 0 and self._size < self._full_size and self._dest is None:
+        if self._state != _S_HELLO and self._size < self._full_size and self._dest is None:
             self._grow()
         return events
 
