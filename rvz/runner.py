@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
 from .types import LoopName
@@ -54,3 +54,38 @@ def run(main: Coroutine[Any, Any, T], *, loop: LoopName = "auto", debug: bool | 
         finally:
             asyncio.set_event_loop(None)
             new.close()
+
+
+async def wait_for(aw: Awaitable[Any], timeout: float | None) -> Any:
+    """``asyncio.wait_for(aw, timeout)``, except that a cancellation of the caller is never lost.
+
+    Before Python 3.12, ``wait_for`` returns the result of an awaitable that finished in the
+    loop iteration in which its caller was cancelled, and the cancellation is gone: the task
+    runs on (a ``TaskGroup`` whose sibling failed waits for it; an ``asyncio.timeout`` that
+    expired does not fire).  Here the cancellation wins, as it does when ``aw`` is awaited
+    without a timeout.  The timeout raises ``asyncio.TimeoutError`` and cancels ``aw``."""
+    if timeout is None:
+        return await aw
+    loop = asyncio.get_running_loop()
+    fut = asyncio.ensure_future(aw)
+    task = asyncio.current_task()
+    # Cancellations requested of the caller so far (Python 3.11+; before, a cancellation
+    # that comes as the time runs out is taken for the timeout).
+    counted = getattr(task, "cancelling", None)
+    before = counted() if counted is not None else 0
+    expired = False
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        fut.cancel()
+
+    handle = loop.call_later(timeout, expire)
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        if expired and (counted is None or counted() <= before):
+            raise asyncio.TimeoutError() from None
+        raise
+    finally:
+        handle.cancel()

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import rvz
 
 # Bottom to top.  A module may import modules of its own layer and of the layers below it.
@@ -41,7 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("protocol",     ("rvz.handshake",)),
     ("transports",   ("rvz.connection", "rvz.onesided", "rvz.onesided.*")),
     # Node, and its compiled base (send and recv), which rvz._impl loads like the hot paths
-    ("node",         ("rvz._fast.calls", "rvz.node")),
+    ("node",         ("rvz._fast.calls", "rvz.node", "rvz.links")),
     ("public API",   ("rvz",)),
     ("bench",        ("rvz.bench", "rvz.bench.*")),
 ]
@@ -327,8 +329,9 @@ def test_the_engine_calls_its_host_only_through_the_host_interface() -> None:
     assert declared, "rvz/_fast/host.py declares no Host methods"
     assert not [n for n in declared if n.startswith("_")], "Host names a private method"
     # No private method of the node is called from the engine, through the host or not.
-    node_private = {n for n in _methods(_tree(os.path.join(ROOT, "node.py"))) if n.startswith("_")
-                    and not n.startswith("__")}
+    node_private = {n for module in ("node.py", "links.py")
+                    for n in _methods(_tree(os.path.join(ROOT, module)))
+                    if n.startswith("_") and not n.startswith("__")}
     wrong = []
     for name, tree in _fast_sources().items():
         own = _methods(tree)
@@ -378,10 +381,11 @@ def foreign_assignments(tree: ast.AST, allowed: set[str]) -> list[tuple[int, str
     return found
 
 
-def test_the_node_assigns_no_field_of_the_engine() -> None:
+@pytest.mark.parametrize("module", ["node.py", "links.py"])
+def test_the_node_assigns_no_field_of_the_engine(module: str) -> None:
     allowed = _connection_fields() | {"__cause__"}
-    wrong = foreign_assignments(_tree(os.path.join(ROOT, "node.py")), allowed)
-    assert not wrong, "rvz/node.py assigns fields it does not own:\n" + "\n".join(
+    wrong = foreign_assignments(_tree(os.path.join(ROOT, module)), allowed)
+    assert not wrong, f"rvz/{module} assigns fields it does not own:\n" + "\n".join(
         f"  line {line}: {target}" for line, target in wrong)
 
 
