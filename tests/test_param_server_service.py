@@ -458,8 +458,10 @@ def test_a_shard_killed_before_its_first_checkpoint_restarts_empty_and_saves_in_
     assert "CheckpointError" not in proc.stdout + proc.stderr
     # Saves at clocks 50 and 100 only (not at the first push after the restart): full, then
     # an increment of it.
-    entries = sorted(p.name for p in (tmp_path / "ps0" / "default").iterdir() if p.is_dir())
-    assert [e.split("-")[1] for e in entries] == ["full", "incr"], entries
+    saved = tmp_path / "ps0" / "default"
+    assert saved.is_dir(), f"shard 0 saved nothing after its restart:\n{proc.stdout}\n{proc.stderr}"
+    entries = sorted(p.name for p in saved.iterdir() if p.is_dir())
+    assert [e.split("-")[1] for e in entries] == ["full", "incr"], (entries, proc.stdout, proc.stderr)
     assert "shard restarts seen 1" in proc.stdout
 
 
