@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import inspect
 import os
 import socket
@@ -103,6 +102,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.obj = _on_given_loop(item.obj, seconds)
 
 
+# Every socket object this process makes (accept(), fromfd and ssl's too: all run
+# socket.socket.__init__), so that the check below need not walk every object there is.
+_sockets: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+_socket_init = socket.socket.__init__
+
+
+def _registered_init(self: socket.socket, *args: Any, **kwargs: Any) -> None:
+    _socket_init(self, *args, **kwargs)
+    _sockets.add(self)
+
+
+socket.socket.__init__ = _registered_init  # type: ignore[method-assign]
+
+
 @pytest.fixture(autouse=True)
 def no_socket_left_owning_a_closed_fd() -> Any:
     """Fail a test that leaves a socket object owning an fd number that is already closed.
@@ -113,14 +126,13 @@ def no_socket_left_owning_a_closed_fd() -> Any:
     a later test's listener was closed that way and its dials hung)."""
     yield
     stale = []
-    for obj in gc.get_objects():
-        if isinstance(obj, socket.socket):
-            fd = obj.fileno()
-            if fd >= 0:
-                try:
-                    os.fstat(fd)
-                except OSError:
-                    stale.append(fd)
+    for sock in list(_sockets):
+        fd = sock.fileno()
+        if fd >= 0:
+            try:
+                os.fstat(fd)
+            except OSError:
+                stale.append(fd)
     assert not stale, f"socket objects own fds that are already closed: {stale}"
 
 
