@@ -125,6 +125,7 @@ cdef class RemoteWaiter(Waiter):
 
 cdef class Wire:
     cdef public Core core
+    cdef public long long alone_ns
     cdef public bint outbound
     cdef public object peer
     cdef public Decoder decoder  # typed: its reads are C calls

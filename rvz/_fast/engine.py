@@ -520,6 +520,7 @@ class Wire:
         self._hold_first = False          # the last iteration wrote more than one frame
         self._burst = 0                   # frames of this iteration (see ``_at_once``)
         self._alone_at = 0                # when a frame last left alone (see ``_at_once``)
+        self.alone_ns = ALONE_NS          # that window (tests widen it)
         self._answer_queued = False       # an answer waits in ``_out`` (see ``requests_queued``)
         self._call_soon = core.loop.call_soon
         self._flush_cb = self.flush       # bound once: scheduled in every busy loop iteration
@@ -803,7 +804,7 @@ class Wire:
 
         A frame leaves at once (a push or a reply waits for no loop iteration, nor for
         whatever the caller does before it next yields) unless the last iteration wrote more
-        than one frame, or a frame left alone less than ``ALONE_NS`` ago and the peer has not
+        than one frame, or a frame left alone less than ``alone_ns`` ago and the peer has not
         spoken since.  Frames then come in groups (an answer and the next request of a
         Recv-Driven exchange, a burst of sends), and writing the first alone costs a second
         write here and a second wake-up at the peer, which may act on half the group
@@ -815,7 +816,7 @@ class Wire:
             self._burst += 1
             return False
         now = clock_ns()
-        if not self._hold_first and now - self._alone_at > ALONE_NS:
+        if not self._hold_first and now - self._alone_at > self.alone_ns:
             self._alone_at = now
             self._burst = 1
             return True
