@@ -68,7 +68,8 @@ from .errors import (
 )
 from .handshake import Handshake
 from .links import Links
-from .poll import BusyPoll, check_budget
+from .options import MIN_RATE, Options
+from .poll import BusyPoll
 from .runner import wait_for
 from .types import KeyLike, Mode, NodeStats, PeerStats, SendValue, StepStats, TransportName, Value
 
@@ -89,8 +90,6 @@ EMPTY = _table.EMPTY
 _seconds = _table.seconds  # a duration as a message says it
 nbytes_of = _engine.nbytes_of
 
-MODES = ("recv", "send")
-TRANSPORTS = ("tcp", "shm", "verbs", "auto")  # all but tcp: rvz.onesided
 _DEAD_STEPS_MAX = 1 << 16
 # Steps without a table whose peers are still remembered, to relay a late clean-up to them.
 _RETIRED_STEPS_MAX = 1 << 12
@@ -98,17 +97,6 @@ _RETIRED_STEPS_MAX = 1 << 12
 # whose old connection is not known dead yet.  More is a peer holding sockets open.
 _MAX_INBOUND_PER_PEER = 8
 _ABORT_TEXT_MAX = 1024  # characters of a peer's step clean-up message that are kept
-# The default of ``min_rate``: the slowest a large payload may arrive, in bytes/s on average,
-# once it has taken peer_timeout.  Half a megabit per second is below any link tensors are
-# exchanged over, even one shared by many connections, so a working link is never cut; a
-# peer that trickles a payload to keep its connection and its reserved array is closed
-# after peer_timeout + size / MIN_RATE at most, and has to send real bytes meanwhile.
-MIN_RATE = 64 << 10
-
-# Bytes a secret must have at least.  An AUTH frame is an HMAC over nonces anyone on the
-# path sees, so one captured handshake lets a guesser test keys offline at full speed:
-# 16 bytes (128 bits of a random key) put that out of reach; an empty key proves nothing.
-SECRET_MIN_BYTES = 16
 
 TaskId = tuple  # (job, task)
 
@@ -118,25 +106,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
-
-
-def _check_secret(secret: str | bytes | None) -> bytes | None:
-    """``secret=`` (or ``RVZ_SECRET`` when it is None) as the HMAC key, or None: no secret.
-    A set ``RVZ_SECRET`` counts even when empty: an empty key would prove nothing."""
-    where = "secret"
-    if secret is None:
-        secret = os.environ.get("RVZ_SECRET")
-        where = "RVZ_SECRET"
-        if secret is None:
-            return None
-    if not isinstance(secret, (str, bytes)):
-        raise ConfigError(f"secret must be str or bytes, not {type(secret).__name__}")
-    key = secret.encode("utf-8") if isinstance(secret, str) else secret
-    if len(key) < SECRET_MIN_BYTES:
-        raise ConfigError(f"{where} must be at least {SECRET_MIN_BYTES} bytes long (a random "
-                          f"key: 16 bytes of os.urandom, or secrets.token_hex(16)), not "
-                          f"{len(key)}")
-    return key
 
 
 def certificate_names(job: str, task: int) -> set[str]:
@@ -318,72 +287,29 @@ class Node(_NodeCalls, Links):
                  hello_timeout: float = 10.0, max_unidentified: int = 64,
                  answer_backlog: int = 32 << 20, busy_poll: float = 0.0,
                  min_rate: int = MIN_RATE, tls_identity: bool = False) -> None:
-        if mode not in MODES:
-            raise ConfigError(f"mode must be 'recv' or 'send', not {mode!r}")
-        if transport not in TRANSPORTS:
-            raise ConfigError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
-        if not 0 < heartbeat < peer_timeout:
-            raise ConfigError(f"need 0 < heartbeat < peer_timeout, got heartbeat={heartbeat} "
-                              f"and peer_timeout={peer_timeout}")
-        for name, value in (("push_window", push_window), ("hold_limit", hold_limit),
-                            ("max_payload", max_payload), ("recv_pool", recv_pool),
-                            ("max_parked", max_parked), ("max_steps", max_steps),
-                            ("max_unidentified", max_unidentified),
-                            ("answer_backlog", answer_backlog), ("min_rate", min_rate),
-                            ("lost_hold_limit", 0 if lost_hold_limit is None else lost_hold_limit)):
-            if not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name} must be a number of bytes >= 0, not {value!r}")
-        for name, seconds in (("connect_timeout", connect_timeout), ("linger", linger),
-                              ("hello_timeout", hello_timeout),
-                              ("step_idle", 0.0 if step_idle is None else step_idle),
-                              ("claim_timeout", 0.0 if claim_timeout is None else claim_timeout)):
-            if not seconds >= 0:
-                raise ConfigError(f"{name} must be >= 0 seconds, not {seconds!r}")
-        try:
-            check_budget(busy_poll)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if onesided is not None:
-            # Checked here, as every other option is, so that an unknown name or a bad value
-            # fails the constructor, whatever the transport.
-            from .onesided.engine import Options
-            try:
-                Options(onesided)
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"onesided: {exc}") from None
+        o = Options(mode=mode, transport=transport, host=host, connect_timeout=connect_timeout,
+                    heartbeat=heartbeat, peer_timeout=peer_timeout, linger=linger,
+                    push_window=push_window, hold_limit=hold_limit,
+                    lost_hold_limit=lost_hold_limit, claim_timeout=claim_timeout,
+                    incarnation=incarnation, max_payload=max_payload, recv_pool=recv_pool,
+                    onesided=onesided, secret=secret, ssl=ssl, max_parked=max_parked,
+                    max_steps=max_steps, step_idle=step_idle, hello_timeout=hello_timeout,
+                    max_unidentified=max_unidentified, answer_backlog=answer_backlog,
+                    busy_poll=busy_poll, min_rate=min_rate, tls_identity=tls_identity)
         index = _keys.as_index(task)
         if index is None:  # "0", 0.0 and True too
             raise ConfigError(f"task must be an int, not {task!r}")
-        if incarnation is not None:
-            # The HELLO carries it as 64 bits: any other value fails every connection later.
-            number = _keys.as_index(incarnation)
-            if number is None or not 0 <= number < 1 << 64:
-                raise ConfigError(f"incarnation must be an int in [0, 2**64), not {incarnation!r}")
-            incarnation = number
         self.cluster = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec(cluster)
         self.job = job
         self.task = index
         self.id: TaskId = (job, self.task)
         self.name = f"/job:{job}/replica:0/task:{self.task}"
         self.address = self.cluster.address(job, self.task)
+        # The options, each as the attribute of its name (the secret only in the handshake).
         self.mode = mode
         self.transport: str = transport  # onesided.Host declares it a str
         self._host = host
-        secret = _check_secret(secret)  # the handshake keeps it (rvz.handshake)
-        self._ssl_server: _ssl.SSLContext | None
-        self._ssl_client: _ssl.SSLContext | None
-        if isinstance(ssl, tuple):
-            self._ssl_server, self._ssl_client = ssl
-        else:
-            self._ssl_server = self._ssl_client = ssl
-        for ctx in (self._ssl_server, self._ssl_client):
-            if ctx is not None and not isinstance(ctx, _ssl.SSLContext):
-                raise ConfigError("ssl must be an ssl.SSLContext or a (server, client) pair of them")
-        if tls_identity and (self._ssl_server is None or self._ssl_client is None
-                             or self._ssl_server.verify_mode != _ssl.CERT_REQUIRED
-                             or self._ssl_client.verify_mode != _ssl.CERT_REQUIRED):
-            raise ConfigError("tls_identity needs mutual TLS: ssl= contexts that both require "
-                              "the peer's certificate (verify_mode = ssl.CERT_REQUIRED)")
+        self._ssl_server, self._ssl_client = o.ssl_server, o.ssl_client
         self.tls_identity = bool(tls_identity)
         self.max_parked = max_parked
         self.max_steps = max_steps
@@ -404,7 +330,8 @@ class Node(_NodeCalls, Links):
         self._poll = None  # the BusyPoll of the running loop (start), if busy_poll
         # Memory for large received arrays, reused once the caller dropped them (0: none).
         self._recv_pool = _impl.recvpool.RecvPool(recv_pool) if recv_pool > 0 else None
-        self.incarnation = incarnation if incarnation is not None else int.from_bytes(os.urandom(8), "little")
+        self.incarnation = (o.incarnation if o.incarnation is not None
+                            else int.from_bytes(os.urandom(8), "little"))
         self._state = "new"
         self._starting = False  # a start() is under way (``start``)
         self._close_cause: BaseException | None = None
@@ -436,7 +363,7 @@ class Node(_NodeCalls, Links):
         self._repeats = _Repeats()  # events that may repeat many times a second, logged in sum
         self._said_bye = False  # close() said BYE: a connection made since says it at once
         # HELLO and AUTH: their verdicts, and the incarnations newer ones replaced.
-        self._handshake = Handshake(self.id, self.incarnation, secret,
+        self._handshake = Handshake(self.id, self.incarnation, o.secret,
                                     default_window=push_window, default_parks=_engine.DEFAULT_PARKS,
                                     in_cluster=self._in_cluster)
         # The pid of the process this node was started in, when this is a child forked

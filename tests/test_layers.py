@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("protocol",     ("rvz.handshake",)),
     ("transports",   ("rvz.connection", "rvz.onesided", "rvz.onesided.*")),
     # Node, and its compiled base (send and recv), which rvz._impl loads like the hot paths
-    ("node",         ("rvz._fast.calls", "rvz.node", "rvz.links")),
+    ("node",         ("rvz._fast.calls", "rvz.options", "rvz.node", "rvz.links")),
     ("public API",   ("rvz",)),
     ("bench",        ("rvz.bench", "rvz.bench.*")),
 ]
