@@ -54,7 +54,8 @@ def check_secret(secret: str | bytes | None) -> bytes | None:
 class Options:
     """Every option of a node but its cluster, job and task, checked.  ``secret`` becomes
     the HMAC key (``RVZ_SECRET`` when None), ``incarnation`` an int, and ``ssl`` the pair
-    ``ssl_server``, ``ssl_client``."""
+    ``ssl_server``, ``ssl_client``.  The names are ``rvz.types.NodeOptions``'s, which types
+    them as keywords (tests/test_options.py holds the two lists and ``Node``'s equal)."""
 
     mode: Any
     transport: Any
