@@ -161,7 +161,12 @@ class FakeQP:
 
     def post_send(self, wr: Any) -> None:
         assert self.state == "RTS"
-        remote = self.fabric.qps[self.dest]
+        remote = self.fabric.qps.get(self.dest)
+        if remote is None:
+            # The peer's QP closed with its connection: an RC QP would retry for its retry
+            # timeout, and the TCP reset that closes this endpoint too comes well before the
+            # request's error completion, which nobody then reads.
+            return
         data = b"".join(ctypes.string_at(s.addr, s.length) for s in wr.sg if s.length)
         recv = remote.recvs.popleft()  # the provider keeps buffers posted
         if wr.opcode == E.IBV_WR_RDMA_WRITE_WITH_IMM:
