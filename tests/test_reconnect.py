@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import rvz
+from rvz import _impl
 
 from .conftest import eventually, key, pair, provider_or_skip
 
@@ -158,3 +159,28 @@ async def test_a_refused_reconnect_fails_waiting_recvs_with_peer_lost(cluster) -
             assert loop.time() - start < 5.0
     finally:
         w.abort()
+
+
+@pytest.mark.parametrize("mode", ["send", "recv"])
+@pytest.mark.loop_timeout(60)
+async def test_a_region_its_owner_closed_before_its_offer_arrived_is_a_reset(  # type: ignore[no-untyped-def]
+        cluster, mode: str) -> None:
+    """A consumer that resets its connection frees the regions it offered on it; an offer
+    still on the way names a region that is gone.  That is a reset, not a lost peer: the
+    pair connects again and the stream goes on, nothing lost or doubled."""
+    async with pair(cluster, mode, transport=provider_or_skip("shm"), onesided=ONESIDED) as (w, p):
+        k = key("gone")
+        for i in range(10):
+            await w.send(k, value(i, 300 << 10))
+        got = [int((await p.recv(k, timeout=10))[0]) for _ in range(5)]
+        conn = w._peers[("ps", 0)].link
+        channel = conn.dataplane
+        assert channel is not None, "the values went one-sided"
+        gone = {"rk": 1 << 40, "n": 4096, "fd": 1 << 20, "ino": 1, "a": 0}  # no such fd
+        channel.on_frames([(_impl.codec.ONESIDED, {"op": "slots", "k": k, "m": [gone], "s": []})])
+        assert isinstance(conn.close_reason, ConnectionResetError), conn.close_reason
+        await relinked(w, ("ps", 0), [conn])
+        for i in range(10, 20):
+            await w.send(k, value(i, 300 << 10))
+        got += [int((await p.recv(k, timeout=10))[0]) for _ in range(15)]
+        assert got == list(range(20))

@@ -878,8 +878,7 @@ class Channel:
                     try:
                         self._on_control(event[1])
                     except (TransportError, ValueError, TypeError, KeyError, IndexError) as exc:
-                        self.fail(TransportError(f"{self.name}: bad control message from "
-                                                 f"{self.peer_name}: {exc!r}"))
+                        self.fail(self._control_error(exc))
                 continue
             if kind == _codec.CANCEL:
                 request_id = event[1]
@@ -902,6 +901,16 @@ class Channel:
                 self._forget_ask(request_id)
             out.append(event)
         return out
+
+    def _control_error(self, exc: BaseException) -> BaseException:
+        """Why a control message from the peer fails this channel.  A memory region it offered
+        that is gone from its process (closed as it resets this very connection: the offer
+        was still on the way) makes that a reset, after which the pair connects again and
+        nothing is lost; anything else is the peer's fault."""
+        if isinstance(exc.__cause__, FileNotFoundError):
+            return ConnectionResetError(f"{self.name}: {self.peer_name} closed a memory region "
+                                        f"it offered: {exc}")
+        return TransportError(f"{self.name}: bad control message from {self.peer_name}: {exc!r}")
 
     def _on_control(self, f: dict[str, Any]) -> None:
         op = f["op"]
