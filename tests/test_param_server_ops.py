@@ -405,7 +405,9 @@ def test_a_killed_shard_is_given_up_about_the_restart_timeout_after_it_died(tmp_
         _, err = worker.communicate(timeout=30)
         gave_up = time.monotonic() - killed
         assert worker.returncode == 1 and "PS shard 1 did not come back within 1 s" in err, err
-        assert gave_up < 3.5, f"gave up {gave_up:.1f} s after the kill, with --restart-timeout 1"
+        # (a bound far from the 11 s of a dial for the start-up allowance, with room for a
+        # loaded machine: 4 s was seen with 6 test workers on 2 cores)
+        assert gave_up < 7, f"gave up {gave_up:.1f} s after the kill, with --restart-timeout 1"
     finally:
         for proc in procs:
             if proc.poll() is None:
