@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import socket
 import sys
 from typing import TYPE_CHECKING, Any, Protocol
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from ._fast.engine import Wire
 else:
     Wire = _impl.engine.Wire  # the compiled or the pure-Python engine, as rvz._impl chose
+
+log = logging.getLogger("rvz.node")
 
 WRITE_HIGH_WATER = 8 << 20
 WRITE_LOW_WATER = 2 << 20
@@ -279,6 +282,10 @@ class Connection(Wire, asyncio.BufferedProtocol):
                 return  # told already, and closing
             if self.close_reason is None:
                 self.close_reason = reason
+            # Once per connection (``closed_here`` guards it): the operator's only sign that
+            # a peer misbehaves, as the peer is not lost and nothing else fails here.
+            log.warning("%s: closing the connection of %s: %s", self.core.name,
+                        getattr(self.peer, "name", "a peer"), reason)
             self.write_frame(_impl.codec.encode_error(0, 0, "", "protocol", str(reason)))
             self.flush()
             self.closed_here = True

@@ -439,15 +439,31 @@ def test_error_replies_for_a_dead_step_are_bounded_by_answer_backlog(run) -> Non
                 await h.hello("worker", 1)
                 await h.send(codec.encode_abort_step(1, "over"))
                 await h.flood(requests_frames(0, 100_000, 1, "d" * 100, PS0, per_frame=100))
-                # (100,000 requests take the pure-Python victim seconds on a loaded machine)
-                await h.events_until_closed(25)
+                # The replies are not read until the victim gives up: reading them would drain
+                # the backlog that closes it.  (100,000 requests take the pure-Python victim
+                # seconds on a loaded machine.)
+                await eventually_logged(v, "does not read the replies", within=30)
+                await h.events_until_closed(10)
             finally:
                 h.close()
             stats = await v.call("stats")
             assert stats["unhandled"] == []
             await legit_traffic_flows(cluster, v)
 
-    run(body(), timeout=50)
+    run(body(), timeout=60)
+
+
+async def eventually_logged(v: Any, text: str, within: float) -> None:
+    """Poll the victim's warnings until one contains ``text``; fail showing them."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within
+    while True:
+        logs = await v.call("logs")
+        if any(text in line for line in logs["lines"]):
+            return
+        if loop.time() > end:
+            raise AssertionError(f"never logged {text!r}: {logs['lines'][-10:]}")
+        await asyncio.sleep(0.05)
 
 
 async def eventually_async(v: Any, predicate: Any, what: str, within: float = 8.0) -> dict[str, Any]:

@@ -1276,12 +1276,13 @@ async def test_a_lone_push_leaves_at_once_without_an_end_of_iteration_flush(clus
         data = _impl.codec.DATA_MANY
         try:
             await asyncio.sleep(0.01)              # longer than ALONE_NS since w last wrote
-            # Within ALONE_NS of the first push, the second must come: an hour here, as a
-            # process paused by a loaded machine between two lines can lapse 1 ms.
-            default, conn.alone_ns = conn.alone_ns, 3600 * 10**9
             await w.send(key(), np.array([1]))
             assert written == [[data]]             # within the call ...
             assert not conn._flush_scheduled       # ... and nothing scheduled after it
+            # Within ALONE_NS of the first push, the second must come: an hour here, as a
+            # process paused by a loaded machine between two lines can lapse 1 ms.  (Set
+            # after the first: a frame w wrote alone before it would hold it for an hour.)
+            default, conn.alone_ns = conn.alone_ns, 3600 * 10**9
             await w.send(key(), np.array([2]))          # the same iteration, within alone_ns
             assert written == [[data]] and conn._flush_scheduled
             conn.alone_ns = default

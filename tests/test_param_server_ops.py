@@ -144,7 +144,7 @@ def test_a_lost_shard_is_waited_for_once_for_the_restart_timeout(run) -> None:  
         # A refused dial fails at once (PeerLost), as for a shard killed long ago.
         async with rvz.Node(cluster, "worker", 0, linger=0.2, connect_timeout=0.2) as node:
             async with serving(cluster, 1):
-                client = PSClient(node, 1, 4, timeout=5.0, restart_timeout=1.0)
+                client = PSClient(node, 1, 4, timeout=5.0, restart_timeout=2.0)
                 ids = np.arange(4)
                 rows = await client.lookup(ids, 0)
                 await client.push(ids, rows, 0)
@@ -155,8 +155,11 @@ def test_a_lost_shard_is_waited_for_once_for_the_restart_timeout(run) -> None:  
             waited = loop.time() - started
             for outcome in outcomes:
                 assert isinstance(outcome, rvz.PeerLost), outcome
-                assert "within 1 s" in str(outcome) and "worker 0" in str(outcome), outcome
-            assert waited < 1.8, f"gave up after {waited:.1f} s, the restart timeout is 1 s"
+                assert "within 2 s" in str(outcome) and "worker 0" in str(outcome), outcome
+            # One give-up, told to both channels; two waits would take 4 s or more (the margin
+            # is for a loaded machine).
+            assert str(outcomes[0]) == str(outcomes[1])
+            assert waited < 3.9, f"gave up after {waited:.1f} s, the restart timeout is 2 s"
             await client.close()
 
     run(main(), timeout=20)
