@@ -17,7 +17,7 @@ import os
 import sys
 from types import ModuleType, SimpleNamespace
 
-MODULES = ("arrays", "keys", "table", "codec", "recvpool", "engine", "calls")
+MODULES = ("arrays", "keys", "table", "codec", "recvpool", "peers", "engine", "calls")
 _PACKAGE = "rvz._fast"
 
 
@@ -87,6 +87,7 @@ table = active.table
 codec = active.codec
 arrays = active.arrays
 recvpool = active.recvpool
+peers = active.peers
 engine = active.engine
 calls = active.calls
 

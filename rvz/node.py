@@ -364,7 +364,7 @@ class Node(_NodeCalls, Links):
         self._said_bye = False  # close() said BYE: a connection made since says it at once
         # HELLO and AUTH: their verdicts, and the incarnations newer ones replaced.
         self._handshake = Handshake(self.id, self.incarnation, o.secret,
-                                    default_window=push_window, default_parks=_engine.DEFAULT_PARKS,
+                                    default_window=push_window, default_parks=_impl.peers.DEFAULT_PARKS,
                                     in_cluster=self._in_cluster)
         # The pid of the process this node was started in, when this is a child forked
         # from it (``_disown``); None otherwise.

@@ -93,7 +93,7 @@ class Side(_impl.calls.NodeCalls):  # type: ignore[misc,name-defined]
         self.push_window = push_window
         self.max_parked = max_parked
         self.handshake = Handshake(task_id, incarnation, secret, default_window=push_window,
-                                   default_parks=engine.DEFAULT_PARKS,
+                                   default_parks=_impl.peers.DEFAULT_PARKS,
                                    in_cluster=lambda t: t in (WORKER, PS))
         self.calls: list[tuple[str, Any]] = []
         self.tasks: set[asyncio.Task[Any]] = set()

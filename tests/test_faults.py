@@ -36,7 +36,7 @@ WORKER = "/job:worker/replica:0/task:0/device:CPU:0"
 PS = "/job:ps/replica:0/task:0/device:CPU:0"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Quick heartbeats so a silent peer is lost within about a second.
-SETTINGS: dict[str, Any] = dict(heartbeat=0.05, peer_timeout=1.0, linger=0.5, connect_timeout=3.0,
+SETTINGS: dict[str, Any] = dict(heartbeat=0.05, peer_timeout=1.0, linger=0.5, connect_timeout=6.0,
                                 claim_timeout=0.3)
 OUTCOMES = (rvz.PeerLost, rvz.ProtocolError, TimeoutError)
 BOUND = 8.0   # the timeout of every operation under a fault

@@ -33,8 +33,9 @@ import rvz
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors",       ("rvz.errors",)),
     ("hot paths",    ("rvz._fast", "rvz._fast.keys", "rvz._fast.table", "rvz._fast.codec",
-                      "rvz._fast.recvpool", "rvz._fast.arrays", "rvz._fast.wire")),
-    ("engine",       ("rvz._fast.engine", "rvz._fast.host")),
+                      "rvz._fast.recvpool", "rvz._fast.arrays", "rvz._fast.format")),
+    # the protocol engine and the parts whose state it holds
+    ("engine",       ("rvz._fast.engine", "rvz._fast.host", "rvz._fast.peers")),
     # picks the compiled or the pure-Python variant of the two layers above
     ("impl switch",  ("rvz._impl",)),
     # usable by every layer above _fast

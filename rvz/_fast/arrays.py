@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .wire import BYTES_CODE, DATA, DATA_MANY, DTYPES, MAX_NDIM, REQUEST, VERSION, WIRE_DTYPES
-from .wire import describe_other as _describe_other
+from .format import BYTES_CODE, DATA, DATA_MANY, DTYPES, MAX_NDIM, REQUEST, VERSION, WIRE_DTYPES
+from .format import describe_other as _describe_other
 
 # One struct per ndim packs the whole DATA header (frame header + metadata) in one call.
 _DATA_HEADERS = [struct.Struct("<BBHIQQQHBB" + "Q" * n) for n in range(MAX_NDIM + 1)]

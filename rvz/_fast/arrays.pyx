@@ -23,9 +23,9 @@ cnp.import_array()
 if sys.byteorder != "little":
     raise ImportError("rvz's compiled data path assumes a little-endian host")
 
-from rvz._fast.wire import (BYTES_CODE, CODES, DATA, DATA_MANY, DTYPES, MAX_NDIM, REQUEST,
+from rvz._fast.format import (BYTES_CODE, CODES, DATA, DATA_MANY, DTYPES, MAX_NDIM, REQUEST,
                            VERSION, WIRE_DTYPES)
-from rvz._fast.wire import describe_other as _describe_other
+from rvz._fast.format import describe_other as _describe_other
 
 # numpy type numbers of the wire codes (index = code)
 cdef int[15] _TYPENUMS

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..errors import ProtocolError
 from . import arrays as _arrays
-from . import wire as _wire
+from . import format as _format
 
 try:  # Cython's own module; a compiled build sees the constant True
     import cython
@@ -49,11 +49,11 @@ try:  # Cython's own module; a compiled build sees the constant True
 except ImportError:  # pure Python without Cython installed
     COMPILED = False
 
-VERSION = _wire.VERSION
+VERSION = _format.VERSION
 
 HELLO = 1
-DATA = _wire.DATA
-REQUEST = _wire.REQUEST
+DATA = _format.DATA
+REQUEST = _format.REQUEST
 CANCEL = 4
 ERROR = 5
 ABORT_STEP = 6
@@ -63,7 +63,7 @@ BYE = 9
 ONESIDED = 10  # control of a one-sided transport (rvz.onesided): a msgpack map
 REQUESTS = 11  # several requests of one step in one frame (recv_many): decoded as REQUESTs
 AUTH = 12      # the handshake's proof of the shared secret (a msgpack map), right after HELLO
-DATA_MANY = _wire.DATA_MANY  # 13: small Send-Driven values of one step, decoded as one event
+DATA_MANY = _format.DATA_MANY  # 13: small Send-Driven values of one step, decoded as one event
 # Exactly-once delivery across reconnects: SEQ numbers the values that follow it on a
 # connection (the producer's count of values sent to that peer), ACK returns the highest
 # number below which the consumer has every value.
@@ -76,7 +76,7 @@ FRAME_NAMES = {HELLO: "HELLO", DATA: "DATA", REQUEST: "REQUEST", CANCEL: "CANCEL
                DATA_MANY: "DATA_MANY", SEQ: "SEQ", ACK: "ACK"}
 
 HEADER_SIZE = 16
-MAX_NDIM = _wire.MAX_NDIM
+MAX_NDIM = _format.MAX_NDIM
 MAX_KEY = 4096           # bytes of a key on the wire
 MAX_META = 65536         # bytes of any frame's metadata
 # After a large payload, the next read asks for this much only: the next frame's header
@@ -109,8 +109,8 @@ _C_VERSION = VERSION
 _C_MAX_META = MAX_META
 _C_MAX_NDIM = MAX_NDIM
 _C_MAX_KEY = MAX_KEY
-_C_NCODES = len(_wire.DTYPES)
-_C_BYTES = _wire.BYTES_CODE
+_C_NCODES = len(_format.DTYPES)
+_C_BYTES = _format.BYTES_CODE
 _C_DATA = DATA
 _C_DATA_MANY = DATA_MANY
 _C_HELLO = HELLO
@@ -130,9 +130,9 @@ _S_OPEN = 1   # any frame but a second HELLO
 _S_BYE = 2    # none: BYE was the peer's last
 
 # dtype code 0 is a ``bytes`` value; the others are numpy dtypes, little-endian on the wire.
-BYTES_CODE = _wire.BYTES_CODE
-DTYPES = _wire.DTYPES
-_CODES = _wire.CODES
+BYTES_CODE = _format.BYTES_CODE
+DTYPES = _format.DTYPES
+_CODES = _format.CODES
 _append_data = _arrays.append_data
 _new_array = _arrays.new_array
 _block_array = _arrays.block_array

@@ -9,6 +9,7 @@ from rvz._fast.arrays cimport (append_data_c, append_request_c, describe_c, many
 from rvz._fast.codec cimport Decoder
 from rvz._fast.codec cimport payload_view as payload_view_c
 from rvz._fast.keys cimport canonical_devices as canonical_devices_c
+from rvz._fast.peers cimport Peer, Request, Route
 from rvz._fast.table cimport Table, Waiter, check_timeout
 
 cdef bint COMPILED
@@ -17,7 +18,7 @@ cdef str RECV, SEND
 cdef Py_ssize_t MESSAGE_COST, HOLD_LOW_WATER, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY
 cdef Py_ssize_t SWEEP_SLACK
 cdef Py_ssize_t CANCELLED_MAX
-cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, MAX_KEY, LARGE_READ, COPY_WRITE_MAX
+cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, LARGE_READ, COPY_WRITE_MAX
 cdef long long ALONE_NS
 cdef object _NO_STEP
 cpdef Py_ssize_t nbytes_of(object value) except -1
@@ -36,80 +37,6 @@ cdef inline long long monotonic_ns_c() noexcept:
 
 cdef class Core
 cdef class Wire
-cdef class Peer
-
-
-cdef class Route:
-    cdef public str text
-    cdef public bytes wire
-    cdef public tuple src
-    cdef public tuple dst
-    cdef public bint from_me
-    cdef public bint to_me
-    cdef public Peer peer
-
-
-cdef class Peer:
-    cdef public tuple id
-    cdef public str name
-    cdef public str address
-    cdef public object out
-    cdef public set inbound
-    cdef public object incarnation
-    cdef public str mode
-    cdef public object link
-    cdef public Py_ssize_t credit
-    cdef public bint asked
-    cdef public object queue
-    cdef public Py_ssize_t owed
-    cdef public bint owed_scheduled
-    cdef public bint owe_now
-    cdef public bint stuck
-    cdef public object pushes_on
-    cdef public object joined_step
-    cdef public Py_ssize_t steps_opened
-    cdef public Py_ssize_t window
-    cdef public Py_ssize_t unreturned
-    cdef public Py_ssize_t answered
-    cdef public Py_ssize_t parks
-    cdef public dict asking
-    cdef public object held_back
-    cdef public Py_ssize_t held_back_mark
-    cdef public bint lost
-    cdef public Py_ssize_t held_bytes
-    cdef public Py_ssize_t held_count
-    cdef public Py_ssize_t hold_reserved
-    cdef public Py_ssize_t tx_seq
-    cdef public list unacked
-    cdef public Py_ssize_t unacked_head
-    cdef public Py_ssize_t credit_in
-    cdef public Py_ssize_t credited
-    cdef public Py_ssize_t rx_floor
-    cdef public set rx_above
-    cdef public Py_ssize_t acked_sent
-    cdef public Py_ssize_t arriving
-    cdef object __weakref__
-
-    cpdef list live_connections(self)
-    cpdef dialled(self, object conn)
-    cpdef dropped(self, object conn)
-    cpdef forget_links(self, object keep)
-    cpdef object take_queue(self)
-    cpdef left_step(self, object step)
-    cpdef Py_ssize_t kept(self)
-    @cython.locals(link=Wire)
-    cpdef bint unconnected(self) except -1
-
-
-cdef class Request:
-    cdef public object id
-    cdef public Peer peer
-    cdef public object step
-    cdef public str key
-    cdef public Route route
-    cdef public object conn
-
-    cdef init(self, object request_id, Peer peer, object step, Route route)
 
 
 cdef class RemoteWaiter(Waiter):
