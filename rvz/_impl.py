@@ -17,7 +17,7 @@ import os
 import sys
 from types import ModuleType, SimpleNamespace
 
-MODULES = ("arrays", "keys", "table", "codec", "recvpool", "peers", "engine", "calls")
+MODULES = ("arrays", "keys", "table", "codec", "recvpool", "peers", "holding", "engine", "calls")
 _PACKAGE = "rvz._fast"
 
 
@@ -88,6 +88,7 @@ codec = active.codec
 arrays = active.arrays
 recvpool = active.recvpool
 peers = active.peers
+holding = active.holding
 engine = active.engine
 calls = active.calls
 

@@ -188,7 +188,7 @@ class Links:
                 core.asked_no_more(peer, request_id)
         # No ready connection to it left: what we hold for it counts apart.  (Its dialled
         # connection reaches ``peer.out`` only once the dial returns: asked of the node.)
-        core.regroup(peer, not any(c.peer is peer and c.ready and not c.closed for c in self._conns))
+        core.holding.regroup(peer, not any(c.peer is peer and c.ready and not c.closed for c in self._conns))
         if self._state == "closed" or isinstance(conn.close_reason, PeerLost) or (
                 conn.closed_here and not isinstance(conn.close_reason, ProtocolError)):
             return  # our own close, or the loss was already handled by _peer_lost
@@ -388,8 +388,8 @@ class Links:
         # The held-back requests fail below with the recvs behind them (unless a new
         # incarnation, ``keep``, can serve them).
         peer.forget_links(keep)
-        if core.hold_waiters:  # a send waiting for room may wait on this peer: it dials
-            core.wake_holders()
+        if core.holding.hold_waiters:  # a send waiting for room may wait on this peer: it dials
+            core.holding.wake_holders()
 
         def lost(key: str) -> RvzError:
             exc = type(err)(f"{err} (key {key})")

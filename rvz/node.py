@@ -172,7 +172,7 @@ def _log_unclaimed_failure(done: asyncio.Future[None]) -> None:
 
 def _release_held(core: Any, peer: Any, nbytes: int, done: asyncio.Future[None]) -> None:
     """A held value pushed to its consumer left the push queue (``Node._push_oldest``)."""
-    core.released_held(peer, nbytes)
+    core.holding.released_held(peer, nbytes)
 
 
 def _close_server(creating: asyncio.Future[Any]) -> None:
@@ -342,7 +342,7 @@ class Node(_NodeCalls, Links):
         self._core = _engine.Core(_EngineHost(self), self.cluster, self.id, self.name, mode, None,
                                   push_window, hold_limit, claim_timeout, max_parked,
                                   max_steps, answer_backlog, lost_hold_limit)
-        self.lost_hold_limit = self._core.lost_hold_limit  # (None: the core's default)
+        self.lost_hold_limit = self._core.holding.lost_hold_limit  # (None: the core's default)
         self._idle_since: dict[int, tuple[Any, float]] = {}  # step -> (activity mark, since)
         self._dead_order: deque[int] = deque()  # core.dead_steps' keys, oldest first
         # dead step -> (task id, incarnation) of the one peer process that took part in it
@@ -381,11 +381,11 @@ class Node(_NodeCalls, Links):
 
     @property
     def _held_bytes(self) -> int:
-        return int(self._core.held_bytes)
+        return int(self._core.holding.held_bytes)
 
     @property
     def _held_count(self) -> int:
-        return int(self._core.held_count)
+        return int(self._core.holding.held_count)
 
     @classmethod
     def from_env(cls, **options: Unpack[NodeOptions]) -> Node:
@@ -612,7 +612,7 @@ class Node(_NodeCalls, Links):
             "mode": self.mode, "transport": self.transport,
             "implementation": _impl.implementation(),
             "peers": peers, "steps": steps,
-            "held": {"values": int(core.held_count), "bytes": int(core.held_bytes)},
+            "held": {"values": int(core.holding.held_count), "bytes": int(core.holding.held_bytes)},
             "waits": {"producer": int(core.waits_producer), "consumer": int(core.waits_consumer)},
             "dead_steps": len(core.dead_steps),
             "unidentified": self._unidentified(),
@@ -661,7 +661,7 @@ class Node(_NodeCalls, Links):
         self._closing_pushes = self._push_held()
         # Not every background task: a dial retrying toward a dead peer would hold the close
         # for the whole linger although it delivers nothing.
-        while loop.time() < deadline and (core.held_count or self._deliveries or any(
+        while loop.time() < deadline and (core.holding.held_count or self._deliveries or any(
                 p.queue for p in core.peers.values()) or (
                 self._onesided is not None and self._onesided.busy())):
             await asyncio.sleep(min(0.005, max(0.0, deadline - loop.time())))
@@ -749,10 +749,10 @@ class Node(_NodeCalls, Links):
             self._drop_table(step, message, cause, NodeClosed)
         for peer in core.peers.values():
             self._fail_queued_pushes(peer, lambda key: self._closed_error(cause))
-        for waiter in core.hold_waiters:
+        for waiter in core.holding.hold_waiters:
             if not waiter.done():
                 waiter.set_exception(self._closed_error(cause))
-        core.hold_waiters.clear()
+        core.holding.hold_waiters.clear()
         for task in list(self._tasks):
             task.cancel()
         if self._onesided is not None:
@@ -812,7 +812,7 @@ class Node(_NodeCalls, Links):
             core = self._core
             assert self._loop is not None
             end = None if timeout is None else self._loop.time() + timeout
-            mine = core.reserve_hold(peer, nbytes)
+            mine = core.holding.reserve_hold(peer, nbytes)
             try:
                 # The step's table is looked up again after every wait: an empty one is
                 # dropped at a heartbeat, and the request of the consumer that then asks
@@ -829,16 +829,16 @@ class Node(_NodeCalls, Links):
                             # wakes us to look again (``_peer_lost``).
                             await wait_for(self._link(peer, route.text), left)
                             continue
-                        await self._wait(core.hold_waiters, left, "hold limit")
+                        await self._wait(core.holding.hold_waiters, left, "hold limit")
                     except (TimeoutError, asyncio.TimeoutError):
                         raise TimeoutError(f"send of {route.text} to {peer.name} timed out "
                                            f"after {_seconds(said)}s (hold limit: values not yet "
                                            f"fetched{self._held_summary()})") from None
             except BaseException:
-                core.wake_holders()  # the sends behind it look again (once ``finally`` ran)
+                core.holding.wake_holders()  # the sends behind it look again (once ``finally`` ran)
                 raise
             finally:
-                core.unreserve_hold(peer, mine)
+                core.holding.unreserve_hold(peer, mine)
             core.hold(core.table(step), step, route, value, nbytes)
             return
         # A Send-Driven push waiting in its peer's queue (for the link, credit or socket).
@@ -1047,11 +1047,11 @@ class Node(_NodeCalls, Links):
 
     def _sweep_claims(self, now: float) -> None:
         """Push the held values nobody claimed in time; forget claims past ``claim_timeout``."""
-        core = self._core
-        if core.claims:
+        holding = self._core.holding
+        if holding.claims:
             self._push_unclaimed(now)
-        if core.asked and self.claim_timeout is not None:
-            core.forget_asked(now - self.claim_timeout)
+        if holding.asked and self.claim_timeout is not None:
+            holding.forget_asked(now - self.claim_timeout)
 
     def _sweep_steps(self, now: float) -> None:
         """Drop empty tables, expire idle steps, forget the oldest retired ones."""
@@ -1145,7 +1145,7 @@ class Node(_NodeCalls, Links):
             # No caller awaits these: close() counts the failed ones, and asyncio must not
             # log each as an exception never retrieved.
             dones += self._push_oldest(table, step, route, table.queued(route.text), _observe)
-        self._core.drop_claims()
+        self._core.holding.drop_claims()
         return dones
 
     def _held_keys(self) -> list[tuple[int, Any, Any]]:
@@ -1179,9 +1179,9 @@ class Node(_NodeCalls, Links):
         return dones
 
     def _push_unclaimed(self, now: float) -> None:
-        """Push the held values whose claims came due (``Core.due_claims``), oldest first."""
+        """Push the held values whose claims came due (``Holding.due_claims``), oldest first."""
         core = self._core
-        for step, key, count in core.due_claims(now):  # (not those of lost consumers)
+        for step, key, count in core.holding.due_claims(now, core.route):  # (not those of lost consumers)
             route = core.route(key)
             log.info("%s: pushing %d unclaimed value(s) of %s to %s after %ss", self.name,
                      count, key, route.peer.name, self.claim_timeout)
@@ -1481,7 +1481,7 @@ class Node(_NodeCalls, Links):
         for key, value in table.abort(message, cause, kind):
             route = core.route(key)
             if route.src == self.id and route.dst != self.id:
-                core.released_held(route.peer, nbytes_of(value))
+                core.holding.released_held(route.peer, nbytes_of(value))
             elif route.src != self.id:
                 core.consumed(route.src, value)
 

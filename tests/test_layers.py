@@ -35,7 +35,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("hot paths",    ("rvz._fast", "rvz._fast.keys", "rvz._fast.table", "rvz._fast.codec",
                       "rvz._fast.recvpool", "rvz._fast.arrays", "rvz._fast.format")),
     # the protocol engine and the parts whose state it holds
-    ("engine",       ("rvz._fast.engine", "rvz._fast.host", "rvz._fast.peers")),
+    ("engine",       ("rvz._fast.engine", "rvz._fast.host", "rvz._fast.peers",
+                      "rvz._fast.holding")),
     # picks the compiled or the pure-Python variant of the two layers above
     ("impl switch",  ("rvz._impl",)),
     # usable by every layer above _fast

@@ -300,12 +300,12 @@ def _to(node: rvz.Node, name: str) -> rvz.Key:
 def check_held_counts(node: rvz.Node) -> None:
     """The node's held counts are the sums of its consumers', those of the lost apart."""
     core, peers = node._core, node._peers.values()
-    assert core.held_bytes == sum(p.held_bytes for p in peers)
-    assert core.held_count == sum(p.held_count for p in peers)
-    assert core.hold_reserved == sum(p.hold_reserved for p in peers)
-    assert core.lost_bytes == sum(p.held_bytes for p in peers if p.lost)
-    assert core.lost_count == sum(p.held_count for p in peers if p.lost)
-    assert core.lost_reserved == sum(p.hold_reserved for p in peers if p.lost)
+    assert core.holding.held_bytes == sum(p.held_bytes for p in peers)
+    assert core.holding.held_count == sum(p.held_count for p in peers)
+    assert core.holding.hold_reserved == sum(p.hold_reserved for p in peers)
+    assert core.holding.lost_bytes == sum(p.held_bytes for p in peers if p.lost)
+    assert core.holding.lost_count == sum(p.held_count for p in peers if p.lost)
+    assert core.holding.lost_reserved == sum(p.hold_reserved for p in peers if p.lost)
 
 
 # Three tasks for the lost-consumer tests: the producer worker:0, consumers ps:0 and ps:1.
@@ -338,7 +338,7 @@ async def test_a_lost_consumers_held_values_do_not_stall_the_sends_to_the_others
             blocked = await pending(w.send(other, array(100)), 0.2)
             p0.abort()
             await asyncio.wait_for(blocked, 5)   # ps:0 is lost: room for ps:1
-            assert w._core.lost_count == FITS
+            assert w._core.holding.lost_count == FITS
             check_held_counts(w)
             with pytest.raises(rvz.PeerLost, match=r"ps/replica:0/task:0"):
                 await asyncio.wait_for(waiting, 10)
@@ -361,7 +361,7 @@ async def test_a_lost_consumers_held_values_do_not_stall_the_sends_to_the_others
             # fits beside them, a second waits until ps:0 takes its own.
             await asyncio.wait_for(w.send(other, array(0)), 5)
             later = await pending(w.send(other, array(1)), 0.2)
-            assert w._core.lost_count == 0
+            assert w._core.holding.lost_count == 0
             check_held_counts(w)
             for i in range(1, FITS):
                 assert int((await p0.recv(mine, timeout=5))[0]) == i
@@ -451,7 +451,7 @@ async def test_recv_driven_hold_limit_counts_each_value_and_wakes_producers_in_b
                 looks += 1
                 super().append(waiter)
 
-        core.hold_waiters = Counting()
+        core.holding.hold_waiters = Counting()
         keys = [key(f"tiny{j}") for j in range(16)]
         per_key = 8
 
@@ -462,7 +462,7 @@ async def test_recv_driven_hold_limit_counts_each_value_and_wakes_producers_in_b
         producers = [asyncio.ensure_future(produce(k)) for k in keys]
         try:
             # (sends that fit complete at once: the first producers are done)
-            await eventually(lambda: w._held_count == fits and len(core.hold_waiters) == sum(
+            await eventually(lambda: w._held_count == fits and len(core.holding.hold_waiters) == sum(
                 not t.done() for t in producers) > 0, "the limit reached, the other producers wait")
             assert w._held_count == fits, w._held_count   # 8-byte values: 64 of them, not 576
             for k in keys:
@@ -700,7 +700,7 @@ async def test_calls_while_close_lingers_fail_with_node_closed(cluster) -> None:
         k = key("z")
         batch = asyncio.ensure_future(
             w.send_many([(k, np.full(16384, i, np.float32)) for i in range(40)]))
-        await eventually(lambda: len(w._core.hold_waiters) > 0, "the batch waits for hold room")
+        await eventually(lambda: len(w._core.holding.hold_waiters) > 0, "the batch waits for hold room")
         closing = asyncio.ensure_future(w.close())
         await settle()
         assert w.state == "closing"
@@ -796,13 +796,13 @@ async def test_the_claims_of_a_pulled_keys_taken_values_are_dropped_when_due(clu
             await w.send(k, np.array([i]))
             assert int((await p.recv(k, timeout=5))[0]) == i - 1
         core = w._core
-        assert len(core.claims[0, str(k)]) == 102   # a claim a value held
-        asked = core.asked[(0, str(k))]
+        assert len(core.holding.claims[0, str(k)]) == 102   # a claim a value held
+        asked = core.holding.asked[(0, str(k))]
         # The clock just before claim_timeout after the last request: the claims held
         # before the last value are due, and the key counts as pulled.
         w._push_unclaimed(asked + timeout - 1e-6)
-        assert list(core.claims) == [(0, str(k))], "the warm-up key's claim was kept"
-        assert len(core.claims[0, str(k)]) == 1, "the claims of values taken were kept"
+        assert list(core.holding.claims) == [(0, str(k))], "the warm-up key's claim was kept"
+        assert len(core.holding.claims[0, str(k)]) == 1, "the claims of values taken were kept"
         assert queued(p, k) == 0 and w._held_bytes > 0   # the held one stays held
         assert int((await p.recv(k, timeout=5))[0]) == 101
 
@@ -828,13 +828,14 @@ async def test_the_claims_pass_looks_only_at_keys_whose_claims_came_due(cluster)
                 assert int((await p.recv(k, timeout=5))[0]) == 0
             w._push_unclaimed(w._loop.time())   # none due
             for k in keys:
-                assert len(core.claims[0, str(k)]) == 2, "a key not due yet was looked at"
+                assert len(core.holding.claims[0, str(k)]) == 2, "a key not due yet was looked at"
         peer = w._peers[("ps", 0)]
         await eventually(lambda: not peer.live_connections(), "the consumer is gone")
         later = w._loop.time() + 2 * timeout
-        assert core.due_claims(later) == []   # due, and set aside: nobody to push to
-        assert [len(core.claims[0, str(k)]) for k in keys] == [1, 1, 1]
-        assert core.due_claims(later + timeout) == [], "the lost consumer's keys were looked at again"
+        assert core.holding.due_claims(later, core.route) == []   # due, and set aside: nobody to push to
+        assert [len(core.holding.claims[0, str(k)]) for k in keys] == [1, 1, 1]
+        assert core.holding.due_claims(later + timeout, core.route) == [], \
+            "the lost consumer's keys were looked at again"
         async with rvz.Node(cluster, "ps", 0, "recv", **slow) as p:
             await w.send(key("again"), np.array([0]))
             assert int((await p.recv(key("again"), timeout=5))[0]) == 0   # it is back

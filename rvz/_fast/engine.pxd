@@ -9,13 +9,14 @@ from rvz._fast.arrays cimport (append_data_c, append_request_c, describe_c, many
 from rvz._fast.codec cimport Decoder
 from rvz._fast.codec cimport payload_view as payload_view_c
 from rvz._fast.keys cimport canonical_devices as canonical_devices_c
+from rvz._fast.holding cimport Holding
 from rvz._fast.peers cimport Peer, Request, Route
 from rvz._fast.table cimport Table, Waiter, check_timeout
 
 cdef bint COMPILED
 cdef str RECV, SEND
 # The engine's sizes, as C values: each message's accounting does arithmetic with them.
-cdef Py_ssize_t MESSAGE_COST, HOLD_LOW_WATER, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY
+cdef Py_ssize_t MESSAGE_COST, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY
 cdef Py_ssize_t SWEEP_SLACK
 cdef Py_ssize_t CANCELLED_MAX
 cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, LARGE_READ, COPY_WRITE_MAX
@@ -142,9 +143,7 @@ cdef class Core:
     cdef public bint running
     cdef public bint closed
     cdef public Py_ssize_t push_window
-    cdef public Py_ssize_t hold_limit
-    cdef public Py_ssize_t lost_hold_limit
-    cdef public object claim_timeout
+    cdef public Holding holding
     cdef public dict peers
     cdef public dict tables
     cdef object _last_step
@@ -160,19 +159,7 @@ cdef class Core:
     cdef public dict outstanding
     cdef public dict cancelled
     cdef public object cancel_order
-    cdef public dict asked
     cdef long long last_request_id
-    cdef public Py_ssize_t held_bytes
-    cdef public Py_ssize_t held_count
-    cdef public object hold_waiters
-    cdef public Py_ssize_t hold_reserved
-    cdef public Py_ssize_t lost_bytes
-    cdef public Py_ssize_t lost_count
-    cdef public Py_ssize_t lost_reserved
-    cdef public dict claims
-    cdef public object claim_order
-    cdef public list claim_times
-    cdef public dict lost_claims
     cdef public Py_ssize_t max_parked
     cdef public Py_ssize_t max_steps
     cdef public Py_ssize_t answer_backlog
@@ -200,24 +187,12 @@ cdef class Core:
     @cython.locals(route=Route, table=Table, peer=Peer)
     cpdef enter(self, object timeout)
     cpdef object send(self, object key, object value, object mode, object step, object timeout)
-    @cython.locals(others=Py_ssize_t, count=Py_ssize_t, cost=Py_ssize_t)
     cpdef bint hold_full(self, Table table, Route route, Py_ssize_t nbytes,
                          Py_ssize_t mine=*) except -1
     @cython.locals(conn=Wire)
     cpdef bint asked_and_read(self, Table table, Route route) except -1
-    @cython.locals(claimed=tuple, deadlines=list)
+    @cython.locals(holding=Holding)
     cpdef hold(self, Table table, object step, Route route, object value, Py_ssize_t nbytes)
-    @cython.locals(timeout=object, due=list, later=list, counted=tuple, deadlines=list,
-                   key=str, peer=Peer, oldest=double, asked=object, count=Py_ssize_t,
-                   deadline=double)
-    cpdef list due_claims(self, double now)
-    @cython.locals(order=object, deadlines=list, times=list)
-    cpdef object next_claim(self, double now)
-    @cython.locals(deadlines=list, table=Table, excess=Py_ssize_t)
-    cpdef object held_claims(self, tuple counted)
-    @cython.locals(parked=list)
-    cpdef park_claims(self, Peer peer, tuple counted)
-    cpdef drop_claims(self)
     @cython.locals(conn=Wire)
     cdef Wire open_link(self, Peer peer)
     cpdef Wire push_link(self, Peer peer, Py_ssize_t nbytes)
@@ -235,17 +210,6 @@ cdef class Core:
     cpdef answer_deferred(self, Wire conn)
     @cython.locals(route=Route, nbytes=Py_ssize_t)
     cpdef undefer(self, Wire conn)
-    cpdef Py_ssize_t held_cost(self)
-    cpdef count_held(self, Peer peer, Py_ssize_t nbytes)
-    cpdef released_held(self, Peer peer, Py_ssize_t nbytes)
-    cpdef Py_ssize_t lost_cost(self)
-    @cython.locals(lost=Py_ssize_t)
-    cpdef Py_ssize_t live_cost(self)
-    cpdef Py_ssize_t reserve_hold(self, Peer peer, Py_ssize_t nbytes) except -1
-    cpdef unreserve_hold(self, Peer peer, Py_ssize_t cost)
-    @cython.locals(sign=Py_ssize_t, parked=list)
-    cpdef regroup(self, Peer peer, bint lost)
-    cpdef wake_holders(self)
     @cython.locals(route=Route, table=Table, peer=Peer)
     cpdef object recv(self, object key, object step, object mode, object timeout)
     cpdef tuple new_waiter(self, Table table, Route route, object peer, bint dial)
@@ -334,7 +298,6 @@ cdef class Core:
     cpdef Peer identified(self, Wire conn, tuple task_id)
     cpdef accepted(self, Peer peer, Wire conn, object incarnation, Py_ssize_t parks, str mode)
     cpdef link(self, Peer peer, Wire conn)
-    cpdef forget_asked(self, double horizon)
     cpdef set_running(self, bint running)
     cpdef stop(self, bint forked=*)
     @cython.locals(again=list, keys=dict, request=Request, table=Table)

@@ -14,6 +14,11 @@ from ..errors import KeyFormatError
 from . import codec as _codec
 
 MAX_KEY = _codec.MAX_KEY
+# What one message costs in the push window beyond its payload: it bounds the count of tiny
+# (or empty) messages in flight, not only their bytes.  Both ends use the same figure.  The
+# hold limit counts held Recv-Driven values the same way: 256 MiB of 64-byte values would
+# otherwise be four million arrays, each with more memory around it than in it.
+MESSAGE_COST = 64
 # What a peer that does not say its max_parked in HELLO parks (that option's default; a
 # Python global, which the node reads too).
 DEFAULT_PARKS = 65536
