@@ -698,6 +698,58 @@ def test_a_job_killed_whole_resumes_from_its_last_cut_bit_for_bit(tmp_path: Path
     assert other.returncode == 2 and "give --staleness 1 to resume it" in other.stderr, other.stderr
 
 
+REJOIN = ["train", "--samples", "960", "--eval-samples", "200", "--batch-size", "48", "--max-steps", "16",
+          "--workers", "2", "--shards", "2", "--staleness", "1", "--eval-every", "4", "--dim", "4",
+          "--hidden", "8", "--timeout", "30", "--consistency", "bsp"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["send", "recv"])
+def test_a_killed_worker_restarted_under_bsp_replays_its_step_bit_for_bit(tmp_path: Path, mode: str) -> None:
+    # Worker 1 SIGKILLs itself as MG starts step 10; the launcher starts it again as task 1,
+    # which replays from its journal's newest part while worker 0 and the shards wait for it.
+    # Every step's loss, every evaluation, the final AUC and logloss are those of the same
+    # job never stopped.
+    args = [*REJOIN, "--mode", mode, "--cache-dir", str(tmp_path / "cache")]
+    full = run_cli(*args, "--json", str(tmp_path / "full.json"), timeout=100)
+    assert full.returncode == 0, full.stdout + full.stderr
+    again = run_cli(*args, "--worker-rejoin", "30", "--kill-worker", "1:10", "--json",
+                    str(tmp_path / "rejoined.json"), timeout=100)
+    assert again.returncode == 0, again.stdout + again.stderr
+    replayed = re.search(r"worker 1 was killed and started again; its new process replayed from step (\d+)",
+                         again.stdout)
+    assert replayed and 8 <= int(replayed[1]) <= 10, again.stdout + again.stderr
+    want = json.loads((tmp_path / "full.json").read_text())
+    got = json.loads((tmp_path / "rejoined.json").read_text())
+    assert got["losses"] == want["losses"] and len(got["losses"]) == 16
+    assert got["loss_digest"] == want["loss_digest"] and got["history"] == want["history"]
+    assert (got["auc"], got["logloss"]) == (want["auc"], want["logloss"])
+
+
+def test_a_killed_worker_that_never_comes_back_fails_the_bsp_job_naming_it(planted, loop_name) -> None:  # type: ignore[no-untyped-def]
+    cols, _ = planted
+    root = Path(cols.labels.filename).parent  # type: ignore[attr-defined]
+    cfg = TrainConfig(staleness=1, num_workers=2, global_batch=BATCH, hidden=HIDDEN, timeout=20.0,
+                      max_steps=30, worker_rejoin=3.0)
+    ps = PSConfig(dim=DIM, lr=SPARSE_LR["adagrad"], mode="send", loop=loop_name)
+    spec = JobSpec(str(root), None, cfg, ps, shards=2, timeout=40, kill_worker=(1, 10), restarts=0,
+                   node_options=dict(FAST_NODE))
+    started = time.monotonic()
+    with pytest.raises(JobFailed) as info:
+        run_job(spec)
+    took = time.monotonic() - started
+    text = str(info.value)
+    assert "worker 1: killed by SIGKILL" in text, text
+    # Worker 0 waits for it (MG in the dense all-reduce of step 10, EG at the shards' barrier,
+    # its push 9 or 10 in flight) for the rejoin timeout, then fails: whichever side gives up
+    # first names the lost worker, the step and the PS clock.
+    assert re.search(r"worker 0: StepFailed: step (9|10) aborted: .*worker 1 was lost at (step 10 \(PS "
+                     r"clock \d+\)|PS clock (9|10)) and no new process of it joined within 3 s", text), text
+    assert re.search(r"ps [01]: worker 1 was lost at PS clock (9|10) and no new process of it joined within "
+                     r"3 s", text), text
+    assert took < 3.0 + 25, took  # the give-up itself, not the run's --timeout
+
+
 def test_an_incomplete_cut_is_never_used_and_the_error_names_what_it_lacks(tmp_path: Path) -> None:
     from examples.param_server import cut
 

@@ -123,7 +123,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="a demo: worker 0 SIGKILLs every process of the job (its process group) at "
                       "STEP, once the last cut before it is complete")
     infra.add_argument("--kill-worker", help="W:STEP: worker W kills itself (SIGKILL) at STEP (a demo "
-                       "of the failure report)")
+                       "of the failure report, or with --worker-rejoin of the rejoin)")
+    infra.add_argument("--consistency", choices=("bsp",), default="bsp",
+                       help="the PS consistency: bsp, which the pipeline's exact staleness needs")
+    infra.add_argument("--worker-rejoin", type=float, default=0.0, metavar="S",
+                       help="a killed worker is started again as its task and replays the step it "
+                       "died in, bit for bit; the others wait for it up to S seconds (0: a killed "
+                       "worker fails the run)")
+    infra.add_argument("--journal-dir", default=None, metavar="DIR",
+                       help="with --worker-rejoin: where each worker writes its state every step "
+                       "(default: a temporary directory; needed with --cluster)")
     out = t.add_argument_group("output")
     out.add_argument("--eval-every", type=int, default=0, help="held-out evaluation every N steps")
     out.add_argument("--json", help="write the report here")
@@ -225,6 +234,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--resume {args.resume}: no such directory")
     if args.crash_job_at is not None:
         at_least("--crash-job-at", 1)
+    at_least("--worker-rejoin", 0)
+    if args.journal_dir and not args.worker_rejoin:
+        raise ValueError("--journal-dir is for --worker-rejoin")
+    if args.worker_rejoin and args.cluster_spec is not None and not args.journal_dir:
+        raise ValueError("--worker-rejoin with --cluster needs --journal-dir (on the worker's host, "
+                         "where its restarted process finds it)")
     if args.kill_worker:
         try:
             w, step = (int(x) for x in args.kill_worker.split(":"))
@@ -372,7 +387,8 @@ def train_settings(args: argparse.Namespace, workers: int, k: int) -> TrainConfi
                        hidden=tuple(args.hidden), dense_lr=args.dense_lr, seed=args.seed,
                        eval_every=args.eval_every, timeout=args.timeout, max_steps=args.max_steps,
                        progress_every=args.progress_every, checkpoint_every=args.checkpoint_every,
-                       checkpoint_dir=args.checkpoint_dir)
+                       checkpoint_dir=args.checkpoint_dir, worker_rejoin=args.worker_rejoin,
+                       journal=args.journal_dir)
 
 
 # What must be the same for a job to resume from another's cut (--max-steps may grow).
@@ -423,7 +439,8 @@ def one_task(args: argparse.Namespace) -> int:
     cluster, job, task = args.cluster_spec, args.job, args.task
     ps = ps_settings(args)
     if job == PS_JOB:
-        summary = rvz.run(run_shard(cluster, task, ps_config(ps, args.workers)), loop=args.loop)
+        summary = rvz.run(run_shard(cluster, task, ps_config(ps, args.workers, args.worker_rejoin)),
+                          loop=args.loop)
         print(json.dumps({"done": job, "task": task, "live": summary["live"],
                           "global_step": summary["global_step"]}), flush=True)
         return 0
@@ -484,6 +501,9 @@ def train(args: argparse.Namespace) -> int:
                 # when it is close to wall time x free cores, no core was left for overlap.
                 result["cpu_seconds"] = (after.ru_utime + after.ru_stime
                                          - before.ru_utime - before.ru_stime)
+                for w, first in sorted(result.get("rejoined", {}).items()):
+                    print(f"worker {w} was killed and started again; its new process replayed from step "
+                          f"{first}", flush=True)
                 print(summary_line(result), flush=True)
                 runs.append(result)
                 if args.checkpoint_every:

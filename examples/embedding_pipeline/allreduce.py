@@ -13,7 +13,9 @@ result is also bit-identical to ``g0 + g1``.)
 
 All keys of one all-reduce run in the training step's rvz step: if any worker cleans the
 step up, everyone waiting in it gets ``rvz.Aborted`` naming the step; a lost worker shows up
-as ``rvz.PeerLost`` and a silent one as ``TimeoutError`` (every wait is bounded).
+as ``rvz.PeerLost`` (its ``peer`` attribute: the task) and a silent one as ``TimeoutError``
+(every wait is bounded). ``epoch`` (the keys' frame) keeps the rings with different processes
+of a task apart (rejoin.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def worker_device(job: str, task: int) -> str:
 
 
 async def ring_allreduce(node: rvz.Node, vector: np.ndarray, num_workers: int, *, step: int,
-                         tag: int, timeout: float | None) -> np.ndarray:
+                         tag: int, timeout: float | None, epoch: int = 0) -> np.ndarray:
     """The element-wise sum of ``vector`` over the ``num_workers`` tasks of ``node.job``
     (``node.task`` is this one). ``step`` is the rvz step; ``tag`` (the training step)
     makes the keys unique."""
@@ -43,19 +45,34 @@ async def ring_allreduce(node: rvz.Node, vector: np.ndarray, num_workers: int, *
     view = node.step(step)
 
     def out_key(phase: str, r: int) -> rvz.Key:
-        return rvz.Key(src=me, dst=to_right, name=f"allreduce_{phase}{r}", iter=tag)
+        return rvz.Key(src=me, dst=to_right, name=f"allreduce_{phase}{r}", frame=epoch, iter=tag)
 
     def in_key(phase: str, r: int) -> rvz.Key:
-        return rvz.Key(src=from_left, dst=me, name=f"allreduce_{phase}{r}", iter=tag)
+        return rvz.Key(src=from_left, dst=me, name=f"allreduce_{phase}{r}", frame=epoch, iter=tag)
 
     # A chunk is never written in place after it was sent (rvz does not copy sent arrays):
     # a received partial sum makes a new array.
+    async def send(key: rvz.Key, value: np.ndarray) -> None:
+        try:
+            await view.send(key, value, timeout=timeout)
+        except rvz.PeerLost as exc:
+            exc.peer = right  # type: ignore[attr-defined]
+            raise
+
+    async def recv(key: rvz.Key) -> np.ndarray:
+        try:
+            got: np.ndarray = await view.recv(key, timeout=timeout)
+        except rvz.PeerLost as exc:
+            exc.peer = left  # type: ignore[attr-defined]
+            raise
+        return got
+
     for r in range(n - 1):
-        await view.send(out_key("rs", r), chunks[(w - r) % n], timeout=timeout)
-        got = await view.recv(in_key("rs", r), timeout=timeout)
+        await send(out_key("rs", r), chunks[(w - r) % n])
+        got = await recv(in_key("rs", r))
         c = (w - r - 1) % n
         chunks[c] = got + chunks[c]
     for r in range(n - 1):
-        await view.send(out_key("ag", r), chunks[(w + 1 - r) % n], timeout=timeout)
-        chunks[(w - r) % n] = await view.recv(in_key("ag", r), timeout=timeout)
+        await send(out_key("ag", r), chunks[(w + 1 - r) % n])
+        chunks[(w - r) % n] = await recv(in_key("ag", r))
     return np.concatenate(chunks)

@@ -5,15 +5,21 @@
 waits for all of them within ``spec.timeout`` and returns worker 0's result. Whatever
 happens, no child outlives the call. If a worker fails or dies, the others' reports (each
 names the step that was aborted) and every exit code are gathered into one ``JobFailed``.
+With ``train.worker_rejoin``, a worker killed by a signal is started again as its task
+(``restarts`` times at most per task): it replays from its journal (trainer.py, rejoin.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import multiprocessing as mp
 import queue
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +35,10 @@ from ..param_server.launch import PSConfig, run_shard
 from ..param_server.launch import local_cluster as ps_cluster
 from ..param_server.protocol import WORKER_JOB
 from .criteo import Columns
+from .rejoin import Peers, clear_journal, newest_part
 from .trainer import HeldOut, TrainConfig, Worker, WorkerCut
+
+log = logging.getLogger(__name__)
 
 
 class JobFailed(RuntimeError):
@@ -50,6 +59,7 @@ class JobSpec:
     switch_interval: float = 0.0005              # seconds, in the worker processes (see worker_process)
     host: str = LOCAL_HOST                       # where run_job's processes listen
     crash_job_at: int | None = None              # worker 0 SIGKILLs the job at this step (a demo)
+    restarts: int = 1                            # with train.worker_rejoin: restarts of a killed worker
 
     @property
     def workers(self) -> int:
@@ -60,9 +70,10 @@ def local_cluster(shards: int, workers: int, host: str = LOCAL_HOST) -> dict[str
     return ps_cluster(shards, workers, WORKER_JOB, host)
 
 
-def ps_config(base: PSConfig, workers: int) -> PSConfig:
+def ps_config(base: PSConfig, workers: int, worker_rejoin: float = 0.0) -> PSConfig:
     """The PS settings a pipeline run needs: bsp (deterministic, worker-ordered updates)."""
-    return PSConfig(**{**base.__dict__, "num_workers": workers, "consistency": "bsp", "staleness": 0})
+    return PSConfig(**{**base.__dict__, "num_workers": workers, "consistency": "bsp", "staleness": 0,
+                       "worker_rejoin": worker_rejoin})
 
 
 async def train_worker(cluster: dict[str, list[str]], w: int, spec: JobSpec) -> dict[str, Any]:
@@ -82,13 +93,18 @@ async def train_worker(cluster: dict[str, list[str]], w: int, spec: JobSpec) -> 
     async with rvz.Node(cluster, WORKER_JOB, w, mode=spec.ps.mode, **options) as node:
         # The run's shards are never restarted: a lost one fails the step at once instead of
         # being waited for.
-        ps = PSClient(node, spec.shards, spec.ps.dim, timeout=spec.train.timeout, restart_timeout=0)
+        rejoin = spec.train.worker_rejoin > 0 and spec.train.journal is not None
+        ps = PSClient(node, spec.shards, spec.ps.dim, timeout=spec.train.timeout, restart_timeout=0,
+                      replay=rejoin)
+        peers = None
         try:
             resume = None
             if spec.ps.resume_cut is not None:
                 arrays, meta = load_worker_part(Path(spec.ps.resume_cut), w)
                 resume = WorkerCut(spec.ps.start_clock, arrays, meta)
-            worker = Worker(node, ps, data, spec.train, held_out, resume=resume)
+            if rejoin:
+                resume, peers = await rejoin_or_start(node, ps, spec, resume)
+            worker = Worker(node, ps, data, spec.train, held_out, resume=resume, peers=peers)
             if spec.kill_worker is not None and spec.kill_worker[0] == w:
                 arm_kill(worker, spec.kill_worker[1])
             if spec.crash_job_at is not None and w == 0:
@@ -96,6 +112,8 @@ async def train_worker(cluster: dict[str, list[str]], w: int, spec: JobSpec) -> 
             result = await worker.run()
         except Exception as exc:  # reported below, once the node is closed
             error = exc
+        if peers is not None:
+            await peers.stop()
         try:
             await asyncio.wait_for(ps.close(), spec.train.timeout)
         except (rvz.RvzError, TimeoutError, asyncio.TimeoutError) as exc:  # (two classes before 3.11)
@@ -109,6 +127,36 @@ async def train_worker(cluster: dict[str, list[str]], w: int, spec: JobSpec) -> 
         raise error
     assert result is not None
     return result.to_dict()
+
+
+async def rejoin_or_start(node: rvz.Node, ps: PSClient, spec: JobSpec,
+                          resume: WorkerCut | None) -> tuple[WorkerCut | None, Peers]:
+    """With ``worker_rejoin``: the shards' greetings say whether this process replaces a lost
+    one of its task. If so, it replays from the newest part of its journal (or from step 0
+    if it has none): it tells the shards and the other workers where; if not, it clears
+    what an earlier job left in its journal."""
+    cfg = spec.train
+    assert cfg.journal is not None
+    w = node.task
+    await ps.connect()
+    generation = max(ps.generation)
+    peers = Peers(node, spec.workers, worker_rejoin=cfg.worker_rejoin, timeout=cfg.timeout,
+                  generation=generation, keep=cfg.staleness + 3)
+    if not ps.restarted:
+        clear_journal(cfg.journal, w)
+        peers.start()
+        return resume, peers
+    part = newest_part(cfg.journal, w)
+    if part is not None:
+        clock, arrays, meta = part
+        resume = WorkerCut(clock, arrays, meta)
+    first = resume.clock if resume is not None else 0
+    log.warning("worker %d: a restarted process (generation %d); replaying from step %d (its journal's "
+                "newest part)", w, generation, first)
+    await ps.join_at(first)
+    await peers.announce(first)
+    peers.start()
+    return resume, peers
 
 
 def add_note(exc: BaseException, note: str) -> None:
@@ -193,9 +241,14 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     cluster = local_cluster(spec.shards, spec.workers, spec.host)
-    cfg = ps_config(spec.ps, spec.workers)
+    cfg = ps_config(spec.ps, spec.workers, spec.train.worker_rejoin)
     procs: dict[tuple[str, int], Any] = {}
     reports: dict[tuple[str, int], Any] = {}
+    journal = None
+    if spec.train.worker_rejoin > 0 and spec.train.journal is None:
+        journal = tempfile.mkdtemp(prefix="rvz-journal-")
+        spec = dataclasses.replace(spec, train=dataclasses.replace(spec.train, journal=journal))
+    restarted: list[str] = []
     try:
         for s in range(spec.shards):
             crash_at = spec.kill_shard[1] + 1 if spec.kill_shard and spec.kill_shard[0] == s else None
@@ -216,9 +269,26 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
             except queue.Empty:
                 pass
 
+        def restart_killed() -> None:
+            """A worker killed by a signal comes back as its task (it replays its step)."""
+            for w in range(spec.workers):
+                p = procs[("worker", w)]
+                if p.exitcode is None or p.exitcode >= 0 or restarted.count(f"worker {w}") >= spec.restarts:
+                    continue
+                log.warning("worker %d was %s; starting it again as its task", w, describe_exit(p.exitcode))
+                again = dataclasses.replace(spec, kill_worker=None)  # this process lives
+                procs[("worker", w)] = ctx.Process(target=worker_process, args=(cluster, w, again, results),
+                                                   name=f"worker{w}", daemon=True)
+                with starting_child():
+                    procs[("worker", w)].start()
+                restarted.append(f"worker {w}")
+
         deadline = time.monotonic() + spec.timeout
-        workers = [procs[("worker", w)] for w in range(spec.workers)]
-        while any(p.exitcode is None for p in workers) and time.monotonic() <= deadline:
+        while time.monotonic() <= deadline:
+            if spec.train.worker_rejoin > 0:
+                restart_killed()
+            if all(procs[("worker", w)].exitcode is not None for w in range(spec.workers)):
+                break
             drain(0.05)
         # The shards finish once every worker left; give them (and the queue) a moment.
         end = time.monotonic() + min(10.0, spec.train.timeout)
@@ -237,6 +307,9 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
             raise JobFailed("training failed:\n  " + "\n  ".join(problems))
         out = dict(reports[("worker", 0)])
         out["shards"] = [reports.get(("ps", s)) for s in range(spec.shards)]
+        # Each restarted worker and the step its new process replayed from.
+        out["rejoined"] = {w: reports[("worker", w)]["first_step"] for w in range(spec.workers)
+                           if f"worker {w}" in restarted}
         return out
     finally:
         for p in procs.values():
@@ -250,3 +323,5 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
                     p.join(timeout=3)
         results.close()
         results.join_thread()
+        if journal is not None:
+            shutil.rmtree(journal, ignore_errors=True)

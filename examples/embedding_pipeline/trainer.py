@@ -40,6 +40,12 @@ out. A worker started from such a cut (``resume``) hands those rows to MG, pulls
 and goes on from step t: the same bits as a run that was never interrupted. The data is read
 by step number, and nothing else is random after the model's initialisation.
 
+A killed worker restarted as its task (``worker_rejoin`` S, with ``journal``; see rejoin.py):
+at every step c each worker writes its part of a cut at c into its own journal, and EG
+pushes c only once it is written. The shards keep a lost worker's place in the barrier, the
+other workers wait in the dense all-reduce of the step it died in (up to S seconds), and the
+new process replays from its newest part: the run's bits are those of a run never stopped.
+
 Failures: a failure in EG or MG at step t aborts step t through rvz step clean-up (the
 other side of this worker and the other workers waiting in step t's all-reduce fail with the
 same message), cleans up any PS clock in flight, and raises ``StepFailed`` naming the step.
@@ -53,6 +59,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -76,6 +83,7 @@ from .exchange import (
 )
 from .metrics import auc, logloss
 from .model import MLP
+from .rejoin import Peers, write_part
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +115,8 @@ class TrainConfig:
     progress_every: float = 0.0  # seconds between progress lines (0: none)
     checkpoint_every: int = 0    # steps between whole-job cuts (0: none)
     checkpoint_dir: str | None = None
+    worker_rejoin: float = 0.0   # seconds a lost worker's place waits for its next process (0: none)
+    journal: str | None = None   # with worker_rejoin: where each worker writes its part every step
 
 
 @dataclass
@@ -126,6 +136,7 @@ class RunResult:
     mg_compute: float = 0.0      # seconds of MG's dense forward/backward and update
     eg_ps: float = 0.0           # seconds EG spent in PS pulls and pushes
     freed: int = 0
+    first_step: int = 0          # the step this process started at (> 0: resumed or rejoined)
 
     @property
     def steps_per_s(self) -> float:
@@ -202,7 +213,7 @@ class Worker:
 
     def __init__(self, node: rvz.Node, ps: PSClient, data: Any, cfg: TrainConfig,
                  held_out: HeldOut | None = None, model: MLP | None = None,
-                 resume: WorkerCut | None = None) -> None:
+                 resume: WorkerCut | None = None, peers: Peers | None = None) -> None:
         if cfg.global_batch % cfg.num_workers:
             raise ValueError(f"the global batch {cfg.global_batch} does not split into "
                              f"{cfg.num_workers} equal shares")
@@ -224,17 +235,24 @@ class Worker:
         self.resume = resume
         self.dataset = PipelineDataset(worker_batches(data, cfg, self.w, self.start), self.exchange,
                                        first_id=self.start)
-        self.result = RunResult(worker=self.w, staleness=cfg.staleness, workers=cfg.num_workers)
+        self.result = RunResult(worker=self.w, staleness=cfg.staleness, workers=cfg.num_workers,
+                                first_step=self.start)
+        self.peers = peers
         self.inflight: dict[str, int] = {}    # PS channel -> clock of a call not finished
         self._train_losses: list[float] = []
         self._up = False                       # a step of this process completed
         # Whole-job cuts: the rows pulled ahead (for the EG half of a cut), each cut's two
         # halves until both are in, and the writes in flight.
-        self._keep = cfg.checkpoint_every > 0
+        self._journal = cfg.worker_rejoin > 0 and cfg.journal is not None
+        self._keep = cfg.checkpoint_every > 0 or self._journal
         self._ahead: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # step -> (unique ids, rows)
         self._ahead_eval: dict[int, np.ndarray] = {}
         self._halves: dict[int, dict[str, tuple[dict[str, np.ndarray], dict[str, Any]]]] = {}
         self._writes: list[asyncio.Future[Any]] = []
+        self._journaled: dict[int, asyncio.Future[Any]] = {}  # clock -> the write of its part
+        # One thread, so the parts land in clock order: a newer part on disk means every
+        # older one is too (see rejoin.py).
+        self._journal_pool = ThreadPoolExecutor(1, "journal") if self._journal else None
         if resume is not None:
             self._restore(resume)
 
@@ -325,6 +343,9 @@ class Worker:
                 grads = await self.exchange.recv(GRADIENTS, s)
                 unique, inverse = self.exchange.index(s)
                 summed = sum_by_unique(grads, inverse, len(unique))
+                written = self._journaled.pop(s, None)
+                if written is not None:
+                    await written  # push s leaves only once the part at s is on disk
                 await self._ps_call("push", self.ps.push_unique(unique, summed))
                 self.exchange.done(s, "eg")
                 self._ahead.pop(s, None)
@@ -382,8 +403,12 @@ class Worker:
                 self.result.mg_compute += time.perf_counter() - started
                 demb = np.ascontiguousarray(dx[:, :emb.shape[1] * self.dim]).reshape(emb.shape)
                 await self.exchange.send(GRADIENTS, t, demb)
-                total = await ring_allreduce(self.node, self.model.flatten(grads, loss), n,
-                                             step=pipeline_step(t), tag=t, timeout=self.cfg.timeout)
+                flat = self.model.flatten(grads, loss)
+                if self.peers is not None:
+                    total = await self.peers.allreduce(flat, t, self.ps.next_step["push"])
+                else:
+                    total = await ring_allreduce(self.node, flat, n, step=pipeline_step(t), tag=t,
+                                                 timeout=self.cfg.timeout)
                 grads, loss = self.model.unflatten(total)
                 if not self._up:
                     self._up = True
@@ -404,10 +429,11 @@ class Worker:
     # -- whole-job cuts ------------------------------------------------------------------------
 
     def _cut_due(self, clock: int) -> bool:
+        """A whole-job cut, or the journal's part, is taken at ``clock``."""
         every = self.cfg.checkpoint_every
         # The shards cut at the last step too: a finished job's final cut is complete (and a
         # job resumed from it with more --max-steps goes on from there).
-        return bool(every) and clock % every == 0 and clock <= self.steps
+        return (self._journal or bool(every) and clock % every == 0) and clock <= self.steps
 
     def _mg_half(self, clock: int) -> None:
         """MG's half of the cut at ``clock``: the dense model and Adam state after step
@@ -434,12 +460,18 @@ class Worker:
         if len(halves) < 2:
             return
         del self._halves[clock]
-        root = self.cfg.checkpoint_dir
-        assert root is not None
         both = {**halves["mg"][0], **halves["eg"][0]}
         info = {**halves["mg"][1], **halves["eg"][1], "clock": clock, "staleness": self.cfg.staleness}
-        self._writes.append(asyncio.ensure_future(asyncio.to_thread(
-            write_worker_part, root, clock, self.w, both, info)))
+        every = self.cfg.checkpoint_every
+        if every and clock % every == 0:
+            root = self.cfg.checkpoint_dir
+            assert root is not None
+            self._writes.append(asyncio.ensure_future(asyncio.to_thread(
+                write_worker_part, root, clock, self.w, both, info)))
+        if self._journal:
+            assert self.cfg.journal is not None
+            self._journaled[clock] = asyncio.get_running_loop().run_in_executor(
+                self._journal_pool, write_part, self.cfg.journal, clock, self.w, both, info)
 
     def _restore(self, cut: WorkerCut) -> None:
         """MG's state from ``cut`` (EG's rows are handed over by ``embedding_graph``)."""
@@ -453,7 +485,8 @@ class Worker:
         self.result.losses = list(meta["losses"])
         self.result.history = [dict(h) for h in meta["history"]]
         self._train_losses = list(meta["train_losses"])
-        self.ps.start_at(cut.clock)
+        if self.ps.rejoined_at is None:  # (a rejoined process told the shards already)
+            self.ps.start_at(cut.clock)
 
     async def _restore_ahead(self, batch_ids: list[int]) -> None:
         assert self.resume is not None
@@ -508,7 +541,9 @@ class Worker:
         except BaseException:
             await self._abandon_ps_clocks()
             raise
-        await asyncio.gather(*self._writes)  # every cut this worker took is on disk
+        await asyncio.gather(*self._writes, *self._journaled.values())  # every cut is on disk
+        if self._journal_pool is not None:
+            self._journal_pool.shutdown()
         self.result.seconds = time.perf_counter() - started - self.result.eval_seconds
         self.result.steps = len(self.result.losses)
         self.result.samples = self.result.steps * self.cfg.global_batch

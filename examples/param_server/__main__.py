@@ -231,7 +231,8 @@ def check_args(args: argparse.Namespace) -> None:
     at_least("--worker-rejoin", 0)
     if args.worker_rejoin and args.consistency == "bsp":
         raise ValueError("--worker-rejoin needs --consistency asp or ssp: under bsp the interrupted "
-                         "clock would have to be replayed exactly")
+                         "clock must be replayed exactly, and this demo's worker keeps no journal to "
+                         "replay it from (the embedding pipeline's does)")
     if args.resume and args.cut_every and not args.cut_dir:
         args.cut_dir = args.resume  # go on writing cuts where they were
     if args.cut_every and not args.cut_dir:

@@ -16,13 +16,16 @@ Failures:
 * a worker process that was killed and started again as the same task (shards started with
   ``worker_rejoin``): its greetings say so; the client continues at the largest clock the
   shards' greetings give (``rejoined_at``), tells every shard (``JOIN``), and the caller
-  goes on from ``next_step``.
+  goes on from ``next_step``. Under bsp (``replay=True``) it does not take the shards' clock:
+  it replays from the clock of its own journal, which the caller gives to ``join_at``
+  (``restarted`` says whether it must).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from typing import Any
 
 import numpy as np
@@ -34,6 +37,7 @@ from .protocol import (
     END,
     HELLO,
     JOIN,
+    KNOCK,
     PS_JOB,
     PULL_IDS,
     PULL_ROWS,
@@ -100,12 +104,13 @@ class PSClient:
     ``tables``: the service's tables as ``{name: dim}`` in the shards' order, or one dim for a
     single table named ``"default"``. ``timeout`` bounds each wait for a reply from a live
     shard; ``restart_timeout`` bounds the wait for a lost shard to come back (0: the shards
-    are never restarted, a lost one fails the call at once).
+    are never restarted, a lost one fails the call at once). ``replay``: a restarted process
+    of this task joins at the clock the caller gives ``join_at`` (bsp), not at the shards'.
     """
 
     def __init__(self, node: rvz.Node, num_shards: int, tables: int | dict[str, int], *,
                  timeout: float | None = 30.0, restart_timeout: float = 60.0,
-                 worker_job: str = WORKER_JOB) -> None:
+                 worker_job: str = WORKER_JOB, replay: bool = False) -> None:
         if node.job != worker_job:
             raise ValueError(f"the client runs on a {worker_job!r} task, not on {node.name}")
         self.node = node
@@ -121,6 +126,9 @@ class PSClient:
         self.epoch = [0] * num_shards
         self.generation = [0] * num_shards  # this process's generation, as each shard counts it
         self.rejoined_at: int | None = None  # the clock this process joined at, if a restarted one
+        self.replay = replay
+        self.nonce = secrets.randbits(62)  # this process, to the shards (KNOCK, JOIN)
+        self.restarted = False  # with ``replay``: a restarted process, which must call join_at
         self.restarts = 0
         self.closed = False
         self._greeted: asyncio.Future[None] | None = None
@@ -148,6 +156,11 @@ class PSClient:
 
     async def _greet(self) -> None:
         clocks = [0] * self.num_shards
+        if self.replay:
+            # Who this process is, before any greeting: see protocol.py (KNOCK).
+            for shard in range(self.num_shards):
+                await self.node.send(edge(KNOCK, self.worker, shard, 0, 0, self.worker_job),
+                                     np.array([self.nonce], dtype=np.int64), timeout=self.timeout)
 
         async def one(shard: int) -> None:
             hello = await self._recv_hello(shard, 0, self.timeout)
@@ -156,22 +169,34 @@ class PSClient:
             if len(tail) == 2:
                 self.generation[shard], clocks[shard] = int(tail[0]), int(tail[1])
         await asyncio.gather(*(one(s) for s in range(self.num_shards)))
-        if any(self.generation):
+        if any(self.generation) and self.replay:
+            self.restarted = True  # the caller knows where to replay from: join_at
+        elif any(self.generation):
             await self._join(max(clocks))
         for shard in range(self.num_shards):
             self._watch(shard)
 
-    async def _join(self, clock: int) -> None:
+    async def join_at(self, clock: int) -> None:
+        """A restarted process (``restarted``, with ``replay``) continues at ``clock`` on every
+        shard: the first clock it will send again (the shards acknowledge what they already
+        hold of it, and answer its pulls as they did). Call it after ``connect``."""
+        if not self.restarted or self.rejoined_at is not None:
+            raise RuntimeError(f"worker {self.worker}: join_at is for a restarted process, once")
+        await self._join(clock, exact=True)
+
+    async def _join(self, clock: int, exact: bool = False) -> None:
         """This process replaces a lost one of the same task: continue at ``clock`` (the
-        furthest any shard's greeting says the lost one's pushes got) on every shard."""
+        furthest any shard's greeting says the lost one's pushes got, or with ``exact`` the
+        clock given) on every shard."""
         if not all(self.generation):
             raise RuntimeError(f"worker {self.worker}: shards {self.generation} disagree on whether "
                                "this task was restarted")
-        clock = max(clock, *(self.next_step[c] for c in TRAINING))
+        if not exact:
+            clock = max(clock, *(self.next_step[c] for c in TRAINING))
         for channel in TRAINING:
             self.next_step[channel] = clock
         for shard in range(self.num_shards):
-            await self.node.send(self._edge(JOIN, shard, 0), np.array([clock], dtype=np.int64),
+            await self.node.send(self._edge(JOIN, shard, 0), np.array([clock, self.nonce], dtype=np.int64),
                                  timeout=self.timeout)
         self.rejoined_at = clock
         log.warning("worker %d: a restarted process (generation %s); rejoined at clock %d",

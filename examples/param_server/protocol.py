@@ -31,6 +31,11 @@ the worker's next generation and the clock its pushes stand at (a first greeting
 generation 0). The new process continues at the largest of the shards' clocks, tells each
 shard so with ``JOIN`` (iter 0), and from then on every key between them has the frame
 ``frame(epoch, generation)``: nothing the old process left unanswered is ever taken.
+Under bsp the new process continues at the clock of its own journal instead (it replays),
+and every process of the task first sends each shard ``KNOCK`` (frame 0, iter 0: a FIFO of
+knocks) with a nonce of its own, which its ``JOIN`` repeats: a knock from a process the
+shard does not serve tells it that the one it serves is gone, even before rvz reports the
+loss (a shard that had nothing in flight with the dead process may not hear of it at once).
 
 Replicas (tasks of the ``replica`` job) follow each shard by deltas: replica -> shard
 ``DELTA_ASK`` (iter = the replica's request number), ``[session, T, since_0, ...,
@@ -68,6 +73,7 @@ PUSH_ACK = "ps_push_ack"
 HELLO = "ps_hello"
 REJOIN = "ps_rejoin"
 JOIN = "ps_join"
+KNOCK = "ps_knock"
 READ_IDS = "ps_read_ids"
 READ_ROWS = "ps_read_rows"
 DELTA_ASK = "ps_delta_ask"
@@ -76,7 +82,7 @@ DELTA_ROWS = "ps_delta_rows"
 REPLICA_READ_IDS = "replica_read_ids"
 REPLICA_READ_ROWS = "replica_read_rows"
 
-TO_SHARD = (PULL_IDS, PUSH_IDS, PUSH_GRADS, REJOIN, READ_IDS, DELTA_ASK, JOIN)
+TO_SHARD = (PULL_IDS, PUSH_IDS, PUSH_GRADS, REJOIN, READ_IDS, DELTA_ASK, JOIN, KNOCK)
 TO_WORKER = (PULL_ROWS, PUSH_ACK, HELLO, READ_ROWS, DELTA_META, DELTA_ROWS)
 
 END = b"end"

@@ -22,6 +22,15 @@ with the clock the lost one's pushes reached, and serves it from the clock it an
 protocol.py) while the others go on meanwhile; it counts for the consistency bound again
 from there.
 
+Under bsp with ``worker_rejoin`` the lost worker keeps its place in the barrier: no clock is
+applied without its push, so the others wait. The new process replays from the clock it
+names (its own journal's), which may be below what the shard already has of it: a push the
+shard already holds (applied, or waiting in the barrier) is acknowledged and not applied
+again, and a pull the shard already answered gets the same reply (the last two are kept),
+since the rows may have changed since. If no new process joins in time, the shard applies
+nothing more, cleans up the other workers' clocks in flight with an error naming the worker
+and its clock, and reports that error.
+
 Every ``checkpoint_every`` clocks (of the slowest worker) the shard saves its tables to
 ``checkpoint_dir``, incrementally except every ``full_every``-th save; ``evict_every`` clocks
 it runs each table's eviction policy.
@@ -67,6 +76,7 @@ from .protocol import (
     DELTA_ROWS,
     HELLO,
     JOIN,
+    KNOCK,
     PULL_IDS,
     PULL_ROWS,
     PUSH_ACK,
@@ -135,9 +145,6 @@ class ShardServer:
                  replica_job: str = REPLICA_JOB, worker_rejoin: float = 0.0) -> None:
         if consistency not in CONSISTENCY:
             raise ValueError(f"consistency must be one of {CONSISTENCY}, not {consistency!r}")
-        if worker_rejoin and consistency == "bsp":
-            raise ValueError("restarted workers rejoin under asp or ssp: bsp would need the "
-                             "interrupted clock replayed exactly")
         self.node = node
         self.shard = node.task
         self.tables = tables if isinstance(tables, dict) else {"default": tables}
@@ -168,6 +175,11 @@ class ShardServer:
         self.worker_rejoin = worker_rejoin
         self.generation = [0] * num_workers  # processes of each worker task after the first
         self._lost_event: list[asyncio.Event | None] = [None] * num_workers
+        # bsp rejoin: each worker's last answered pulls (clock -> reply), for a replay.
+        self._replay = consistency == "bsp" and worker_rejoin > 0
+        self._answered: list[dict[int, np.ndarray]] = [{} for _ in range(num_workers)]
+        self._serving: list[int | None] = [None] * num_workers  # the nonce of each worker's process
+        self.failed: str | None = None  # why a bsp job cannot go on (a worker that never came back)
         self.replica_job = replica_job
         self.clock = [start_clock] * num_workers  # pushes done (applied or aborted) per worker
         self.active = set(range(num_workers))
@@ -208,6 +220,8 @@ class ShardServer:
                  ", ".join(f"{n} (dim {t.dim}, {t.optimizer.name}, {len(t)} rows)"
                            for n, t in self.tables.items()), self.consistency)
         replicas = [asyncio.ensure_future(self._serve_replica(r)) for r in range(self.replicas)]
+        if self._replay:
+            replicas += [asyncio.ensure_future(self._watch_knocks(w)) for w in range(self.num_workers)]
         try:
             await run_together(*(self._serve_worker(w) for w in range(self.num_workers)))
         finally:
@@ -303,16 +317,60 @@ class ShardServer:
                     await asyncio.sleep(0.05)
             msg = await self.node.recv(self._edge(JOIN, worker, 0), timeout=max(0.0, deadline - loop.time()))
             clock = int(msg[0])
+            if len(msg) > 1:
+                self._serving[worker] = int(msg[1])
         except (TimeoutError, rvz.PeerLost, *REFUSED, TypeError, ValueError, IndexError) as exc:
+            if self._replay:
+                await self._give_up(worker)
+                return -1
             log.warning("%s: no new process of worker %d joined within %g s (%s: %s); serving without it",
                         self.who, worker, self.worker_rejoin, type(exc).__name__, exc)
             return -1
         log.warning("%s: worker %d's process %d joined at clock %d", self.who, worker,
                     self.generation[worker], clock)
+        if self._replay:
+            # It replays from ``clock``; what the shard holds of it beyond stays (its pushes
+            # are acknowledged, not applied again, when they come back).
+            return clock
         self.clock[worker] = max(clock, self.clock[worker])
         self.active.add(worker)
         self._wake()
         return self.clock[worker]
+
+    async def _watch_knocks(self, worker: int) -> None:
+        """bsp rejoin: a knock from a process of ``worker`` other than the one served means
+        that one is gone (see protocol.py)."""
+        seen: set[int] = set()
+        while True:
+            try:
+                msg = await self.node.recv(edge(KNOCK, worker, self.shard, 0, 0, self.worker_job))
+                nonce = int(msg[0])
+            except (rvz.PeerLost, *REFUSED):
+                await asyncio.sleep(REFUSED_RETRY)
+                continue
+            except (TypeError, ValueError, IndexError):
+                continue
+            if self._serving[worker] is None and not seen:
+                self._serving[worker] = nonce  # the job's first process of the task
+            elif nonce not in seen and nonce != self._serving[worker]:
+                log.warning("%s: a new process of worker %d knocked; the one served is gone", self.who,
+                            worker)
+                self._lost(worker, None)
+            seen.add(nonce)
+
+    async def _give_up(self, worker: int) -> None:
+        """bsp: no new process of ``worker`` joined in time. Nothing is applied any more (a
+        clock without its push would be a partial step); the others' clocks in flight are
+        cleaned up with the reason, so that they fail at once, naming it."""
+        self.failed = (f"worker {worker} was lost at PS clock {self.clock[worker]} and no new process of "
+                       f"it joined within {self.worker_rejoin:g} s (ps {self.shard})")
+        log.error("%s: %s; the job cannot go on", self.who, self.failed)
+        self._leave(worker)
+        for other in sorted(self.active):
+            try:
+                await self.node.step(step_id(other, self.clock[other])).cleanup(self.failed)
+            except rvz.RvzError:
+                pass  # that worker is gone too
 
     async def _rejoin(self, worker: int) -> tuple[int, int, int]:
         """The clocks (pull, push) and read sequence ``worker`` continues at after this shard
@@ -390,7 +448,11 @@ class ShardServer:
                 clock += 1
                 continue
             parts, create = request
-            if read:
+            answered = self._answered[worker].get(clock) if not read and self._replay else None
+            if answered is not None:
+                # A replayed pull: the rows may have changed since; the reply may not.
+                rows_message = answered
+            elif read:
                 rows = [self.tables[name].peek(ids) for name, ids in zip(self.names, parts, strict=True)]
                 self.stats.reads += 1
             else:
@@ -406,8 +468,14 @@ class ShardServer:
                         for name, ids in zip(self.names, parts, strict=True)]
                 self.stats.lookups += 1
                 self.stats.ids_looked_up += sum(len(p) for p in parts)
+            if answered is None:
+                rows_message = pack_rows(rows)
+                if self._replay and not read:
+                    kept = self._answered[worker]
+                    kept[clock] = rows_message
+                    kept.pop(clock - 2, None)  # a replay starts at most one pull back
             try:
-                await self.node.send(self._edge(kinds[1], worker, clock), pack_rows(rows), step=step)
+                await self.node.send(self._edge(kinds[1], worker, clock), rows_message, step=step)
             except rvz.Aborted:
                 pass
             except rvz.PeerLost:
@@ -502,7 +570,13 @@ class ShardServer:
             except BaseException:
                 await _drop(grads_recv)
                 raise
-            if self.consistency == "bsp":
+            if self._replay and (clock < self.clock[worker] or worker in self._bsp.get(clock, {})):
+                # A replayed push the shard already holds (applied, or in the barrier): the
+                # same bits again, so it is acknowledged once its clock is applied, not added.
+                if clock >= self.clock[worker]:
+                    await self._bsp_done[clock]
+                update = None
+            elif self.consistency == "bsp":
                 await self._bsp_push(worker, clock, update)
             elif update is not None:
                 for name, ids, grads in zip(self.names, *update, strict=True):
@@ -510,7 +584,7 @@ class ShardServer:
             if update is not None:
                 self.stats.pushes += 1
                 self.stats.ids_pushed += sum(len(i) for i in update[0])
-            self.clock[worker] = clock + 1
+            self.clock[worker] = max(self.clock[worker], clock + 1)
             self._wake()
             self._housekeeping()
             self._progress()
@@ -535,6 +609,13 @@ class ShardServer:
 
     def _bsp_maybe_apply(self, clock: int) -> None:
         pushes = self._bsp.get(clock, {})
+        if self.failed is not None:
+            # The job cannot go on: apply nothing more, release whoever waits on the clock.
+            self._bsp.pop(clock, None)
+            done = self._bsp_done.pop(clock, None)
+            if done is not None and not done.done():
+                done.set_result(None)
+            return
         # Only workers that have not passed ``clock`` push it. In a run without restarts that
         # is every active worker (none passes a clock before it is applied); after this shard
         # restarted, a worker whose ack of ``clock`` the old incarnation sent rejoins one
@@ -571,12 +652,20 @@ class ShardServer:
         self._writes.append(asyncio.get_running_loop().run_in_executor(None, write))
 
     def _lost(self, worker: int, clock: int | None) -> None:
+        event = self._lost_event[worker]
+        if self._replay and event is not None:
+            # bsp: it keeps its place in the barrier while its next process is waited for.
+            if not event.is_set():
+                self.stats.lost_workers += 1
+                log.warning("%s: worker %d lost at clock %d; the barrier waits for its next process",
+                            self.who, worker, self.clock[worker])
+            event.set()
+            return
         if worker in self.active:
             self.stats.lost_workers += 1
         if worker in self.active and clock is not None:
             log.warning("%s: worker %d lost at clock %d; serving the others", self.who, worker, clock)
         self._leave(worker)
-        event = self._lost_event[worker]
         if event is not None:
             event.set()
 
@@ -636,7 +725,8 @@ class ShardServer:
                 "checkpoints": list(self.stats.checkpoints), "evicted": self.stats.evicted,
                 "max_staleness": self.stats.max_staleness, "consistency": self.consistency,
                 "busy_poll_spins": (self.node.stats()["busy_poll"] or {}).get("spins"),
-                "rows_digest": self.rows_digest() if self.consistency == "bsp" else None}
+                "rows_digest": self.rows_digest() if self.consistency == "bsp" else None,
+                **({"error": self.failed} if self.failed else {})}
 
     def rows_digest(self) -> str:
         """A hash of every table's ids and whole rows (embedding and slots), in id order: equal
