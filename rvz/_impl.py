@@ -17,7 +17,7 @@ import os
 import sys
 from types import ModuleType, SimpleNamespace
 
-MODULES = ("arrays", "keys", "table", "codec", "recvpool", "peers", "holding", "engine", "calls")
+MODULES = ("arrays", "keys", "table", "codec", "recvpool", "peers", "steps", "holding", "engine", "calls")
 _PACKAGE = "rvz._fast"
 
 
@@ -89,6 +89,7 @@ arrays = active.arrays
 recvpool = active.recvpool
 peers = active.peers
 holding = active.holding
+steps = active.steps
 engine = active.engine
 calls = active.calls
 

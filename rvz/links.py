@@ -177,7 +177,7 @@ class Links:
         core = self._core
         for parked in conn.parked.values():
             parked.cancel()
-            table = core.tables.get(parked.step)
+            table = core.steps.tables.get(parked.step)
             if table is not None:  # a waiter that will never answer: out of its key's queue
                 table.remove_waiter(parked.route.text, parked)
         conn.parked.clear()
@@ -405,7 +405,7 @@ class Links:
                 if keep is None and request.conn is not None:
                     # The same process may come back and send its answer again: an answer.
                     core.note_cancelled(request)
-        for step, table in core.tables.items():
+        for step, table in core.steps.tables.items():
             for key in table.keys_waiting():
                 if core.route(key).src == peer.id and (keep is None or (step, key) in stale):
                     table.fail_waiters(key, lambda key=key: lost(key))

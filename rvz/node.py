@@ -90,9 +90,6 @@ EMPTY = _table.EMPTY
 _seconds = _table.seconds  # a duration as a message says it
 nbytes_of = _engine.nbytes_of
 
-_DEAD_STEPS_MAX = 1 << 16
-# Steps without a table whose peers are still remembered, to relay a late clean-up to them.
-_RETIRED_STEPS_MAX = 1 << 12
 # A peer needs one or two connections (each side may dial); a few more cover reconnects
 # whose old connection is not known dead yet.  More is a peer holding sockets open.
 _MAX_INBOUND_PER_PEER = 8
@@ -343,12 +340,6 @@ class Node(_NodeCalls, Links):
                                   push_window, hold_limit, claim_timeout, max_parked,
                                   max_steps, answer_backlog, lost_hold_limit)
         self.lost_hold_limit = self._core.holding.lost_hold_limit  # (None: the core's default)
-        self._idle_since: dict[int, tuple[Any, float]] = {}  # step -> (activity mark, since)
-        self._dead_order: deque[int] = deque()  # core.dead_steps' keys, oldest first
-        # dead step -> (task id, incarnation) of the one peer process that took part in it
-        self._dead_owner: dict[int, tuple[TaskId, int]] = {}
-        # step -> (table, stamp, puts) of the tables the last tick found empty
-        self._empty_seen: dict[int, tuple[Any, Any, Any]] = {}
         self._conns: set[Connection] = set()
         self._dials: dict[TaskId, asyncio.Future[Connection]] = {}  # task -> the dial under way
         # Connections accepted by a TLS node and still in their TLS handshake: not in
@@ -377,7 +368,7 @@ class Node(_NodeCalls, Links):
 
     @property
     def _tables(self) -> dict[int, Any]:
-        return self._core.tables
+        return self._core.steps.tables
 
     @property
     def _held_bytes(self) -> int:
@@ -518,7 +509,7 @@ class Node(_NodeCalls, Links):
         """An empty batch does nothing, but fails as any call would on a node that is not
         running or a step that was cleaned up (or an id that is no step)."""
         self._check_running()
-        table = self._core.table(step)
+        table = self._core.steps.table(step)
         if table.aborted:
             raise table.aborted_error("")
 
@@ -601,10 +592,10 @@ class Node(_NodeCalls, Links):
                 "held_values": held.get(peer, 0),
             }
         steps: dict[int, StepStats] = {}
-        for step, table in core.tables.items():
+        for step, table in core.steps.tables.items():
             keys_queued, queued, keys_waiting, waiting = table.counts()
             if not (keys_queued or keys_waiting):
-                continue  # a table that holds nothing is as good as gone (_drop_empty_tables)
+                continue  # a table that holds nothing is as good as gone (Steps.empty_steps)
             steps[step] = {"queued_values": queued, "queued_keys": keys_queued,
                            "waiting_recvs": waiting, "waiting_keys": keys_waiting}
         return {
@@ -614,7 +605,7 @@ class Node(_NodeCalls, Links):
             "peers": peers, "steps": steps,
             "held": {"values": int(core.holding.held_count), "bytes": int(core.holding.held_bytes)},
             "waits": {"producer": int(core.waits_producer), "consumer": int(core.waits_consumer)},
-            "dead_steps": len(core.dead_steps),
+            "dead_steps": len(core.steps.dead_steps),
             "unidentified": self._unidentified(),
             "recv_pool": self._recv_pool.stats() if self._recv_pool is not None else None,
             "busy_poll": ({"budget": self.busy_poll, "spins": self._poll.spins}
@@ -745,7 +736,7 @@ class Node(_NodeCalls, Links):
             self._tick_handle.cancel()
         self._repeats.flush(force=True)
         message = f"node {self.name} closed"
-        for step in list(core.tables):
+        for step in list(core.steps.tables):
             self._drop_table(step, message, cause, NodeClosed)
         for peer in core.peers.values():
             self._fail_queued_pushes(peer, lambda key: self._closed_error(cause))
@@ -818,7 +809,7 @@ class Node(_NodeCalls, Links):
                 # dropped at a heartbeat, and the request of the consumer that then asks
                 # parks in the new one (kept, the old one hid it, and took the value where
                 # no recv looks: both sides waited for ever).
-                while core.hold_full(core.table(step), route, nbytes, mine):
+                while core.hold_full(core.steps.table(step), route, nbytes, mine):
                     left = None if end is None else max(0.0, end - self._loop.time())
                     try:
                         if peer.unconnected():
@@ -839,7 +830,7 @@ class Node(_NodeCalls, Links):
                 raise
             finally:
                 core.holding.unreserve_hold(peer, mine)
-            core.hold(core.table(step), step, route, value, nbytes)
+            core.hold(core.steps.table(step), step, route, value, nbytes)
             return
         # A Send-Driven push waiting in its peer's queue (for the link, credit or socket).
         # A cancelled or timed-out push is cancelled, and leaves the queue at once.
@@ -1055,84 +1046,35 @@ class Node(_NodeCalls, Links):
 
     def _sweep_steps(self, now: float) -> None:
         """Drop empty tables, expire idle steps, forget the oldest retired ones."""
-        self._drop_empty_tables()
+        steps = self._core.steps
+        for step in steps.empty_steps():
+            self._core.drop_table(step)
         if self.step_idle is not None:
             self._expire_idle_steps(now)
-        if len(self._core.step_peers) - len(self._core.tables) > _RETIRED_STEPS_MAX:
-            self._forget_retired_steps()
-
-    def _drop_empty_tables(self) -> None:
-        """A step's table is made on first use; dropping the empty ones keeps finished steps
-        from piling up (a later use of the step makes a new one).
-
-        A table goes only when two heartbeats in a row find it empty and untouched.  A value
-        delivered to a recv that is then cancelled leaves its table empty until that recv's
-        task wakes and gives the value back; the wake-up is already scheduled, so it runs
-        before the next heartbeat, but it may run after this one.  Dropped at once, the
-        table would take the value back where no recv looks for it.
-        """
-        core = self._core
-        seen = self._empty_seen
-        now_empty: dict[int, tuple[Any, Any, Any]] = {}
-        for step, table in list(core.tables.items()):
-            if not table.empty():
-                continue
-            mark = (table, table.stamp, table.puts)  # a table compares by identity
-            if seen.get(step) == mark:
-                core.drop_table(step)
-                self._idle_since.pop(step, None)
-            else:
-                now_empty[step] = mark
-        self._empty_seen = now_empty
-
-    def _forget_retired_steps(self) -> None:
-        """Forget who took part in the oldest steps that have no table any more.
-
-        A step's table goes once it is empty, but its peers are remembered after it: a
-        clean-up that reaches us later is relayed to them.  Steps named by a counter would
-        keep one entry each for ever; the last ``_RETIRED_STEPS_MAX`` of them are kept.
-        """
-        core = self._core
-        excess = len(core.step_peers) - len(core.tables) - _RETIRED_STEPS_MAX
-        for step in list(core.step_peers):  # oldest first (the order they were joined)
-            if excess <= 0:
-                break
-            if step in core.tables:
-                continue
-            for peer in core.step_peers.pop(step):
-                peer.left_step(step)
-            excess -= 1
+        steps.retire()
 
     def _expire_idle_steps(self, now: float) -> None:
         """Drop the tables of steps nothing touched for ``step_idle`` seconds (a peer that
         opened steps and never cleaned them up cannot keep them forever)."""
         assert self.step_idle is not None
-        seen = self._idle_since
         expired = more = values_lost = recvs_failed = 0
         level = logging.INFO
-        for step, table in list(self._core.tables.items()):
-            if step == 0:
-                continue
-            mark = (table.stamp, table.puts)
-            last = seen.get(step)
-            if last is None or last[0] != mark:
-                seen[step] = (mark, now)
-            elif now - last[1] >= self.step_idle:
-                message = f"step {step} expired after {self.step_idle}s without activity"
-                keys, values, _, recvs = table.counts()
-                # What it held is lost (values never received, recvs that now fail): worth
-                # a warning, not the INFO line of a step that only kept its table.
-                this = logging.WARNING if values or recvs else logging.INFO
-                expired += 1
-                if expired == 1:  # the first with its detail, the others in one line
-                    log.log(this, "%s: %s; dropped %d value(s) of %d key(s), failed %d recv(s)",
-                            self.name, message, values, keys, recvs)
-                else:
-                    more += 1
-                    values_lost += values
-                    recvs_failed += recvs
-                    level = max(level, this)
-                self._drop_table(step, message, None)
+        for step, table in self._core.steps.idle_steps(now, self.step_idle):
+            message = f"step {step} expired after {self.step_idle}s without activity"
+            keys, values, _, recvs = table.counts()
+            # What it held is lost (values never received, recvs that now fail): worth
+            # a warning, not the INFO line of a step that only kept its table.
+            this = logging.WARNING if values or recvs else logging.INFO
+            expired += 1
+            if expired == 1:  # the first with its detail, the others in one line
+                log.log(this, "%s: %s; dropped %d value(s) of %d key(s), failed %d recv(s)",
+                        self.name, message, values, keys, recvs)
+            else:
+                more += 1
+                values_lost += values
+                recvs_failed += recvs
+                level = max(level, this)
+            self._drop_table(step, message, None)
         if more:
             log.log(level, "%s: %d more step(s) expired after %ss without activity; dropped "
                     "%d value(s), failed %d recv(s)", self.name, more, self.step_idle,
@@ -1153,7 +1095,7 @@ class Node(_NodeCalls, Links):
         remote consumer."""
         core = self._core
         held = []
-        for step, table in core.tables.items():
+        for step, table in core.steps.tables.items():
             for key in table.queued_keys():
                 route = core.route(key)
                 if route.from_me and route.peer is not None:
@@ -1185,7 +1127,7 @@ class Node(_NodeCalls, Links):
             route = core.route(key)
             log.info("%s: pushing %d unclaimed value(s) of %s to %s after %ss", self.name,
                      count, key, route.peer.name, self.claim_timeout)
-            self._push_oldest(core.tables[step], step, route, count, _log_unclaimed_failure)
+            self._push_oldest(core.steps.tables[step], step, route, count, _log_unclaimed_failure)
 
     # -- frames the engine hands up ------------------------------------------------------------
 
@@ -1262,7 +1204,7 @@ class Node(_NodeCalls, Links):
             err = PeerLost(f"peer {peer.name} restarted (new incarnation)")
             err.__cause__ = ConnectionResetError(f"{peer.name} restarted")
             self._peer_lost(peer, err, keep=conn)
-            self._forget_dead_steps_of(peer, old)
+            self._core.steps.forget_dead_of(peer.id, old)
             self._drop_values_of(peer, old)
         self._core.new_incarnation(peer, window)  # nothing of the old process counts
 
@@ -1277,7 +1219,7 @@ class Node(_NodeCalls, Links):
         crashed process never sent.)"""
         core = self._core
         count = nbytes = 0
-        for table in list(core.tables.values()):
+        for table in list(core.steps.tables.values()):
             for key in table.queued_keys():
                 if core.route(key).src != peer.id:
                     continue
@@ -1293,7 +1235,7 @@ class Node(_NodeCalls, Links):
     def _ask_holder(self, peer: Any) -> None:
         """Request what we already wait for from a peer we just learned holds its values."""
         core = self._core
-        for step, table in list(core.tables.items()):
+        for step, table in list(core.steps.tables.items()):
             for key in table.keys_waiting():
                 route = core.route(key)
                 if route.src == peer.id:
@@ -1336,7 +1278,7 @@ class Node(_NodeCalls, Links):
         message = str(fields.get("msg", ""))
         code = str(fields.get("code", ""))
         cause = RemoteError(message, peer_name, code)
-        table = core.tables.get(request.step)
+        table = core.steps.tables.get(request.step)
         if table is None:
             return
         cls: type[RvzError] = {"aborted": Aborted, "WrongEndpoint": WrongEndpoint}.get(code, RemoteError)
@@ -1355,7 +1297,7 @@ class Node(_NodeCalls, Links):
         name = self._peer_name(conn)
         if step == 0:  # no node sends it (cleanup_step(0) is refused): a broken peer
             raise ProtocolError(f"{name} tried to abort step 0, the step of plain send/recv")
-        # Kept for every dead step (up to _DEAD_STEPS_MAX of them): a peer's text is cut to a
+        # Kept for every dead step (up to Steps.dead_max of them): a peer's text is cut to a
         # length that names a reason, not one that fills memory.
         message = message[:_ABORT_TEXT_MAX]
         # Said once: a message relayed from node to node already names who started it.
@@ -1379,7 +1321,7 @@ class Node(_NodeCalls, Links):
         core = self._core
         while True:
             step_id = int.from_bytes(os.urandom(8), "little")
-            if step_id and step_id not in core.tables and step_id not in core.dead_steps:
+            if step_id and step_id not in core.steps.tables and step_id not in core.steps.dead_steps:
                 return Step(self, step_id)
 
     async def cleanup_step(self, step_id: int, message: str | None = None) -> None:
@@ -1390,7 +1332,7 @@ class Node(_NodeCalls, Links):
         its own id (a counter).  Step 0, where plain ``send``/``recv`` run, cannot be
         cleaned up (``ValueError``): it would break them for good.
         """
-        if _engine.step_id(step_id) == 0:
+        if _impl.steps.step_id(step_id) == 0:
             raise ValueError("step 0 is the step of plain send/recv and cannot be cleaned up; "
                              "run work that may need a clean-up under node.step(n), n > 0")
         self._entry(None)
@@ -1401,13 +1343,13 @@ class Node(_NodeCalls, Links):
         text = f"step {step_id} was cleaned up by {self.name} (incarnation {self.incarnation:#x})"
         if message:
             text = f"{text}: {message}"
-        if step_id not in core.dead_steps:
+        if step_id not in core.steps.dead_steps:
             # A Send-Driven consumer waits for this step's keys without telling us, so every
             # peer we are connected to may be waiting on it: tell them all, not only the
             # peers we saw in this step (a receiver that never heard of it just records it).
             for peer in core.peers.values():
                 if peer.live_connections():
-                    core.joined(step_id, peer)
+                    core.steps.joined(step_id, peer)
         self._abort_step(step_id, text, None, origin=None)
         for conn in list(self._conns):
             conn.flush()
@@ -1416,20 +1358,11 @@ class Node(_NodeCalls, Links):
     def _abort_step(self, step: int, message: str, cause: BaseException | None,
                     origin: Any) -> None:
         core = self._core
-        if step in core.dead_steps:
-            return
-        if len(core.dead_steps) >= _DEAD_STEPS_MAX:
-            # The oldest by a queue of its own: next(iter()) of a dict whose front was
-            # deleted steps over every slot freed since its last resize, up to 100k of
-            # them, at each clean-up.
-            oldest = self._dead_order.popleft()
-            del core.dead_steps[oldest]
-            self._dead_owner.pop(oldest, None)
-        core.dead_steps[step] = message
-        self._dead_order.append(step)
+        peers = core.steps.kill(step, message)
+        if peers is None:
+            return  # dead already
         self._drop_table(step, message, cause)
-        peers = core.step_peers.pop(step, set())
-        self._note_dead_step_owner(step, peers, origin)
+        core.steps.note_owner(step, peers, origin)
         for peer in core.peers.values():
             if peer.queue:  # Send-Driven sends of the step still waiting for credit or a link
                 self._fail_queued_pushes(
@@ -1442,40 +1375,10 @@ class Node(_NodeCalls, Links):
             for conn in peer.live_connections()[:1]:
                 conn.write_frame(_codec.encode_abort_step(step, message))
 
-    def _note_dead_step_owner(self, step: int, peers: set[Any], origin: Any) -> None:
-        """Remember a dead step whose only other party was one peer's process: it dies with
-        that process (``_forget_dead_steps_of``)."""
-        parties = (peers | {origin}) if origin is not None else peers
-        if len(parties) == 1:
-            peer = next(iter(parties))
-            if peer.incarnation is not None:
-                self._dead_owner[step] = (peer.id, peer.incarnation)
-
-    def _forget_dead_steps_of(self, peer: Any, incarnation: int) -> None:
-        """``peer``'s process ``incarnation`` was replaced by a new one: the step ids that
-        died with only that process taking part (here) are free again.
-
-        A restarted process that names its steps by a counter uses the same ids again, and
-        would find them dead, cleaned up by its earlier self.  Forgetting them is safe: the
-        old process's connections are closed, so no late frame of the old step can come from
-        it, and no other peer took part in the step here.  Steps another peer took part in
-        stay dead: a late frame from that peer would land in the new step.  (Code of this
-        node still running the old step is no longer told it is dead.)"""
-        owner = (peer.id, incarnation)
-        gone = [step for step, who in self._dead_owner.items() if who == owner]
-        if not gone:
-            return
-        core = self._core
-        for step in gone:
-            del self._dead_owner[step]
-            core.dead_steps.pop(step, None)
-        self._dead_order = deque(core.dead_steps)  # (dicts keep their insertion order)
-
     def _drop_table(self, step: int, message: str, cause: BaseException | None,
                     kind: type[Aborted] = Aborted) -> None:
         core = self._core
         table = core.drop_table(step)
-        self._idle_since.pop(step, None)   # (cleaned up: nothing walks it again)
         if table is None:
             return
         for key, value in table.abort(message, cause, kind):
@@ -1491,7 +1394,7 @@ class Step:
 
     def __init__(self, node: Node, step_id: int) -> None:
         self.node = node
-        self.id = _engine.step_id(step_id)  # a bad id fails here, not at the first call
+        self.id = _impl.steps.step_id(step_id)  # a bad id fails here, not at the first call
 
     async def send(self, key: KeyLike, value: SendValue, *, mode: Mode | None = None,
                    timeout: float | None = None) -> None:

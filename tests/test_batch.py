@@ -340,7 +340,7 @@ async def test_empty_batches_fail_where_any_call_would(cluster) -> None:  # type
         await w.step(5).send(key(), v(1))
         assert ints(await p.step(5).recv_many([key()], timeout=5)) == [1]
         await p.step(5).cleanup()
-        await eventually(lambda: 5 in w._core.dead_steps, "the clean-up reached the worker")
+        await eventually(lambda: 5 in w._core.steps.dead_steps, "the clean-up reached the worker")
         for node in (w, p):
             with pytest.raises(rvz.Aborted, match="5"):
                 await node.step(5).send_many([])

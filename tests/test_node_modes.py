@@ -414,13 +414,13 @@ async def test_many_recvs_of_one_key_cost_each_the_same(cluster) -> None:  # typ
         table(p).remove_waiter(text, behind)
         # Timed out: each recv cancels the newest request, which the producer finds first.
         ahead = _Looked()
-        w._core.table(0).wait(text, ahead)   # ahead of the n requests it parks
+        w._core.steps.table(0).wait(text, ahead)   # ahead of the n requests it parks
         tasks = [asyncio.ensure_future(p.recv(k, timeout=0.3)) for _ in range(n)]
         for result in await asyncio.gather(*tasks, return_exceptions=True):
             assert isinstance(result, TimeoutError)
         await eventually(lambda: not any(c.parked for c in w._conns), "every request cancelled")
         assert ahead.compared == 0, f"the parked requests were walked {ahead.compared} times"
-        w._core.table(0).remove_waiter(text, ahead)
+        w._core.steps.table(0).remove_waiter(text, ahead)
 
 
 # -- steps ---------------------------------------------------------------------------------

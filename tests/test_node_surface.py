@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 import rvz
-import rvz.node as node_module
 from rvz import _impl
 
 from .conftest import FAST, PS, WORKER, eventually, key, pair, pending, settle
@@ -405,7 +404,7 @@ def test_a_recv_driven_step_s_request_map_goes_with_its_table(run, cluster) -> N
                 assert (await waiting).tolist() == [0, 1]
             assert 29 in core.outstanding, "the map of a step whose table lives is kept"
             # (stats() leaves empty tables out; the tables themselves go at heartbeats)
-            await eventually(lambda: len(core.tables) <= 1,
+            await eventually(lambda: len(core.steps.tables) <= 1,
                              "finished steps' tables dropped at the next heartbeats")
             assert len(core.outstanding) <= 1 and not core.requests
 
@@ -603,14 +602,14 @@ def test_a_key_to_the_same_node_delivers_the_types_a_peer_would(run, cluster, mo
 
 
 @pytest.mark.loop_timeout(30)
-async def test_steps_used_once_leave_no_state_behind(cluster, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+async def test_steps_used_once_leave_no_state_behind(cluster) -> None:  # type: ignore[no-untyped-def]
     """Applications name steps by a counter.  A step's table goes once it is empty, and
     nothing else the step left may grow with the steps ever used: the idle clock of a step
-    cleaned up (``Node._idle_since``) stayed, and so did who took part in every step
-    (``Core.step_peers``, kept to relay a late clean-up).  The peers of the last retired
-    steps are kept (``_RETIRED_STEPS_MAX``, 8 here), the others forgotten."""
-    monkeypatch.setattr(node_module, "_RETIRED_STEPS_MAX", 8, raising=False)
+    cleaned up (``Steps.idle_since``) stayed, and so did who took part in every step
+    (``Steps.step_peers``, kept to relay a late clean-up).  The peers of the last retired
+    steps are kept (``Steps.retired_max``, 8 here), the others forgotten."""
     async with pair(cluster, "recv", heartbeat=0.02) as (w, p):
+        w._core.steps.retired_max = p._core.steps.retired_max = 8
         for s in range(1, 31):
             await w.step(s).send(key("x"), np.arange(1))
             if s % 2:
@@ -621,14 +620,14 @@ async def test_steps_used_once_leave_no_state_behind(cluster, monkeypatch) -> No
 
         def settled(node: rvz.Node) -> bool:
             core = node._core
-            return (not set(core.tables) - {0} and not node._idle_since
-                    and len(core.step_peers) - len(core.tables) <= 8)
+            return (not set(core.steps.tables) - {0} and not core.steps.idle_since
+                    and len(core.steps.step_peers) - len(core.steps.tables) <= 8)
 
         await eventually(lambda: settled(w) and settled(p), "the finished steps were forgotten")
         # The steps remembered are the latest ones, and a late clean-up still reaches the
         # consumer through them (it cleans up its step 29 when told).
         latest = [s for s in range(1, 31) if s % 3][-8:]   # a clean-up forgot its step at once
-        assert set(w._core.step_peers) - {0} == set(latest)
+        assert set(w._core.steps.step_peers) - {0} == set(latest)
         waiting = await pending(p.step(29).recv(key("x"), timeout=5))
         await w.step(29).cleanup()
         with pytest.raises(rvz.Aborted, match="step 29"):
@@ -636,15 +635,15 @@ async def test_steps_used_once_leave_no_state_behind(cluster, monkeypatch) -> No
 
 
 @pytest.mark.loop_timeout(30)
-async def test_the_oldest_dead_steps_are_forgotten_first(cluster, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A cleaned-up step stays dead (its later calls fail) for the last _DEAD_STEPS_MAX
+async def test_the_oldest_dead_steps_are_forgotten_first(cluster) -> None:  # type: ignore[no-untyped-def]
+    """A cleaned-up step stays dead (its later calls fail) for the last ``Steps.dead_max``
     clean-ups (4 here); older ones are forgotten oldest first, through a queue of their
     own (taking the dict's first key slowed every clean-up once the cap was reached)."""
-    monkeypatch.setattr(node_module, "_DEAD_STEPS_MAX", 4)
     async with pair(cluster, "send") as (w, p):
+        w._core.steps.dead_max = 4
         for s in range(1, 11):
             await w.step(s).cleanup()
-        assert list(w._core.dead_steps) == [7, 8, 9, 10]
+        assert list(w._core.steps.dead_steps) == [7, 8, 9, 10]
         with pytest.raises(rvz.Aborted, match="step 9"):
             await w.step(9).send(key("x"), np.arange(1))
         await w.step(3).send(key("x"), np.arange(1))   # forgotten: a step like any other

@@ -74,7 +74,7 @@ def test_a_restarted_process_counting_steps_from_1_is_not_aborted_by_its_old_sel
             await old.step(1).send(key("req"), np.arange(2))
             assert (await p.step(1).recv(key("req"), timeout=5)).tolist() == [0, 1]
             await old.step(1).cleanup("HTTP request 1 timed out")
-            await eventually(lambda: 1 in p._core.dead_steps, "the clean-up reached ps")
+            await eventually(lambda: 1 in p._core.steps.dead_steps, "the clean-up reached ps")
             with pytest.raises(rvz.Aborted) as info:
                 await p.step(1).recv(key("req"), timeout=5)
             assert f"(incarnation {old.incarnation:#x})" in str(info.value), str(info.value)
@@ -84,7 +84,7 @@ def test_a_restarted_process_counting_steps_from_1_is_not_aborted_by_its_old_sel
                 assert new.incarnation != old.incarnation
                 await new.send(key("hello"), np.arange(1))  # it connects: ps meets it
                 assert (await p.recv(key("hello"), timeout=5)).tolist() == [0]
-                await eventually(lambda: 1 not in p._core.dead_steps,
+                await eventually(lambda: 1 not in p._core.steps.dead_steps,
                                  "the old incarnation's dead step was forgotten")
                 await new.step(1).send(key("req"), np.arange(4))
                 assert (await p.step(1).recv(key("req"), timeout=5)).tolist() == [0, 1, 2, 3]
@@ -105,14 +105,14 @@ def test_a_dead_step_another_live_peer_took_part_in_stays_dead(run) -> None:  # 
             assert (await p.step(1).recv(key("a"), timeout=5)).tolist() == [0, 1]
             assert (await p.step(1).recv(other, timeout=5)).tolist() == [0, 1]
             await old.step(1).cleanup()
-            await eventually(lambda: 1 in p._core.dead_steps, "the clean-up reached ps")
+            await eventually(lambda: 1 in p._core.steps.dead_steps, "the clean-up reached ps")
             old.abort()
             await gave_up_on(p, ("worker", 0))
             async with rvz.Node(cluster, "worker", 0, "send", **FAST) as new:
                 await new.send(key("hello"), np.arange(1))
                 assert (await p.recv(key("hello"), timeout=5)).tolist() == [0]
                 assert p._core.peers[("worker", 0)].incarnation == new.incarnation
-                assert 1 in p._core.dead_steps  # worker:1 took part: a late frame of it stays out
+                assert 1 in p._core.steps.dead_steps  # worker:1 took part: a late frame of it stays out
 
     run(body(), timeout=30)
 
@@ -145,7 +145,7 @@ def test_a_peer_past_its_share_of_max_steps_is_closed_and_no_other_peer_is(run) 
             assert (await p.step(5000).recv(key("legit"), timeout=5)).tolist() == [0, 1, 2]
             await w.step(5001).send(key("legit"), np.arange(2))
             assert (await p.step(5001).recv(key("legit"), timeout=5)).tolist() == [0, 1]
-            assert p._core.step_share == 100
+            assert p._core.steps.step_share == 100
 
     run(body(), timeout=30)
 
@@ -198,7 +198,8 @@ def test_new_incarnations_leave_nothing_of_the_old_ones_behind(run) -> None:  # 
             await eventually(lambda: not any(c.peer is p._core.peers[W1] and not c.closed
                                              for c in p._conns), "the last one closed")
             # The replaced incarnations' values went; their steps' empty tables follow.
-            await eventually(lambda: len(p._core.tables) <= 2, "the old steps' tables dropped", within=10)
+            await eventually(lambda: len(p._core.steps.tables) <= 2, "the old steps' tables dropped",
+                             within=10)
             gc.collect()
             after = {kind: _count(kind) for kind in ("Connection", "Decoder", "Table")}
             for kind in before:
@@ -351,8 +352,8 @@ def test_steps_expiring_together_are_logged_in_two_lines(run, caplog) -> None:  
             with caplog.at_level(logging.INFO, logger="rvz"):
                 for step in range(1, 301):
                     await w.step(step).send(key("idle"), np.arange(1))
-                await eventually(lambda: len(p._core.tables) >= 300, "300 steps hold a value")
-                await eventually(lambda: len(p._core.tables) <= 1, "the idle steps expired",
+                await eventually(lambda: len(p._core.steps.tables) >= 300, "300 steps hold a value")
+                await eventually(lambda: len(p._core.steps.tables) <= 1, "the idle steps expired",
                                  within=15)
             lines = [r.getMessage() for r in caplog.records if "expired" in r.getMessage()]
             assert len(lines) <= 20, lines[:30]

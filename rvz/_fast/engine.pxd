@@ -11,6 +11,7 @@ from rvz._fast.codec cimport payload_view as payload_view_c
 from rvz._fast.keys cimport canonical_devices as canonical_devices_c
 from rvz._fast.holding cimport Holding
 from rvz._fast.peers cimport Peer, Request, Route
+from rvz._fast.steps cimport Steps
 from rvz._fast.table cimport Table, Waiter, check_timeout
 
 cdef bint COMPILED
@@ -21,7 +22,6 @@ cdef Py_ssize_t SWEEP_SLACK
 cdef Py_ssize_t CANCELLED_MAX
 cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, LARGE_READ, COPY_WRITE_MAX
 cdef long long ALONE_NS
-cdef object _NO_STEP
 cpdef Py_ssize_t nbytes_of(object value) except -1
 cdef bytes copy_bytes(bytearray data)
 cdef unsigned long thread_ident()
@@ -144,14 +144,8 @@ cdef class Core:
     cdef public bint closed
     cdef public Py_ssize_t push_window
     cdef public Holding holding
+    cdef public Steps steps
     cdef public dict peers
-    cdef public dict tables
-    cdef object _last_step
-    cdef Table _last_table
-    cdef public dict dead_steps
-    cdef public dict step_peers
-    cdef public dict step_openers
-    cdef public Py_ssize_t step_share
     cdef public dict routes
     cdef public dict devices
     cdef public dict requests
@@ -161,7 +155,6 @@ cdef class Core:
     cdef public object cancel_order
     cdef long long last_request_id
     cdef public Py_ssize_t max_parked
-    cdef public Py_ssize_t max_steps
     cdef public Py_ssize_t answer_backlog
     cdef public Py_ssize_t waits_producer
     cdef public Py_ssize_t waits_consumer
@@ -172,15 +165,11 @@ cdef class Core:
     @cython.locals(route=Route)
     cpdef Route own_route(self, object key, bint sending)
     cpdef Peer peer(self, tuple task_id)
-    cpdef Table table(self, object step)
-    @cython.locals(peer=Peer)
-    cpdef object remote_table(self, object step, Wire conn)
     @cython.locals(route=Route, peer=Peer)
     cpdef admit(self, Wire conn, object step, object request_id, str key, object nbytes)
     cpdef arrived(self, Wire conn)
     @cython.locals(before=Py_ssize_t)
     cpdef check_window(self, Peer peer, object cost)
-    cpdef joined(self, object step, Peer peer)
     cpdef attach(self, object loop, unsigned long thread)
     cpdef object future(self)
     cpdef str _check_mode(self, object mode)

@@ -47,6 +47,7 @@ from . import codec as _codec
 from . import keys as _keys
 from .holding import Holding
 from .peers import MESSAGE_COST, SWEEP_SLACK, Peer, Request, Route
+from .steps import Steps
 from .table import EMPTY, Batch, Table, Waiter, check_timeout, naming
 
 try:  # Cython's own module; a compiled build sees the constant True
@@ -123,28 +124,12 @@ NEVER = 1 << 62  # ``Wire.tune_from`` of a transport that does not tune its read
 KEY_WAYS_MAX = 1 << 14
 _ROUTE_CACHE_MAX = 1 << 16
 _DEVICES_MAX = 4096
-_NO_STEP = object()  # ``Core._last_step`` before any table is looked up: no step is it
+
 
 # The two modes.  The engine keeps only these two objects as modes (``canonical_mode``,
 # ``Core._check_mode``), so that the per-message tests are identity tests.
 RECV = "recv"
 SEND = "send"
-
-
-def step_id(step: Any) -> int:
-    """``step`` as a step id: an integer in [0, 2**64), which the wire carries as a u64.
-    Checked when a step's table is made, when an id that is not an int looks one up (and by
-    ``node.step``): an id the wire cannot carry would otherwise fail only when its first
-    frame is written, away from the caller."""
-    if type(step) is int:  # the common id: no call
-        n = step
-    else:
-        n = _keys.as_index(step)  # (True would be step 1)
-        if n is None:
-            raise TypeError(f"a step id is an integer, not {type(step).__name__}")
-    if not 0 <= n < 1 << 64:
-        raise ValueError(f"step id {n} is out of range [0, 2**64)")
-    return n
 
 
 def canonical_mode(mode: Any) -> Any:
@@ -756,19 +741,9 @@ class Core:
         self.closed = False                # nothing is served any more
         self.push_window = push_window
         self.peers: dict = {}              # (job, task) -> Peer
-        self.tables: dict = {}             # step -> Table: where a key is matched
-        # The step of the last table looked up, and its table: nearly every send, recv and
-        # frame names the step the one before it did, and an identity test costs less than
-        # a dict lookup.  ``drop_table``, the only place a table leaves ``tables``, resets it.
-        self._last_step: Any = _NO_STEP
-        self._last_table: Any = None
-        self.dead_steps: dict = {}         # step -> why it was cleaned up
-        self.step_peers: dict = {}         # step -> peers that took part in it
-        # step -> the peer whose frame made its table, each peer making at most
-        # ``step_share`` (``remote_table``): one peer cannot take every step for all.
-        self.step_openers: dict = {}
-        others = max(1, len(cluster.tasks()) - 1) if cluster is not None else 1
-        self.step_share = max(1, max_steps // others)
+        # the step registry: each step's table, the dead steps, who took part in each
+        others = len(cluster.tasks()) - 1 if cluster is not None else 1
+        self.steps = Steps(max_steps, others)
         self.routes: dict = {}             # key text -> Route
         self.devices: dict = {}            # device name -> (job, task)
         self.requests: dict = {}           # request id -> Request
@@ -785,9 +760,8 @@ class Core:
         self.cancelled: dict = {}
         self.cancel_order: deque = deque()
         self.last_request_id = 0  # request ids start at 1: a frame with id 0 is a push
-        self.holding = Holding(hold_limit, lost_hold_limit, claim_timeout, self.tables)
+        self.holding = Holding(hold_limit, lost_hold_limit, claim_timeout, self.steps.tables)
         self.max_parked = max_parked       # a peer's parked requests on one connection
-        self.max_steps = max_steps         # tables peers may open at once, shared (step_share)
         self.answer_backlog = answer_backlog  # unsent output beyond which answers wait
         self.waits_producer = 0            # how often a send had to wait (window, hold limit)
         self.waits_consumer = 0            # how often a recv had to wait for its value
@@ -859,49 +833,6 @@ class Core:
             self.peers[task_id] = peer
         return peer
 
-    def table(self, step: Any) -> Table:
-        if step is self._last_step:
-            return self._last_table
-        if type(step) is not int:
-            # True, 1.0 or np.int64(1) equal the id 1 as a dict key: they would find its
-            # table (or its cleanup) unchecked. Checked here, and looked up as the int.
-            step = step_id(step)
-        table = self.tables.get(step)
-        if table is None:
-            dead = self.dead_steps.get(step)
-            if dead is not None:
-                raise Aborted(dead)
-            step_id(step)
-            table = Table()
-            self.tables[step] = table
-        self._last_step = step
-        self._last_table = table
-        return table
-
-    def remote_table(self, step: Any, conn: Wire) -> Any:
-        """The table of ``step`` for a frame from a peer: None if the step was cleaned up; a
-        new table only while that peer made fewer than its share of ``max_steps`` (the
-        option over the cluster's other tasks) of the tables that exist: past it, that
-        peer's connection closes, and no other peer's frames are refused for it."""
-        if step is self._last_step:
-            return self._last_table
-        table = self.tables.get(step)
-        if table is None:
-            if step in self.dead_steps:
-                return None
-            peer = conn.peer
-            if peer.steps_opened >= self.step_share:
-                raise ProtocolError(f"{_peer_name(conn)} opened more than its share of "
-                                    f"{self.step_share} steps (max_steps {self.max_steps} over "
-                                    "the cluster's other tasks)")
-            table = Table()
-            self.tables[step] = table
-            self.step_openers[step] = peer
-            peer.steps_opened += 1
-        self._last_step = step
-        self._last_table = table
-        return table
-
     def admit(self, conn: Wire, step: Any, request_id: Any, key: str, nbytes: Any) -> None:
         """Check a DATA frame at its header, before memory is allocated for its payload:
         its route, and for a push the window its producer must respect."""
@@ -956,17 +887,6 @@ class Core:
         if before > 0 and cost > 2 * peer.window - before:
             raise ProtocolError(f"{peer.name} pushed beyond the push window: {before} bytes "
                                 f"unreturned, {cost} more, window {peer.window}")
-
-    def joined(self, step: Any, peer: Peer) -> None:
-        """Remember that ``peer`` took part in ``step`` (its clean-up must reach it)."""
-        if peer.joined_step is not None and peer.joined_step == step:
-            return
-        peer.joined_step = step
-        peers = self.step_peers.get(step)
-        if peers is None:
-            self.step_peers[step] = {peer}
-        elif peer not in peers:
-            peers.add(peer)
 
     def attach(self, loop: Any, thread: int) -> None:
         """The event loop the node runs on, and the thread that runs it (Node.start's)."""
@@ -1046,12 +966,12 @@ class Core:
         self.enter(timeout)
         route = self.own_route(key, True)
         value, code, shape, nbytes = describe_value(value)
-        table = self.table(step)
+        table = self.steps.table(step)
         peer = route.peer
         if peer is None:  # a key from this node to itself
             table.put(route.text, local_value(value, code))
             return None
-        self.joined(step, peer)
+        self.steps.joined(step, peer)
         mode = self._check_mode(mode)
         if mode is SEND and not table.waiting(route.text):
             return self.push(peer, step, route, value, code, shape, nbytes)
@@ -1224,9 +1144,9 @@ class Core:
         for step, _, route, value in reversed(deferred):
             nbytes = nbytes_of(value)
             self.holding.released_held(route.peer, nbytes)  # (counted while deferred)
-            if step in self.dead_steps:
+            if step in self.steps.dead_steps:
                 continue
-            table = self.table(step)
+            table = self.steps.table(step)
             if not table.put_front(route.text, value):
                 if table.queued(route.text):
                     self.holding.count_held(route.peer, nbytes)
@@ -1259,7 +1179,7 @@ class Core:
         """
         self.enter(timeout)
         route = self.own_route(key, False)
-        table = self.table(step)
+        table = self.steps.table(step)
         value = table.take(route.text)
         peer = route.peer
         if value is not EMPTY:
@@ -1268,7 +1188,7 @@ class Core:
             return value
         if peer is None:
             return self.new_waiter(table, route, None, False)
-        self.joined(step, peer)
+        self.steps.joined(step, peer)
         if self.must_ask(peer, mode):
             # The request leaves first, the waiter is made after: its answer can only come
             # once this task yields, and a round trip's latency runs from here to the write.
@@ -1463,7 +1383,7 @@ class Core:
         not taken yet.  Recvs waiting here for its other keys would wait forever behind them
         (a Send-Driven deadlock), so they ask for their values, Recv-Driven: answers need
         no credit, and the producer takes them out of its push queue (``on_request``)."""
-        for step, table in list(self.tables.items()):
+        for step, table in list(self.steps.tables.items()):
             for key in table.keys_waiting():
                 route = self.route(key)
                 if route.peer is peer:
@@ -1543,19 +1463,14 @@ class Core:
         a dict per request.  (``requests`` is empty when nothing is asked: ``Node.recv``
         tests that.)"""
         del keys[key]
-        if not keys and step not in self.tables:
+        if not keys and step not in self.steps.tables:
             del self.outstanding[step]
 
     def drop_table(self, step: Any) -> Table | None:
         """Forget ``step``'s table (empty, expired or aborted) and return it; its map of
         requests goes too when nothing is asked in it any more (else the last answer's
         ``_drop_key`` drops it)."""
-        table = self.tables.pop(step, None)
-        opener = self.step_openers.pop(step, None)
-        if opener is not None:
-            opener.steps_opened -= 1
-        self._last_step = _NO_STEP
-        self._last_table = None
+        table = self.steps.drop(step)
         keys = self.outstanding.get(step)
         if keys is not None and not keys:
             del self.outstanding[step]
@@ -1689,7 +1604,7 @@ class Core:
         conn = self.open_link(peer)
         if conn is None:
             return start
-        table = self.table(step)
+        table = self.steps.table(step)
         n = len(items)
         i = start
         while i < n:
@@ -1704,7 +1619,7 @@ class Core:
             if peer.credit < cost:
                 break
             if i == start:
-                self.joined(step, peer)
+                self.steps.joined(step, peer)
             peer.credit -= cost
             conn.write_value(step, 0, route.encoded, value, code, shape, nbytes)
             i += 1
@@ -1732,7 +1647,7 @@ class Core:
                 continue
             if peer is not last:
                 last = peer
-                self.joined(step, peer)
+                self.steps.joined(step, peer)
                 ask = self.must_ask(peer, mode)
                 if not ask and peer not in dial and peer.unconnected():
                     dial[peer] = route.text
@@ -1747,7 +1662,7 @@ class Core:
     def take_many(self, routes: list, step: Any) -> Any:
         """Take what is queued for a ``recv_many``: the list of values when every key had
         one, else a ``Batch`` (its missing slots are not registered yet)."""
-        table = self.table(step)
+        table = self.steps.table(step)
         n = len(routes)
         values = [EMPTY] * n
         stamps = [0] * n
@@ -1871,11 +1786,11 @@ class Core:
             self.check_window(peer, cost)
             peer.pushes_on = conn  # (``request_link``)
         peer.unreturned += cost
-        table = self.remote_table(step, conn)
+        table = self.steps.remote_table(step, conn.peer)
         if table is None:
             self.consumed_from(peer, value)  # dropped: the step is gone
             return
-        self.joined(step, peer)
+        self.steps.joined(step, peer)
         if table.put(route.text, value):
             self.consumed_from(peer, value)
         elif peer.owe_now:  # it waits for credit, and this value was not taken
@@ -1911,12 +1826,12 @@ class Core:
         self.check_window(peer, cost)
         peer.unreturned += cost
         peer.pushes_on = conn  # (``request_link``)
-        table = self.remote_table(step, conn)
+        table = self.steps.remote_table(step, conn.peer)
         if table is None:  # dropped: the step is gone
             for i in range(n):
                 self.consumed_from(peer, values[i])
             return
-        self.joined(step, peer)
+        self.steps.joined(step, peer)
         for i in range(n):
             route = routes[i]
             if table.put(route.text, values[i]):
@@ -1947,14 +1862,14 @@ class Core:
                 f"from /job:{route.src[0]}/task:{route.src[1]} to "
                 f"/job:{route.dst[0]}/task:{route.dst[1]}"))
             return
-        dead = self.dead_steps.get(step)
+        dead = self.steps.dead_steps.get(step)
         if dead is not None or self.closed:
             self.check_backlog(conn, peer)  # an error reply is output as any other
             conn.write_frame(encode_error(request_id, step, key, "aborted",
                                           dead or f"node {self.name} closed"))
             return
-        table = self.remote_table(step, conn)
-        self.joined(step, peer)
+        table = self.steps.remote_table(step, conn.peer)
+        self.steps.joined(step, peer)
         # A push of this key still waiting for credit came before any value of it held
         # here: Recv-Driven values nobody asked for within claim_timeout are pushed oldest
         # first (``Node._push_unclaimed``; close() too), and a Send-Driven consumer asks for
@@ -2166,7 +2081,7 @@ class Core:
             self.note_cancelled(request)
             keys[(request.step, request.key)] = request
         for (step, key), request in keys.items():
-            table = self.tables.get(step)
+            table = self.steps.tables.get(step)
             if table is not None:
                 for _ in range(table.waiting(key) - self.outstanding_count(step, key)):
                     self.request(request.peer, step, request.route)
@@ -2175,7 +2090,7 @@ class Core:
         parked = conn.parked.pop(request_id, None)
         if parked is not None:
             parked.cancel()
-            table = self.tables.get(parked.step)
+            table = self.steps.tables.get(parked.step)
             if table is not None:
                 table.remove_waiter(parked.route.text, parked)
             # Say that no answer follows, so the consumer can forget the id (``settled``); a
