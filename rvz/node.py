@@ -302,28 +302,7 @@ class Node(_NodeCalls, Links):
         self.id: TaskId = (job, self.task)
         self.name = f"/job:{job}/replica:0/task:{self.task}"
         self.address = self.cluster.address(job, self.task)
-        # The options, each as the attribute of its name (the secret only in the handshake).
-        self.mode = mode
-        self.transport: str = transport  # onesided.Host declares it a str
-        self._host = host
-        self._ssl_server, self._ssl_client = o.ssl_server, o.ssl_client
-        self.tls_identity = bool(tls_identity)
-        self.max_parked = max_parked
-        self.max_steps = max_steps
-        self.step_idle = step_idle
-        self.hello_timeout = hello_timeout
-        self.max_unidentified = max_unidentified
-        self.min_rate = min_rate
-        self.answer_backlog = answer_backlog
-        self.connect_timeout = connect_timeout
-        self.heartbeat = heartbeat
-        self.peer_timeout = peer_timeout
-        self.linger = linger
-        self.push_window = push_window
-        self.hold_limit = hold_limit
-        self.claim_timeout = claim_timeout
-        self.max_payload = max_payload
-        self.busy_poll = busy_poll
+        self._take_options(o)
         self._poll = None  # the BusyPoll of the running loop (start), if busy_poll
         # Memory for large received arrays, reused once the caller dropped them (0: none).
         self._recv_pool = _impl.recvpool.RecvPool(recv_pool) if recv_pool > 0 else None
@@ -360,6 +339,31 @@ class Node(_NodeCalls, Links):
         # The pid of the process this node was started in, when this is a child forked
         # from it (``_disown``); None otherwise.
         self._forked_from: int | None = None
+
+    def _take_options(self, o: Options) -> None:
+        """Each checked option as the attribute of its name (the secret only in the
+        handshake, the TLS contexts as the server's and the client's)."""
+        self.mode = o.mode
+        self.transport: str = o.transport  # onesided.Host declares it a str
+        self._host = o.host
+        self._ssl_server, self._ssl_client = o.ssl_server, o.ssl_client
+        self.tls_identity = bool(o.tls_identity)
+        self.max_parked = o.max_parked
+        self.max_steps = o.max_steps
+        self.step_idle = o.step_idle
+        self.hello_timeout = o.hello_timeout
+        self.max_unidentified = o.max_unidentified
+        self.min_rate = o.min_rate
+        self.answer_backlog = o.answer_backlog
+        self.connect_timeout = o.connect_timeout
+        self.heartbeat = o.heartbeat
+        self.peer_timeout = o.peer_timeout
+        self.linger = o.linger
+        self.push_window = o.push_window
+        self.hold_limit = o.hold_limit
+        self.claim_timeout = o.claim_timeout
+        self.max_payload = o.max_payload
+        self.busy_poll = o.busy_poll
 
     # the engine's state, read by the one-sided hub and by tests
     @property
