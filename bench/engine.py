@@ -50,7 +50,7 @@ class NullTransport:
         pass
 
 
-class NullWire(engine.Wire):  # type: ignore[misc,name-defined]
+class NullWire(_impl.wire.Wire):  # type: ignore[misc,name-defined]
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.transport = NullTransport()

@@ -17,7 +17,8 @@ import os
 import sys
 from types import ModuleType, SimpleNamespace
 
-MODULES = ("arrays", "keys", "table", "codec", "recvpool", "peers", "steps", "holding", "engine", "calls")
+MODULES = ("arrays", "keys", "table", "codec", "recvpool", "peers", "steps", "holding", "wire",
+           "engine", "calls")
 _PACKAGE = "rvz._fast"
 
 
@@ -90,6 +91,7 @@ recvpool = active.recvpool
 peers = active.peers
 holding = active.holding
 steps = active.steps
+wire = active.wire
 engine = active.engine
 calls = active.calls
 

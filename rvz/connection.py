@@ -23,9 +23,9 @@ from . import _impl
 from .errors import ProtocolError
 
 if TYPE_CHECKING:
-    from ._fast.engine import Wire
+    from ._fast.wire import Wire
 else:
-    Wire = _impl.engine.Wire  # the compiled or the pure-Python engine, as rvz._impl chose
+    Wire = _impl.wire.Wire  # the compiled or the pure-Python engine, as rvz._impl chose
 
 log = logging.getLogger("rvz.node")
 
@@ -160,7 +160,7 @@ class Connection(Wire, asyncio.BufferedProtocol):
         calls ``tune_read``."""
         self.lowat_sock = None
         self.tuning = False
-        self.tune_from = _impl.engine.NEVER
+        self.tune_from = _impl.wire.NEVER
 
     def read_stalled(self) -> None:
         """A heartbeat went by without a read.  In the middle of a payload that means a

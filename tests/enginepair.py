@@ -54,7 +54,7 @@ class MemTransport:
         return self.closing
 
 
-class MemWire(engine.Wire):  # type: ignore[misc,name-defined]
+class MemWire(_impl.wire.Wire):  # type: ignore[misc,name-defined]
     """A connection with no socket: ``failed`` is the error that closed it, if any."""
 
     def __init__(self, core: Any, outbound: bool, peer: Any) -> None:

@@ -168,7 +168,7 @@ async def test_large_payloads_of_one_iteration_leave_in_one_gathered_write(clust
             await w.send(key(), values[1])
             await w.send(key(), values[2])
             first = [int((await p.recv(key(), timeout=10))[0]) for _ in range(4)]
-            count = _impl.engine.GATHER_AT // size + 3  # more than one gathered write holds
+            count = _impl.wire.GATHER_AT // size + 3  # more than one gathered write holds
             many = [np.full(size, 100 + i, np.uint8) for i in range(count)]
             calls_before = len(recording.calls)
             for value in many:
@@ -187,7 +187,7 @@ async def test_large_payloads_of_one_iteration_leave_in_one_gathered_write(clust
             assert carried == [1, 2], carried
             # That iteration wrote a group, so this one's first waits too; a gathered write
             # leaves as soon as GATHER_AT bytes of payload wait.
-            per_write = _impl.engine.GATHER_AT // size
+            per_write = _impl.wire.GATHER_AT // size
             assert later == [per_write, count - per_write], later
         else:  # the transport's writelines would copy: each payload is written by itself
             assert carried == [1, 1, 1] and later == [1] * count
