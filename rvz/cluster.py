@@ -103,7 +103,14 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 def _outside_ephemeral() -> list[tuple[int, int]]:
     """The port spans from 10000 up that lie outside the ephemeral range (Linux); [] where
-    that range cannot be read."""
+    that range cannot be read.  ``RVZ_PORT_SPANS`` (``"LO-HI,LO-HI"``) gives them instead:
+    the ports a firewall opens, or a share of them that no other process draws from."""
+    given = os.environ.get("RVZ_PORT_SPANS")
+    if given:
+        try:
+            return [(int(lo), int(hi)) for lo, hi in (span.split("-") for span in given.split(","))]
+        except ValueError:
+            raise ConfigError(f"RVZ_PORT_SPANS={given!r}: want LO-HI[,LO-HI...]") from None
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             first, last = (int(x) for x in f.read().split())

@@ -277,3 +277,13 @@ def test_node_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_rvz_logger_has_a_null_handler() -> None:
     handlers = logging.getLogger("rvz").handlers
     assert any(isinstance(h, logging.NullHandler) for h in handlers)
+
+
+def test_free_ports_draws_from_the_spans_rvz_port_spans_gives(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("RVZ_PORT_SPANS", "41000-41099,42000-42009")
+    ports = rvz.cluster.free_ports(20)
+    assert len(set(ports)) == 20
+    assert all(41000 <= p <= 41099 or 42000 <= p <= 42009 for p in ports), ports
+    monkeypatch.setenv("RVZ_PORT_SPANS", "41000:41099")
+    with pytest.raises(rvz.ConfigError, match="RVZ_PORT_SPANS"):
+        rvz.cluster.free_ports(1)
