@@ -825,6 +825,23 @@ class RowTable:
             left -= data.shape[0]
         return out
 
+    def row_arrays(self):
+        """``(rows, ids, stamps)`` of rows ``0 .. next_row`` (in use or free), block by block:
+        views, for a copy taken while the table changes."""
+        out = []
+        left = self.next_row
+        for b in range(self.nblocks):
+            if left <= 0:
+                break
+            k = min(left, self._data[b].shape[0])
+            out.append((self._data[b][:k], self._ids[b][:k], self._stamp[b][:k]))
+            left -= k
+        return out
+
+    def free_rows(self):
+        """A copy of the row numbers free for reuse."""
+        return np.array(self._free_arr[:self.nfree], dtype=np.int32)
+
     def index_bytes(self):
         """Bytes of the index and per-row metadata (not the rows themselves)."""
         total = self._slots_arr.nbytes + self._free_arr.nbytes

@@ -114,6 +114,7 @@ class EmbeddingTable:
         self.created = 0
         self.evicted = 0
         self.dropped = 0       # gradient rows for absent ids, ignored
+        self._copies: list[RowCopy] = []  # copies being taken (``copy_rows``)
 
     # -- size ------------------------------------------------------------------------------
 
@@ -239,6 +240,9 @@ class EmbeddingTable:
         ids = as_ids(ids)
         out = np.empty((len(ids), self.dim), dtype=np.float32)
         rows = np.empty(len(ids), dtype=np.int32)
+        if self._copies and create:
+            self._core.find(ids, rows)
+            self._before_change(rows, ids)
         # Evaluation reads (create=False) leave the access stamps alone: they neither
         # create rows nor keep rows alive for TTL/LRU eviction.
         missing = self._core.lookup(ids, out, rows, self._step_stamp(), create)
@@ -281,6 +285,7 @@ class EmbeddingTable:
         self.version += 1
         rows = np.empty(len(unique), dtype=np.int32)
         self._core.find(unique, rows)
+        self._before_change(rows, unique)
         absent = rows < 0
         if absent.any():
             fresh = np.empty(int(absent.sum()), dtype=np.int32)
@@ -314,6 +319,7 @@ class EmbeddingTable:
             np.add.at(summed, inverse, grads)  # in input order: deterministic sums
         rows = np.empty(len(unique), dtype=np.int32)
         self._core.find(unique, rows)
+        self._before_change(rows, unique)
         if create and (rows < 0).any():
             self._create(unique, rows, count=False)
         present = rows >= 0
@@ -333,6 +339,7 @@ class EmbeddingTable:
         rows = np.empty(len(ids), dtype=np.int32)
         self._core.find(ids, rows)
         gone = ids[rows >= 0]
+        self._before_change(rows, ids)
         if len(gone):
             self.version += 1
             self._core.remove(gone)
@@ -357,6 +364,7 @@ class EmbeddingTable:
             order = np.lexsort((ids[keep], stamps[keep]))  # oldest first, ties by id
             drop[keep[order[:len(keep) - max_rows]]] = True
         gone = np.sort(ids[drop])
+        self._before_change(rows[drop], ids[drop])
         if len(gone):
             self.version += 1
             self._core.remove(gone)
@@ -450,6 +458,29 @@ class EmbeddingTable:
         self._deleted = []
         return name
 
+    def _before_change(self, rows: np.ndarray, ids: np.ndarray) -> None:
+        """Rows about to change (or go): every copy still being taken keeps them as they are."""
+        for c in self._copies:
+            c.keep(rows, ids)
+
+    def copy_rows(self) -> RowCopy:
+        """Start a copy of the table as it is now, taken a few rows at a time (``RowCopy.step``)
+        while the table goes on changing: what serving a checkpoint needs, since a copy of
+        every row at once holds the shard up for as long as it takes (about 1 s for 1M rows)."""
+        copy = RowCopy(self)
+        self._copies.append(copy)
+        return copy
+
+    def begin_save(self, incremental: bool = False) -> PendingSave:
+        """``save`` in two parts: what the entry holds is fixed now (``PendingSave.copy`` takes
+        the rows a few at a time, on this thread), and ``PendingSave.write`` writes it, on any
+        thread. A full save copies every row; an incremental one the rows it holds, at once."""
+        pending = PendingSave(self, incremental)
+        self.saved_version = self.version
+        self.saved_step = self.global_step
+        self._deleted = []
+        return pending
+
     def snapshot(self) -> TableSnapshot:
         """Every live row (embedding and slots), its stamp, the admission counts, the config
         and the counters, copied out: the table may change while ``write_snapshot`` writes
@@ -535,6 +566,123 @@ def rows_digest(tables: Iterable[tuple[str, np.ndarray, np.ndarray]]) -> str:
     return h.hexdigest()[:16]
 
 
+class RowCopy:
+    """A copy of every row of a table at one moment (``EmbeddingTable.copy_rows``): rows
+    ``0 .. next_row`` are copied block slice by block slice (``step``), and a row about to
+    change or go before its slice is copied is kept first (copy on write), so the copy is
+    the table of that moment whatever changes meanwhile. Rows free at that moment are
+    marked dead (``live``); a row freed later was kept before it went."""
+
+    def __init__(self, table: EmbeddingTable) -> None:
+        core = table._core
+        core.finish()
+        self.table = table
+        self.n = n = int(core.next_row)
+        self.values = np.empty((n, table.width), dtype=np.float32)
+        self.row_ids = np.empty(n, dtype=np.int64)
+        self.stamps = np.empty(n, dtype=np.uint32)
+        self.kept = np.zeros(n, dtype=bool)
+        self.live = np.ones(n, dtype=bool)
+        self.live[core.free_rows()] = False
+        self.cand_ids, self.cand_counts = table._candidate_counts()
+        self.config, self.state = table.config(), table._state()
+        self.size = len(table)
+        self._arrays = core.row_arrays()   # views: rows changed meanwhile are kept first
+        self._cursor = 0
+        self.done = n == 0
+        if self.done:
+            self._finish()
+
+    def keep(self, rows: np.ndarray, ids: np.ndarray) -> None:
+        """Copy ``rows`` (ids ``ids``; -1 rows skipped) now unless their slice is copied."""
+        rows = np.asarray(rows)
+        sel = np.flatnonzero((rows >= self._cursor) & (rows < self.n))
+        if len(sel) == 0:
+            return
+        sel = sel[~self.kept[rows[sel]]]
+        if len(sel) == 0:
+            return
+        r = np.ascontiguousarray(rows[sel], dtype=np.int32)
+        out = np.empty((len(r), self.values.shape[1]), dtype=np.float32)
+        self.table._core.gather(r, out, 0)
+        self.values[r] = out
+        self.row_ids[r] = np.asarray(ids)[sel]
+        self.stamps[r] = self.table._meta(r, "stamp")
+        self.kept[r] = True
+
+    def step(self, rows: int = 4096) -> bool:
+        """Copy the next ``rows`` rows (at most to the end of their block); True once every
+        row is copied."""
+        if self.done:
+            return True
+        c = self._cursor
+        block_rows = self._arrays[0][0].shape[0] if len(self._arrays) == 1 else self.table._core.block_rows
+        b, off = divmod(c, block_rows)
+        data, ids, stamps = self._arrays[b]
+        e = min(self.n, c + rows, b * block_rows + len(data))
+        take = ~self.kept[c:e]
+        k = e - c
+        np.copyto(self.values[c:e], data[off:off + k], where=take[:, None])
+        np.copyto(self.row_ids[c:e], ids[off:off + k], where=take)
+        np.copyto(self.stamps[c:e], stamps[off:off + k], where=take)
+        self._cursor = e
+        if e >= self.n:
+            self._finish()
+        return self.done
+
+    def _finish(self) -> None:
+        self.done = True
+        if self in self.table._copies:
+            self.table._copies.remove(self)
+        self._arrays = []
+
+    def cancel(self) -> None:
+        self._finish()
+
+    def snapshot(self) -> TableSnapshot:
+        """The copy as a ``TableSnapshot`` (the whole row matrix; ``rownum`` says which rows
+        are live, as a full save writes it)."""
+        assert self.done
+        rownum = np.flatnonzero(self.live).astype(np.int32)
+        return TableSnapshot(self.row_ids[rownum], self.values, self.stamps[rownum], self.cand_ids,
+                             self.cand_counts, self.config, self.state, rownum=rownum)
+
+
+class PendingSave:
+    """A checkpoint entry whose content is fixed (``EmbeddingTable.begin_save``)."""
+
+    def __init__(self, table: EmbeddingTable, incremental: bool) -> None:
+        self.incremental = incremental
+        self.copy: RowCopy | None = None
+        self.arrays: dict[str, np.ndarray] = {}
+        if incremental:
+            ids, values = table.changed_since(table.saved_version, table.saved_step)
+            found = np.empty(len(ids), dtype=np.int32)
+            table._core.find(ids, found)
+            deleted = np.unique(np.concatenate([np.zeros(0, dtype=np.int64), *table._deleted]))
+            cand_ids, cand_counts = table._candidate_counts()
+            self.arrays = {"ids": ids, "rows": values, "stamps": table._meta(found, "stamp"),
+                           "deleted": deleted, "cand_ids": cand_ids, "cand_counts": cand_counts}
+            self.meta = {"config": table.config(), "state": table._state()}
+        else:
+            self.copy = table.copy_rows()
+
+    def step(self, rows: int = 4096) -> bool:
+        return self.copy is None or self.copy.step(rows)
+
+    def write(self, path: str | Path, *, fsync: bool = True) -> str:
+        """Write the entry into directory ``path`` (once ``step`` returned True); its name."""
+        writer = ckpt.EntryWriter(Path(path), "incr" if self.incremental else "full", fsync=fsync)
+        if self.incremental and writer.manifest is None:
+            raise ckpt.CheckpointError(f"no full checkpoint in {path} to add an increment to")
+        if self.copy is None:
+            for name, array in self.arrays.items():
+                writer.array(name, array)
+            return writer.commit(self.meta)
+        assert self.copy.done
+        return write_snapshot(self.copy.snapshot(), path, fsync=fsync, writer=writer)
+
+
 @dataclass
 class TableSnapshot:
     """A table's content at one moment (``EmbeddingTable.snapshot``)."""
@@ -546,14 +694,17 @@ class TableSnapshot:
     cand_counts: np.ndarray
     config: dict[str, Any]
     state: dict[str, Any]
+    rownum: np.ndarray | None = None  # rows' places in ``rows`` (None: one row per id, in order)
 
 
-def write_snapshot(snap: TableSnapshot, path: str | Path, *, fsync: bool = True) -> str:
+def write_snapshot(snap: TableSnapshot, path: str | Path, *, fsync: bool = True,
+                   writer: ckpt.EntryWriter | None = None) -> str:
     """Write ``snap`` as a full checkpoint entry into directory ``path`` (what
     ``EmbeddingTable.load`` reads); returns the entry's name."""
-    writer = ckpt.EntryWriter(Path(path), "full", fsync=fsync)
+    writer = writer or ckpt.EntryWriter(Path(path), "full", fsync=fsync)
     writer.array("ids", snap.ids)
-    writer.array("rownum", np.arange(len(snap.ids), dtype=np.int32))
+    rownum = snap.rownum if snap.rownum is not None else np.arange(len(snap.ids), dtype=np.int32)
+    writer.array("rownum", rownum)
     writer.array("stamps", snap.stamps)
     writer.array("matrix", snap.rows)
     writer.array("cand_ids", snap.cand_ids)
