@@ -4,7 +4,7 @@ wire, reach close AUCs, and nothing (process, namespace) is left behind.
 
 The throughput ratio is not asserted: on a shared 2-core machine it moves from run to run
 by more than the margin (1.15x to 1.5x in alternating runs of the benchmark), so it is the
-benchmark's figure (``python -m examples.embedding_pipeline.wire``, examples/README.md).
+benchmark's figure (``python -m examples.embedding_pipeline.overlap``, examples/README.md).
 The AUC bound here is looser than the benchmark's 0.005: this run has 30 steps, early in
 training, where staleness 1 still trails a little. Skipped, with the reason printed, where
 namespaces cannot be made.

@@ -1,4 +1,4 @@
-"""``python -m examples.embedding_pipeline.wire``: staleness 0 against 1 where there is wire time.
+"""``python -m examples.embedding_pipeline.overlap``: staleness 0 against 1 where there is wire time.
 
 Every PS shard and every worker runs in a network namespace of its own (``examples/netns.py``),
 joined through a bridge by veth pairs; each worker's link is shaped to ``--rate`` (``tbf``,
@@ -31,7 +31,7 @@ ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m examples.embedding_pipeline.wire", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m examples.embedding_pipeline.overlap", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3, help="alternations of staleness 0 and 1")
     p.add_argument("--rate", default="1gbit", help="each worker link's rate (tc tbf)")
