@@ -17,7 +17,7 @@ import subprocess
 import pytest
 
 from examples import netns
-from examples.embedding_pipeline import wire
+from examples.embedding_pipeline import overlap
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -29,7 +29,7 @@ def namespaces() -> set[str]:
 
 @pytest.mark.process
 def test_staleness_0_and_1_complete_over_a_shaped_link_with_close_aucs() -> None:
-    args = wire.parse_args(["--rounds", "1", "--steps", "30", "--shards", "1", "--batch-size", "1024",
+    args = overlap.parse_args(["--rounds", "1", "--steps", "30", "--shards", "1", "--batch-size", "1024",
                             "--dim", "16", "--hidden", "64", "--eval-samples", "5000", "--timeout", "120"])
     try:
         before = namespaces()
@@ -37,7 +37,7 @@ def test_staleness_0_and_1_complete_over_a_shaped_link_with_close_aucs() -> None
         print(f"no `ip netns`: {exc}")
         pytest.skip(f"no `ip netns`: {exc}")
     try:
-        summary = wire.compare(args, say=print)
+        summary = overlap.compare(args, say=print)
     except netns.NamespacesUnavailable as exc:
         print(str(exc))
         pytest.skip(str(exc))
