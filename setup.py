@@ -22,7 +22,8 @@ from setuptools.errors import CCompilerError, ExecError, PlatformError
 # What a missing or broken C toolchain raises (OSError: the compiler binary is not there).
 BUILD_ERRORS = (CCompilerError, ExecError, PlatformError, OSError)
 
-MODULES = ["keys", "table", "codec", "recvpool", "peers", "steps", "holding", "wire", "engine", "calls"]
+MODULES = ["keys", "table", "codec", "recvpool", "peers", "steps", "holding", "wire", "requests",
+           "engine", "calls"]
 EXAMPLE_MODULES = ["examples/param_server/_table.py"]  # the parameter server's table core
 
 

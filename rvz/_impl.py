@@ -18,7 +18,7 @@ import sys
 from types import ModuleType, SimpleNamespace
 
 MODULES = ("arrays", "keys", "table", "codec", "recvpool", "peers", "steps", "holding", "wire",
-           "engine", "calls")
+           "requests", "engine", "calls")
 _PACKAGE = "rvz._fast"
 
 
@@ -92,6 +92,7 @@ peers = active.peers
 holding = active.holding
 steps = active.steps
 wire = active.wire
+requests = active.requests
 engine = active.engine
 calls = active.calls
 

@@ -185,7 +185,7 @@ class Links:
             core.undefer(conn)
         if peer.asking:  # what it parked of ours on that connection it parks no more
             for request_id in [i for i, c in peer.asking.items() if c is conn]:
-                core.asked_no_more(peer, request_id)
+                core.requests.asked_no_more(peer, request_id)
         # No ready connection to it left: what we hold for it counts apart.  (Its dialled
         # connection reaches ``peer.out`` only once the dial returns: asked of the node.)
         core.holding.regroup(peer, not any(c.peer is peer and c.ready and not c.closed for c in self._conns))
@@ -240,10 +240,10 @@ class Links:
         first = requests[0]
         conn = await self._link(first.peer, first.key)
         core = self._core
-        live = [r for r in requests if r.id in core.requests]  # not cancelled meanwhile
+        live = [r for r in requests if r.id in core.requests.by_id]  # not cancelled meanwhile
         if live:
             # (On a connection that closed meanwhile nothing goes: the loss fails them.)
-            core.send_asks(first.peer, live, conn)
+            core.requests.send_asks(first.peer, live, conn)
 
     async def _link(self, peer: Any, key: str | None = None) -> Connection:
         """The connection our traffic to ``peer`` uses, dialled on first use (with retry/backoff)."""
@@ -365,7 +365,7 @@ class Links:
             assert self._loop is not None
             self._loop.call_soon(self._core.pump, peer)
         if peer.held_back:
-            self._core.send_held_back(peer)
+            self._core.requests.send_held_back(peer)
 
     def _peer_lost(self, peer: Any, err: RvzError, keep: Connection | None = None,
                    level: int | None = None) -> None:
@@ -397,14 +397,13 @@ class Links:
             return exc
 
         stale: set[tuple[int, str]] = set()  # (step, key) of requests the old process held
-        for request_id, request in list(core.requests.items()):
+        for request_id, request in list(core.requests.by_id.items()):
             if request.peer is peer and (keep is None or request.conn not in (None, keep)):
                 stale.add((request.step, request.key))
-                del core.requests[request_id]
-                core.forget_request(request_id, request.step, request.key)
+                core.requests.drop(request_id)
                 if keep is None and request.conn is not None:
                     # The same process may come back and send its answer again: an answer.
-                    core.note_cancelled(request)
+                    core.requests.note_cancelled(request)
         for step, table in core.steps.tables.items():
             for key in table.keys_waiting():
                 if core.route(key).src == peer.id and (keep is None or (step, key) in stale):

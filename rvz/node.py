@@ -559,7 +559,7 @@ class Node(_NodeCalls, Links):
         """
         core = self._core
         outstanding: dict[Any, int] = {}
-        for request in core.requests.values():
+        for request in core.requests.by_id.values():
             outstanding[request.peer] = outstanding.get(request.peer, 0) + 1
         held = self._held_for()
         peers: dict[str, PeerStats] = {}
@@ -592,7 +592,7 @@ class Node(_NodeCalls, Links):
                 "deferred_answers": sum(len(c.deferred) for c in conns),
                 "outstanding_requests": outstanding.get(peer, 0),
                 "held_back_requests": sum(1 for r in peer.held_back
-                                          if core.requests.get(r.id) is r),
+                                          if core.requests.by_id.get(r.id) is r),
                 "held_values": held.get(peer, 0),
             }
         steps: dict[int, StepStats] = {}
@@ -933,7 +933,7 @@ class Node(_NodeCalls, Links):
         for peer, text in dial.items():  # one link task a producer, not one a key
             self._spawn(self._link(peer, text))  # to notice if it is gone
         for peer, requests in asks.items():
-            if not core.send_asks(peer, requests):
+            if not core.requests.send_asks(peer, requests):
                 self._request_when_linked(requests)
         poll = self._poll
         if poll is not None and any(routes[i].peer is not None for i in waiting):
@@ -949,7 +949,7 @@ class Node(_NodeCalls, Links):
             if asks and not loop.is_closed():  # (closed: see NodeCalls.recv)
                 table = batch.table
                 for text in {routes[i].text for i in waiting}:
-                    core.rebalance(step, text, table)
+                    core.requests.rebalance(step, text, table)
 
     def _batch_where(self, step: int, keys: list[str]) -> str:
         """What a recv_many's timeout adds to name where it waited: the step and the
@@ -1267,17 +1267,16 @@ class Node(_NodeCalls, Links):
             conn.close_because(ProtocolError(f"{self._peer_name(conn)} closed the connection: "
                                              f"{str(fields.get('msg', ''))[:500]}"))
             return
-        core.asked_no_more(conn.peer, request_id)
-        request = core.requests.get(request_id)
+        core.requests.asked_no_more(conn.peer, request_id)
+        request = core.requests.by_id.get(request_id)
         if request is None:
             # One we cancelled: the producer dropped it (code "cancelled") or failed it
             # first; nothing of it follows.  Else a stray answer.
-            core.settled(conn.peer, request_id)
+            core.requests.settled(conn.peer, request_id)
             return
         if request.peer is not conn.peer:
             return  # about a request we did not send to this peer
-        del core.requests[request_id]
-        core.forget_request(request.id, request.step, request.key)
+        core.requests.drop(request_id)
         peer_name = self._peer_name(conn)
         message = str(fields.get("msg", ""))
         code = str(fields.get("code", ""))
@@ -1371,7 +1370,7 @@ class Node(_NodeCalls, Links):
             if peer.queue:  # Send-Driven sends of the step still waiting for credit or a link
                 self._fail_queued_pushes(
                     peer, lambda key: _table.aborted_error(message, cause, key), step)
-        core.drop_outstanding(step)
+        core.requests.drop_outstanding(step)
         for peer in peers:
             peer.left_step(step)
             if peer is origin:

@@ -64,7 +64,7 @@ async def test_a_recv_asks_and_a_later_send_answers_it() -> None:
         await pair.producer.send(key(), b"abc")
         await pair.settle()
         assert await asyncio.wait_for(waiting, 5) == b"abc"
-        assert not pair.consumer.core.requests and not pair.producer.wire.parked
+        assert not pair.consumer.core.requests.by_id and not pair.producer.wire.parked
     finally:
         pair.close()
 
@@ -81,7 +81,7 @@ async def test_an_answer_that_crosses_a_cancel_goes_to_the_next_recv() -> None:
         with pytest.raises(asyncio.CancelledError):
             await waiting
         await pair.settle()
-        assert pair.consumer.core.requests == {}, "nothing is asked any more"
+        assert pair.consumer.core.requests.by_id == {}, "nothing is asked any more"
         assert pair.consumer.core.peers[WORKER].answered >= 300, "taken as an answer"
         assert await pair.recv(key()) == b"one" * 100, "neither lost nor taken twice"
         assert pair.consumer.wire.failed is None

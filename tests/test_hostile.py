@@ -1022,7 +1022,7 @@ async def test_an_answer_to_another_peers_request_closes_the_connection(size: in
         k = key("asked")
         recv = asyncio.ensure_future(p.recv(k, timeout=20))
         await asyncio.sleep(0)
-        (request_id,) = list(p._core.requests)
+        (request_id,) = list(p._core.requests.by_id)
         h = await Hostile.connect(p.address)
         try:
             await h.hello("worker", 1)
@@ -1033,6 +1033,6 @@ async def test_an_answer_to_another_peers_request_closes_the_connection(size: in
             h.close()
         assert h.eof
         assert not recv.done()
-        assert request_id in p._core.requests  # still its producer's to answer
+        assert request_id in p._core.requests.by_id  # still its producer's to answer
         await w.send(k, np.arange(3))
         assert (await recv).tolist() == [0, 1, 2]

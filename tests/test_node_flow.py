@@ -1433,8 +1433,8 @@ async def test_cancelled_requests_are_forgotten_once_the_producer_dropped_them(c
             with pytest.raises(TimeoutError):
                 await p.recv(key("never"), timeout=0.0005)
         await eventually(lambda: peer_stats(w, p)["parked_requests"] == 0, "all dropped")
-        await eventually(lambda: not core.cancelled, "every cancelled id forgotten")
-        assert len(core.cancel_order) <= 2 * 1024 + 1, len(core.cancel_order)
+        await eventually(lambda: not core.requests.cancelled, "every cancelled id forgotten")
+        assert len(core.requests.cancel_order) <= 2 * 1024 + 1, len(core.requests.cancel_order)
         # An answer that crosses its CANCEL is still taken as an answer: the surplus value
         # waits for the next recv (a push beyond the window would close the connection).
         late = asyncio.ensure_future(p.recv(key("late"), timeout=10))
@@ -1444,7 +1444,7 @@ async def test_cancelled_requests_are_forgotten_once_the_producer_dropped_them(c
         with contextlib.suppress(asyncio.CancelledError):
             await late
         assert int((await p.recv(key("late"), timeout=10))[0]) == 1
-        await eventually(lambda: not core.cancelled, "the crossed answer settles its id")
+        await eventually(lambda: not core.requests.cancelled, "the crossed answer settles its id")
         assert peer_stats(p, w)["state"] == "connected"
 
 

@@ -404,7 +404,7 @@ async def test_many_recvs_of_one_key_cost_each_the_same(cluster) -> None:  # typ
         text = str(k)
         # Answered: each recv's clean-up looks at no other waiter of the key.
         tasks = [asyncio.ensure_future(p.recv(k, timeout=10)) for _ in range(n)]
-        await eventually(lambda: len(p._core.requests) == n, "every recv asked")
+        await eventually(lambda: len(p._core.requests.by_id) == n, "every recv asked")
         behind = _Looked()
         table(p).wait(text, behind)   # behind the n recvs
         for i in range(n):   # one at a time: each recv ends while the others still wait

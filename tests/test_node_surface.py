@@ -77,23 +77,24 @@ def test_recv_driven_requests_of_one_key_are_counted_as_recvs_come_and_go(run, c
 
             first = await pending(p.recv(k, timeout=5))
             await eventually(lambda: parked() == 1, "one request parked")
-            assert core.outstanding_count(0, text) == 1
+            assert core.requests.outstanding_count(0, text) == 1
             more = [await pending(p.recv(k, timeout=5)) for _ in range(2)]
             await eventually(lambda: parked() == 3, "three requests parked")
-            assert core.outstanding_count(0, text) == 3
+            assert core.requests.outstanding_count(0, text) == 3
             more[0].cancel()
             await eventually(lambda: parked() == 2, "the cancelled recv's request withdrawn")
-            assert core.outstanding_count(0, text) == 2
+            assert core.requests.outstanding_count(0, text) == 2
             for i in range(2):
                 await w.send(k, np.array([i]))
             assert (await first).tolist() == [0]
             assert (await more[1]).tolist() == [1]
-            assert core.outstanding_count(0, text) == 0 and not any(core.outstanding.values())
+            assert core.requests.outstanding_count(0, text) == 0
+            assert not any(core.requests.outstanding.values())
             lone = await pending(p.recv(k, timeout=5))
             await eventually(lambda: parked() == 1, "a lone request parked again")
             await w.send(k, np.array([7]))
             assert (await lone).tolist() == [7]
-            assert core.outstanding_count(0, text) == 0 and not core.requests
+            assert core.requests.outstanding_count(0, text) == 0 and not core.requests.by_id
 
     run(main(), timeout=15)
 
@@ -108,18 +109,18 @@ def test_cleaning_up_a_step_drops_its_requests_and_no_other_steps(run, cluster) 
             doomed = [await pending(p.step(3).recv(k, timeout=5)) for _ in range(2)]
             doomed.append(await pending(p.step(3).recv(other, timeout=5)))
             kept = await pending(p.step(4).recv(k, timeout=5))
-            await eventually(lambda: len(core.requests) == 4, "four requests out")
-            assert core.outstanding_count(3, str(k)) == 2
-            assert core.outstanding_count(3, str(other)) == 1
+            await eventually(lambda: len(core.requests.by_id) == 4, "four requests out")
+            assert core.requests.outstanding_count(3, str(k)) == 2
+            assert core.requests.outstanding_count(3, str(other)) == 1
             await p.step(3).cleanup()
             for recv in doomed:
                 with pytest.raises(rvz.Aborted):
                     await recv
-            assert core.outstanding_count(3, str(k)) == 0 and 3 not in core.outstanding
-            assert core.outstanding_count(4, str(k)) == 1 and len(core.requests) == 1
+            assert core.requests.outstanding_count(3, str(k)) == 0 and 3 not in core.requests.outstanding
+            assert core.requests.outstanding_count(4, str(k)) == 1 and len(core.requests.by_id) == 1
             await w.step(4).send(k, np.array([5]))
             assert (await kept).tolist() == [5]
-            assert not any(core.outstanding.values()) and not core.requests
+            assert not any(core.requests.outstanding.values()) and not core.requests.by_id
 
     run(main(), timeout=15)
 
@@ -399,14 +400,14 @@ def test_a_recv_driven_step_s_request_map_goes_with_its_table(run, cluster) -> N
             core = p._core
             for step in range(1, 30):
                 waiting = await pending(p.step(step).recv(key("s"), timeout=5))
-                assert core.outstanding_count(step, str(key("s"))) == 1
+                assert core.requests.outstanding_count(step, str(key("s"))) == 1
                 await w.step(step).send(key("s"), np.arange(2))
                 assert (await waiting).tolist() == [0, 1]
-            assert 29 in core.outstanding, "the map of a step whose table lives is kept"
+            assert 29 in core.requests.outstanding, "the map of a step whose table lives is kept"
             # (stats() leaves empty tables out; the tables themselves go at heartbeats)
             await eventually(lambda: len(core.steps.tables) <= 1,
                              "finished steps' tables dropped at the next heartbeats")
-            assert len(core.outstanding) <= 1 and not core.requests
+            assert len(core.requests.outstanding) <= 1 and not core.requests.by_id
 
     run(main(), timeout=15)
 

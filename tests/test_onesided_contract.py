@@ -453,7 +453,7 @@ async def test_a_recv_driven_recv_of_a_pushed_key_stays_behind_its_pushes_when_e
             asked = asyncio.ensure_future(p.recv(k, mode="recv", timeout=10))
             await eventually(lambda: any(c.parked for c in w._peers[("ps", 0)].live_connections()),
                              "the request is parked at the producer")
-            (request,) = p._core.requests.values()
+            (request,) = p._core.requests.by_id.values()
             assert request.conn is ours
             await w.send(k, np.full(size // 4, 2, np.float32))    # answers the parked request
             await asyncio.sleep(0.2)   # room for an answer that would overtake to arrive
@@ -485,7 +485,7 @@ async def test_a_keys_requests_stay_on_one_connection_while_one_is_unanswered(
         assert producer.pushes_on is ours
         later = asyncio.ensure_future(p.recv_many([waiting, fresh], timeout=10))
         await eventually(lambda: parked() == 3, "the batch's requests are parked")
-        conns = {r.key: r.conn for r in p._core.requests.values() if r.key != k_text(waiting)}
+        conns = {r.key: r.conn for r in p._core.requests.by_id.values() if r.key != k_text(waiting)}
         assert conns == {k_text(fresh): ours}
         with _unread(p, theirs):
             for i in range(2):

@@ -81,5 +81,5 @@ class NodeCalls:
                 handle.cancel()
             if poll is not None:
                 poll.end()
-            if peer is not None and core.requests:  # (nothing to rebalance otherwise)
-                core.rebalance(step, text, table)
+            if peer is not None and core.requests.by_id:  # (nothing to rebalance otherwise)
+                core.requests.rebalance(step, text, table)

@@ -5,6 +5,7 @@ from rvz._fast.arrays cimport describe_c, nbytes_c
 from rvz._fast.keys cimport canonical_devices as canonical_devices_c
 from rvz._fast.holding cimport Holding
 from rvz._fast.peers cimport Peer, Request, Route
+from rvz._fast.requests cimport Requests
 from rvz._fast.steps cimport Steps
 from rvz._fast.table cimport Table, Waiter, check_timeout
 from rvz._fast.wire cimport Dispatcher, Wire
@@ -14,7 +15,6 @@ cdef str RECV, SEND
 # The engine's sizes, as C values: each message's accounting does arithmetic with them.
 cdef Py_ssize_t MESSAGE_COST
 cdef Py_ssize_t SWEEP_SLACK
-cdef Py_ssize_t CANCELLED_MAX
 cpdef Py_ssize_t nbytes_of(object value) except -1
 cdef unsigned long thread_ident()
 cdef tuple describe_value(object value)
@@ -48,15 +48,11 @@ cdef class Core(Dispatcher):
     cdef public Py_ssize_t push_window
     cdef public Holding holding
     cdef public Steps steps
+    cdef public Requests requests
     cdef public dict peers
     cdef public dict routes
     cdef public dict devices
-    cdef public dict requests
     cdef public dict queued_pushes
-    cdef public dict outstanding
-    cdef public dict cancelled
-    cdef public object cancel_order
-    cdef long long last_request_id
     cdef public Py_ssize_t max_parked
     cdef public Py_ssize_t waits_producer
     cdef public Py_ssize_t waits_consumer
@@ -106,46 +102,12 @@ cdef class Core(Dispatcher):
     cpdef tuple new_waiter(self, Table table, Route route, object peer, bint dial)
     cpdef bint must_ask(self, Peer peer, object mode) except -1
     cpdef str recv_mode(self, Peer peer, object mode)
-    @cython.locals(request=Request, keys=dict, key=str, request_id=object)
-    cpdef Request new_request(self, Peer peer, object step, Route route)
-    @cython.locals(keys=dict)
-    cpdef Py_ssize_t outstanding_count(self, object step, str key) except -1
-    @cython.locals(keys=dict)
-    cpdef drop_outstanding(self, object step)
-    @cython.locals(request=Request, conn=Wire)
-    cpdef request(self, Peer peer, object step, Route route)
-    @cython.locals(link=Wire)
-    cpdef bint send_asks(self, Peer peer, list requests, object conn=*) except -1
-    @cython.locals(held=object, kept=list)
-    cpdef hold_back(self, Peer peer, list requests)
-    @cython.locals(conn=Wire, go=list, room=Py_ssize_t, start=Py_ssize_t, i=Py_ssize_t,
-                   request=Request)
-    cpdef send_held_back(self, Peer peer)
-    @cython.locals(request=Request, other=Wire, rest=list)
-    cpdef send_on(self, Peer peer, Wire conn, list requests)
-    cpdef asked_no_more(self, Peer peer, object request_id)
-    @cython.locals(conn=Wire)
-    cpdef object request_link(self, Peer peer, object request=*)
-    @cython.locals(keys=dict, first=Request, earlier=Wire)
-    cpdef object key_link(self, Request request, object conn)
     @cython.locals(table=Table, route=Route)
     cpdef unblock(self, Peer peer)
     cpdef check_stuck(self, Peer peer)
     cpdef ask_stuck(self, Peer peer, object step, Route route, Table table)
-    @cython.locals(request=Request)
-    cpdef send_requests(self, Wire conn, list requests)
-    cpdef send_request(self, Wire conn, Request request)
-    cdef _sent_on(self, Wire conn, Request request)
-    @cython.locals(keys=dict)
-    cpdef forget_request(self, object request_id, object step, str key)
-    cdef _drop_key(self, object step, dict keys, str key)
     @cython.locals(keys=dict)
     cpdef Table drop_table(self, object step)
-    @cython.locals(keys=dict)
-    cpdef rebalance(self, object step, str key, Table table)
-    @cython.locals(cancelled=dict, order=object)
-    cpdef note_cancelled(self, Request request)
-    cpdef bint settled(self, object peer, object request_id)
     cpdef consumed(self, tuple src, object value)
     cpdef consumed_from(self, Peer peer, object value)
     cpdef unconsumed(self, tuple src, object value)

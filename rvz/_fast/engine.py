@@ -6,9 +6,10 @@ callbacks); the connections (``rvz._fast.wire.Wire``) feed it every frame of a r
 
 ``Core`` is the node's protocol state.  It holds the parts that own their state:
 ``Steps`` (``rvz._fast.steps``: each step's table, the dead steps), ``Holding``
-(``rvz._fast.holding``: held Recv-Driven values and their claims) and the ``Peer`` of
-each other node (``rvz._fast.peers``), and keeps what spans them: the route of each key,
-the requests we sent (Recv-Driven), the pushes and the credit of each peer (Send-Driven).
+(``rvz._fast.holding``: held Recv-Driven values and their claims), ``Requests``
+(``rvz._fast.requests``: the Recv-Driven requests we sent) and the ``Peer`` of each other
+node (``rvz._fast.peers``), and keeps what spans them: the route of each key, dispatch,
+the pushes and the credit of each peer (Send-Driven).
 **Where credit is counted**: ``Core.push`` / ``Core.pump`` spend it, ``Core.consumed``
 owes it back, ``Core.on_credit`` gets it back.
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 from asyncio import Future
 from asyncio.events import _get_running_loop
-from collections import deque
 from os import getpid
 from threading import get_ident
 from typing import Any
@@ -39,7 +39,8 @@ from ..errors import (
 from . import codec as _codec
 from . import keys as _keys
 from .holding import Holding
-from .peers import MESSAGE_COST, SWEEP_SLACK, Peer, Request, Route
+from .peers import MESSAGE_COST, SWEEP_SLACK, Peer, Route
+from .requests import Requests
 from .steps import Steps
 from .table import EMPTY, Batch, Table, Waiter, check_timeout, naming
 from .wire import Dispatcher, Wire
@@ -72,10 +73,6 @@ BYE = _codec.BYE
 PING = _codec.PING
 AUTH = _codec.AUTH
 
-# At most this many cancelled requests are remembered (``Core.cancelled``): one whose
-# producer never says what became of it (its connection closed first) goes at this cap,
-# oldest first.
-CANCELLED_MAX = 65536
 _ROUTE_CACHE_MAX = 1 << 16
 _DEVICES_MAX = 4096
 
@@ -189,20 +186,13 @@ class Core(Dispatcher):
         self.steps = Steps(max_steps, others)
         self.routes: dict = {}             # key text -> Route
         self.devices: dict = {}            # device name -> (job, task)
-        self.requests: dict = {}           # request id -> Request
         # The done future of every push in a peer's queue -> that peer: ``drop_push`` looks
         # for a push only there, and only if it is still queued (a burst of sends timing
         # out, whose pushes the pump had mostly dropped already, scanned every queue whole
         # for each of them).
         self.queued_pushes: dict = {}
-        self.outstanding: dict = {}        # step -> {key: request id, or a deque of them} (new_request)
-        # Requests we cancelled, to the peer asked: the producer may have answered before
-        # the CANCEL reached it, and such an answer is still one we asked for (not a push).
-        # Each is forgotten when its answer or its ERROR comes ("cancelled": it was parked
-        # and is dropped, no answer follows); ``cancel_order`` is their order, for the cap.
-        self.cancelled: dict = {}
-        self.cancel_order: deque = deque()
-        self.last_request_id = 0  # request ids start at 1: a frame with id 0 is a push
+        # the Recv-Driven requests we sent: outstanding, held back, cancelled
+        self.requests = Requests(self.steps, host)
         self.holding = Holding(hold_limit, lost_hold_limit, claim_timeout, self.steps.tables)
         self.max_parked = max_parked       # a peer's parked requests on one connection
         self.answer_backlog = answer_backlog  # unsent output beyond which answers wait
@@ -290,13 +280,13 @@ class Core(Dispatcher):
             raise ProtocolError(f"{peer.name} sent key {key}, which does not route from it to "
                                 f"{self.name}")
         if request_id:
-            request = self.requests.get(request_id)
+            request = self.requests.by_id.get(request_id)
             if request is not None:
                 if request.peer is not peer:
                     raise ProtocolError(f"{peer.name} answered request {request_id}, which "
                                         f"went to {request.peer.name}")
                 return
-            if self.cancelled.get(request_id) is peer:
+            if self.requests.cancelled.get(request_id) is peer:
                 return
         cost = nbytes + MESSAGE_COST  # not asked for: a push
         self.check_window(peer, cost)
@@ -635,7 +625,7 @@ class Core(Dispatcher):
         if self.must_ask(peer, mode):
             # The request leaves first, the waiter is made after: its answer can only come
             # once this task yields, and a round trip's latency runs from here to the write.
-            self.request(peer, step, route)
+            self.requests.request(peer, step, route)
             return self.new_waiter(table, route, peer, False)
         return self.new_waiter(table, route, peer, peer.unconnected())
 
@@ -662,165 +652,6 @@ class Core(Dispatcher):
             return RECV if self.mode is RECV or peer.mode is RECV else SEND
         return self._check_mode(mode)
 
-    def new_request(self, peer: Peer, step: Any, route: Route) -> Request:
-        self.last_request_id += 1  # (a C integer when compiled: no call to an iterator)
-        request_id = self.last_request_id
-        request = Request.__new__(Request)  # compiled: no argument tuple parsed by __init__
-        request.init(request_id, peer, step, route)
-        self.requests[request_id] = request
-        # ``outstanding``: per step, per key, a lone request's id as it is (the common case:
-        # one recv waiting on a key), a deque of ids, oldest first, once a second one is
-        # asked.  (Keyed by step, then key: no (step, key) tuple made and hashed for every
-        # request and answer, and a step's requests are dropped together.)
-        keys = self.outstanding.get(step)
-        if keys is None:
-            self.outstanding[step] = {route.text: request_id}
-            return request
-        key = route.text
-        pending = keys.get(key)
-        if pending is None:
-            keys[key] = request_id
-        elif type(pending) is deque:
-            pending.append(request_id)
-        else:
-            keys[key] = deque((pending, request_id))
-        return request
-
-    def outstanding_count(self, step: Any, key: str) -> int:
-        """How many requests we sent for ``key`` in ``step`` are not answered yet."""
-        keys = self.outstanding.get(step)
-        pending = None if keys is None else keys.get(key)
-        if pending is None:
-            return 0
-        return len(pending) if type(pending) is deque else 1
-
-    def drop_outstanding(self, step: Any) -> None:
-        """Forget every request of ``step`` (the step was aborted)."""
-        keys = self.outstanding.pop(step, None)
-        if keys is None:
-            return
-        for pending in keys.values():
-            for request_id in (pending if type(pending) is deque else (pending,)):
-                self.requests.pop(request_id, None)
-
-    def request(self, peer: Peer, step: Any, route: Route) -> None:
-        """Recv-Driven: ask ``peer`` for the next value of ``route``."""
-        request = self.new_request(peer, step, route)
-        conn = self.request_link(peer, request)
-        if conn is None or not conn.ready or conn.closed:
-            self.host.request_when_linked([request])
-        elif peer.held_back or len(peer.asking) >= peer.parks:
-            self.hold_back(peer, [request])  # it parks no more: sent as answers come
-        else:
-            self.send_request(conn, request)
-            conn.requests_queued()
-
-    def send_asks(self, peer: Peer, requests: list, conn: Any = None) -> bool:
-        """Send new requests of one step to ``peer`` (a ``recv_many``'s), on ``request_link``
-        (else on ``conn``, if given and ready): one frame for those that go on it.  Those
-        past what ``peer`` parks wait in ``held_back``.  False, sending nothing, when no
-        connection to ``peer`` is ready yet (the node sends them once it is linked)."""
-        link = self.request_link(peer)
-        if link is None or not link.ready or link.closed:
-            if conn is None or not conn.ready or conn.closed:
-                return False
-            link = conn
-        if peer.held_back or len(peer.asking) + len(requests) > peer.parks:
-            self.hold_back(peer, requests)
-        else:
-            self.send_on(peer, link, requests)
-        return True
-
-    def hold_back(self, peer: Peer, requests: list) -> None:
-        """Queue requests behind those already held back, then send what fits.
-
-        A held-back request that is cancelled (its recv timed out) stays in the queue until
-        its turn; a queue grown past twice its live requests is swept, so recvs that keep
-        timing out behind a producer that parks no more cannot grow it without bound."""
-        held = peer.held_back
-        held.extend(requests)
-        if len(held) > peer.held_back_mark:
-            live = self.requests
-            kept = [r for r in held if live.get(r.id) is r]
-            held.clear()
-            held.extend(kept)
-            peer.held_back_mark = max(SWEEP_SLACK, 2 * len(kept))
-        self.send_held_back(peer)
-
-    def send_held_back(self, peer: Peer) -> None:
-        """Answers or cancels made room among the requests ``peer`` parks: send the held-back
-        ones that fit (those cancelled or failed meanwhile are dropped).  Their order does
-        not matter: every request of a key asks for its next value, and the table hands
-        values to the key's recvs in the order they began."""
-        held = peer.held_back
-        conn = self.request_link(peer)
-        if conn is None or not conn.ready or conn.closed:
-            return  # the next link sends them (``Node._link_ready``)
-        requests = self.requests
-        go: list = []
-        room = peer.parks - len(peer.asking)
-        while held and len(go) < room:
-            request = held.popleft()
-            if requests.get(request.id) is request:
-                go.append(request)
-        # One REQUESTS frame per run of one step (send_requests takes one step at a time).
-        start = 0
-        for i in range(1, len(go) + 1):
-            if i == len(go) or go[i].step != go[start].step:
-                self.send_on(peer, conn, go[start:i])
-                start = i
-
-    def send_on(self, peer: Peer, conn: Wire, requests: list) -> None:
-        """Send requests of one step: on ``conn``, or where an earlier request of their key
-        went (``key_link``); one frame for those that go on ``conn``."""
-        if not requests:
-            return
-        rest = []
-        for request in requests:
-            other = self.key_link(request, conn)
-            if other is conn:
-                rest.append(request)
-            else:
-                self.send_request(other, request)
-                other.requests_queued()
-        if rest:
-            self.send_requests(conn, rest)
-
-    def request_link(self, peer: Peer, request: Any = None) -> Any:
-        """The connection our requests to ``peer`` go on: the one it pushes on (where its
-        last push or CREDIT 0 came), else our link; ``request``'s key keeps to ``key_link``.
-
-        The two differ when both nodes dialled at once, and each took its own connection as
-        its link.  A one-sided channel writes an answer on the request's connection (the
-        destination the consumer offered is there), and nothing orders the completions of
-        two channels.  So an answer on our link could overtake the key's pushes still unread
-        on the producer's: a stuck producer's answer is often the key's next push, taken out
-        of its queue (``unblock``), and a ``recv(mode="recv")`` of a key it pushes gets a
-        later value of that key.  On the connection of its pushes the answer queues behind
-        them.  (Over TCP the producer answers on its link anyway: ``answer``.)  Before one
-        of its pushes is read we do not know that connection: a request sent then may still
-        overtake the first pushes of a simultaneous dial."""
-        conn = peer.pushes_on
-        if conn is None or not conn.ready or conn.closed:
-            conn = peer.link
-        if request is not None:
-            conn = self.key_link(request, conn)
-        return conn
-
-    def key_link(self, request: Request, conn: Any) -> Any:
-        """``conn``, or the connection an earlier request of ``request``'s key, still not
-        answered, went on: a key's answers arrive in the order it asked only on one
-        connection, and ``request_link`` changes when the first push arrives on another."""
-        keys = self.outstanding.get(request.step)
-        pending = None if keys is None else keys.get(request.key)
-        if type(pending) is deque:
-            first = self.requests.get(pending[0])
-            if first is not None and first is not request:
-                earlier = first.conn
-                if earlier is not None and not earlier.closed:
-                    return earlier
-        return conn
-
     def unblock(self, peer: Peer) -> None:
         """``peer`` waits for credit and we have none to return: the whole window is values
         not taken yet.  Recvs waiting here for its other keys would wait forever behind them
@@ -846,128 +677,17 @@ class Core(Dispatcher):
 
     def ask_stuck(self, peer: Peer, step: Any, route: Route, table: Table) -> None:
         """Request one value of ``route`` for each waiter not yet covered by a request."""
-        missing = table.waiting(route.text) - self.outstanding_count(step, route.text)
+        missing = table.waiting(route.text) - self.requests.outstanding_count(step, route.text)
         for _ in range(missing):
-            self.request(peer, step, route)
-
-    def send_requests(self, conn: Wire, requests: list) -> None:
-        """Put requests (all of one step) on ``conn``: one frame for one, REQUESTS for many."""
-        if len(requests) == 1:
-            self.send_request(conn, requests[0])
-        else:
-            for request in requests:
-                self._sent_on(conn, request)
-            step = requests[0].step
-            entries = [(r.id, r.route.encoded) for r in requests]
-            for frame in encode_requests_split(step, entries):
-                conn.write_frame(frame)
-        conn.requests_queued()
-
-    def send_request(self, conn: Wire, request: Request) -> None:
-        """Put one request on ``conn`` (the caller then calls ``conn.requests_queued``)."""
-        self._sent_on(conn, request)
-        conn.write_request(request.step, request.id, request.route.encoded)
-
-    def _sent_on(self, conn: Wire, request: Request) -> None:
-        """``request`` goes out on ``conn``: a CANCEL must follow it there, and a one-sided
-        connection offers the destination of its answer first."""
-        request.conn = conn
-        request.peer.asking[request.id] = conn
-        if conn.dataplane is not None:
-            conn.dataplane.on_request(request.step, request.id, request.key)
-
-    def forget_request(self, request_id: Any, step: Any, key: str) -> None:
-        keys = self.outstanding.get(step)
-        if keys is None:
-            return
-        pending = keys.get(key)
-        if pending is None:
-            return
-        if type(pending) is not deque:
-            if pending == request_id:
-                self._drop_key(step, keys, key)
-            return
-        try:
-            pending.remove(request_id)
-        except ValueError:
-            pass
-        if not pending:
-            self._drop_key(step, keys, key)
-
-    def asked_no_more(self, peer: Peer, request_id: Any) -> None:
-        """``peer`` parks our request ``request_id`` no more (answered, failed or
-        cancelled): a held-back request may take its place."""
-        if peer.asking.pop(request_id, None) is not None and peer.held_back:
-            self.send_held_back(peer)
-
-    def _drop_key(self, step: Any, keys: dict, key: str) -> None:
-        """``key`` has no outstanding request left in ``step``.  The step's map stays while
-        its table does: a stream of recvs, each asking once, would otherwise make and free
-        a dict per request.  (``requests`` is empty when nothing is asked: ``Node.recv``
-        tests that.)"""
-        del keys[key]
-        if not keys and step not in self.steps.tables:
-            del self.outstanding[step]
+            self.requests.request(peer, step, route)
 
     def drop_table(self, step: Any) -> Table | None:
         """Forget ``step``'s table (empty, expired or aborted) and return it; its map of
         requests goes too when nothing is asked in it any more (else the last answer's
         ``_drop_key`` drops it)."""
         table = self.steps.drop(step)
-        keys = self.outstanding.get(step)
-        if keys is not None and not keys:
-            del self.outstanding[step]
+        self.requests.table_dropped(step)
         return table
-
-    def rebalance(self, step: Any, key: str, table: Table) -> None:
-        """Cancel requests that no local waiter needs any more (newest first)."""
-        keys = self.outstanding.get(step)
-        if keys is None:
-            return
-        pending = keys.get(key)
-        if pending is None:
-            return
-        if type(pending) is not deque:
-            pending = keys[key] = deque((pending,))  # (rare: one shape below)
-        # The waiters queued, not each asked whether it is done (``waiting``): that walked
-        # all of the key's waiters at every recv, n recvs of one key cost n * n.  A waiter
-        # done and still queued is a recv cancelled whose task has not run yet: it takes its
-        # waiter out, then rebalances itself.
-        surplus = len(pending) - (table.queued_waiters(key) if not table.aborted else 0)
-        while surplus > 0 and pending:
-            request = self.requests.pop(pending.pop(), None)
-            surplus -= 1
-            if request is not None:
-                conn = request.conn
-                if conn is not None and not conn.closed:
-                    conn.write_frame(encode_cancel(request.id))
-                    self.asked_no_more(request.peer, request.id)
-                    self.note_cancelled(request)
-        if not pending:
-            self._drop_key(step, keys, key)
-        elif len(pending) == 1:
-            keys[key] = pending[0]
-
-    def note_cancelled(self, request: Request) -> None:
-        """Remember ``request``, just cancelled, until its producer answers it or says it
-        dropped it (``settled``).  The order of ids is swept of settled ones once it is
-        twice as long as what is remembered (amortized O(1) a cancel)."""
-        cancelled = self.cancelled
-        order = self.cancel_order
-        cancelled[request.id] = request.peer
-        order.append(request.id)
-        if len(order) > 2 * len(cancelled) + SWEEP_SLACK:
-            self.cancel_order = order = deque([i for i in order if i in cancelled])
-        if len(order) > CANCELLED_MAX:
-            cancelled.pop(order.popleft(), None)
-
-    def settled(self, peer: Any, request_id: Any) -> bool:
-        """``peer`` answered, or said it dropped, request ``request_id`` that we cancelled:
-        forget it.  False if it is not one of ours that we cancelled and asked ``peer``."""
-        if self.cancelled.get(request_id) is not peer:
-            return False
-        del self.cancelled[request_id]
-        return True
 
     def consumed(self, src: tuple, value: Any) -> None:
         """A value from ``src`` left our table: grant that producer the space again."""
@@ -1097,9 +817,9 @@ class Core(Dispatcher):
             if ask:
                 requests = asks.get(peer)
                 if requests is None:
-                    asks[peer] = [self.new_request(peer, step, route)]
+                    asks[peer] = [self.requests.new_request(peer, step, route)]
                 else:
-                    requests.append(self.new_request(peer, step, route))
+                    requests.append(self.requests.new_request(peer, step, route))
         return asks, dial
 
     def take_many(self, routes: list, step: Any) -> Any:
@@ -1205,20 +925,20 @@ class Core(Dispatcher):
         asked = False
         route = None
         if request_id:
-            request = self.requests.get(request_id)
+            request = self.requests.by_id.get(request_id)
             if request is not None and request.peer is not peer:
                 # Only the producer asked may answer: another peer's "answer" would take
                 # the request from it and bypass the push window.
                 raise ProtocolError(f"{peer.name} answered request {request_id}, which went "
                                     f"to {request.peer.name}")
-            self.asked_no_more(peer, request_id)
+            self.requests.asked_no_more(peer, request_id)
             if request is not None:
-                del self.requests[request_id]
+                del self.requests.by_id[request_id]
                 asked = True
-                self.forget_request(request_id, step, key)
+                self.requests.forget_request(request_id, step, key)
                 if request.key == key:
                     route = request.route  # checked when it was asked for
-            elif self.settled(peer, request_id):
+            elif self.requests.settled(peer, request_id):
                 asked = True
         if route is None:
             route = self.arriving_route(peer, key)
@@ -1474,8 +1194,7 @@ class Core(Dispatcher):
         peer.rx_above.clear()
         peer.acked_sent = 0
         # Requests we cancelled on an old process are never settled by the new one.
-        if self.cancelled:
-            self.cancelled = {i: p for i, p in self.cancelled.items() if p is not peer}
+        self.requests.forget_cancelled_of(peer)
 
     def identified(self, conn: Wire, task_id: tuple) -> Peer:
         """``conn``, accepted here, is from ``task_id`` (its HELLO says so): it is bound to
@@ -1516,18 +1235,17 @@ class Core(Dispatcher):
         connection to the same process is up.  The old ids count as cancelled, so an
         answer to one sent again after the reconnect is still taken as an answer; a key
         may then get a value more than its recvs asked for, which waits for the next one."""
-        again = [r for r in self.requests.values() if r.conn is conn]
+        again = [r for r in self.requests.by_id.values() if r.conn is conn]
         keys: dict = {}
         for request in again:
-            del self.requests[request.id]
-            self.forget_request(request.id, request.step, request.key)
-            self.note_cancelled(request)
+            self.requests.drop(request.id)
+            self.requests.note_cancelled(request)
             keys[(request.step, request.key)] = request
         for (step, key), request in keys.items():
             table = self.steps.tables.get(step)
             if table is not None:
-                for _ in range(table.waiting(key) - self.outstanding_count(step, key)):
-                    self.request(request.peer, step, request.route)
+                for _ in range(table.waiting(key) - self.requests.outstanding_count(step, key)):
+                    self.requests.request(request.peer, step, request.route)
 
     def on_cancel(self, conn: Wire, request_id: Any) -> None:
         parked = conn.parked.pop(request_id, None)

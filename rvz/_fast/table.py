@@ -289,7 +289,7 @@ class Table:
             del self._waiters[key]
             return True
         # The newest is looked at first: a consumer cancels its newest requests first
-        # (``Core.rebalance``), and a search from the oldest walked all of the key's waiters.
+        # (``Requests.rebalance``), and a search from the oldest walked all of the key's waiters.
         # (``len - 1``: the compiled module takes no negative index.)
         if waiters[len(waiters) - 1] is waiter:
             waiters.pop()
