@@ -82,7 +82,7 @@ async def main() -> None:
             peer.credit = 64 << 20
         if i & 63 == 63:
             wire.flush()
-            producer.on_ack(wire, peer.tx_seq)  # the consumer's ACK, with its credit
+            producer.credit.on_ack(wire, peer.tx_seq)  # the consumer's ACK, with its credit
     print(f"send (push, 64 B):       {(time.perf_counter() - t) / n * 1e9:6.0f} ns/message")
 
     frames = bytearray()
@@ -122,7 +122,7 @@ async def main() -> None:
         producer.send_many(items, None, 0, 0)
         peer.credit = 64 << 20
         wire.flush()
-        producer.on_ack(wire, peer.tx_seq)
+        producer.credit.on_ack(wire, peer.tx_seq)
     print(f"send_many (64 x 64 B):   {(time.perf_counter() - t) / (rounds * 64) * 1e9:6.0f} ns/message")
     frame = codec.encode_data_many(0, [(k.encode(), value) for k in KEYS])
     routes = consumer.check_routes(KEYS, False)

@@ -18,7 +18,7 @@ import sys
 from types import ModuleType, SimpleNamespace
 
 MODULES = ("arrays", "keys", "table", "codec", "recvpool", "peers", "steps", "holding", "wire",
-           "requests", "engine", "calls")
+           "requests", "credit", "engine", "calls")
 _PACKAGE = "rvz._fast"
 
 
@@ -93,6 +93,7 @@ holding = active.holding
 steps = active.steps
 wire = active.wire
 requests = active.requests
+credit = active.credit
 engine = active.engine
 calls = active.calls
 

@@ -217,7 +217,7 @@ class Links:
         link = peer.link
         if link is not None and link.ready and not link.closed:
             if conn.tx_next:
-                core.resend(peer, link)
+                core.credit.resend(peer, link)
             return
         for other in peer.live_connections():
             if other.ready:
@@ -363,7 +363,7 @@ class Links:
         self._core.link(peer, conn)
         if peer.queue:
             assert self._loop is not None
-            self._loop.call_soon(self._core.pump, peer)
+            self._loop.call_soon(self._core.credit.pump, peer)
         if peer.held_back:
             self._core.requests.send_held_back(peer)
 
@@ -416,7 +416,7 @@ class Links:
         """Fail the pushes waiting in ``peer``'s queue (only ``step``'s, if given); the
         rest keep their order and are pumped again."""
         queue = peer.take_queue()
-        queued = self._core.queued_pushes
+        queued = self._core.credit.queued_pushes
         for item in queue:
             done, route = item[0], item[2]
             if step is not None and item[1] != step:
@@ -426,4 +426,4 @@ class Links:
             if not done.done():
                 done.set_exception(error(route.text))
         if step is not None and peer.queue and len(peer.queue) < len(queue):
-            self._core.pump(peer)  # the one that waited for credit may have been failed
+            self._core.credit.pump(peer)  # the one that waited for credit may have been failed

@@ -666,7 +666,7 @@ class Node(_NodeCalls, Links):
             self._server.close()
         for conn in list(self._conns):
             if not conn.closed and conn.ready:
-                core.flush_credit_now(conn.peer)
+                core.credit.flush_credit_now(conn.peer)
         # BYE on every open connection, those still in their handshake too.  Ours is not
         # complete until we read the peer's HELLO, but the peer completes its own when it
         # reads ours (sent at connection_made), and from then on it takes an end without BYE
@@ -850,7 +850,7 @@ class Node(_NodeCalls, Links):
             # Left in the queue behind a push that still waits (a send without a timeout,
             # say), each abandoned push would keep its value there until that one went:
             # a producer retrying on a timeout grew the queue by one value a try.
-            dropped = self._core.drop_push(done) if done.cancelled() else None
+            dropped = self._core.credit.drop_push(done) if done.cancelled() else None
             if not isinstance(exc, asyncio.TimeoutError):
                 raise
             what = (f"send of {dropped[1][2].text} to {dropped[0].name}"
@@ -1003,7 +1003,7 @@ class Node(_NodeCalls, Links):
         self._sweep_steps(now)
         for peer in self._core.peers.values():
             if peer.owed > 0:  # a batch below a quarter window still goes back when idle
-                self._core.flush_credit_now(peer)
+                self._core.credit.flush_credit_now(peer)
         self._repeats.flush()
         self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
 
@@ -1114,7 +1114,7 @@ class Node(_NodeCalls, Links):
         dones = []
         for _ in range(count):
             value, code, shape, nbytes = _codec.describe(table.take(route.text))
-            done = core.queue_push(route.peer, step, route, value, code, shape, nbytes)
+            done = core.credit.queue_push(core.future(), route.peer, step, route, value, code, shape, nbytes)
             # It counts against hold_limit until it leaves the queue (written, taken by a
             # request, or failed).  Released here, a consumer that took none of them let the
             # sends behind hold hold_limit again every claim_timeout: the queue grew
@@ -1172,7 +1172,7 @@ class Node(_NodeCalls, Links):
         if peer.incarnation != incarnation:
             self._replace_incarnation(peer, conn, incarnation, window)
         else:
-            self._core.resync(peer, conn, window)
+            self._core.credit.resync(peer, conn, window)
         self._core.accepted(peer, conn, incarnation, hello.parks, hello.mode)
         if peer.link is None or peer.link.closed:
             # The first ready connection either side dialled carries our traffic: a push
@@ -1263,7 +1263,7 @@ class Node(_NodeCalls, Links):
         if request_id == 0 and fields.get("code") == "protocol":
             # It closes this connection for something we sent: not a broken link.  What it
             # did not acknowledge is not sent again (it would be refused again).
-            core.drop_unacked(conn.peer)
+            core.credit.drop_unacked(conn.peer)
             conn.close_because(ProtocolError(f"{self._peer_name(conn)} closed the connection: "
                                              f"{str(fields.get('msg', ''))[:500]}"))
             return

@@ -3,6 +3,7 @@ from cpython.object cimport PyObject_Call
 from cpython.pythread cimport PyThread_get_thread_ident
 from rvz._fast.arrays cimport describe_c, nbytes_c
 from rvz._fast.keys cimport canonical_devices as canonical_devices_c
+from rvz._fast.credit cimport Credit
 from rvz._fast.holding cimport Holding
 from rvz._fast.peers cimport Peer, Request, Route
 from rvz._fast.requests cimport Requests
@@ -14,7 +15,6 @@ cdef bint COMPILED
 cdef str RECV, SEND
 # The engine's sizes, as C values: each message's accounting does arithmetic with them.
 cdef Py_ssize_t MESSAGE_COST
-cdef Py_ssize_t SWEEP_SLACK
 cpdef Py_ssize_t nbytes_of(object value) except -1
 cdef unsigned long thread_ident()
 cdef tuple describe_value(object value)
@@ -49,10 +49,10 @@ cdef class Core(Dispatcher):
     cdef public Holding holding
     cdef public Steps steps
     cdef public Requests requests
+    cdef public Credit credit
     cdef public dict peers
     cdef public dict routes
     cdef public dict devices
-    cdef public dict queued_pushes
     cdef public Py_ssize_t max_parked
     cdef public Py_ssize_t waits_producer
     cdef public Py_ssize_t waits_consumer
@@ -66,8 +66,6 @@ cdef class Core(Dispatcher):
     @cython.locals(route=Route, peer=Peer)
     cpdef admit(self, Wire conn, object step, object request_id, str key, object nbytes)
     cpdef arrived(self, Wire conn)
-    @cython.locals(before=Py_ssize_t)
-    cpdef check_window(self, Peer peer, object cost)
     cpdef attach(self, object loop, unsigned long thread)
     cpdef object future(self)
     cpdef str _check_mode(self, object mode)
@@ -80,18 +78,8 @@ cdef class Core(Dispatcher):
     cpdef bint asked_and_read(self, Table table, Route route) except -1
     @cython.locals(holding=Holding)
     cpdef hold(self, Table table, object step, Route route, object value, Py_ssize_t nbytes)
-    @cython.locals(conn=Wire)
-    cdef Wire open_link(self, Peer peer)
-    cpdef Wire push_link(self, Peer peer, Py_ssize_t nbytes)
-    @cython.locals(conn=Wire, cost=Py_ssize_t)
     cpdef object push(self, Peer peer, object step, Route route, object value, int code,
                       tuple shape, Py_ssize_t nbytes)
-    cpdef object queue_push(self, Peer peer, object step, Route route, object value, int code,
-                            tuple shape, Py_ssize_t nbytes)
-    @cython.locals(peer=Peer, i=Py_ssize_t)
-    cpdef object drop_push(self, object done)
-    @cython.locals(conn=Wire)
-    cpdef pump(self, Peer peer)
     @cython.locals(peer=Peer, link=Wire, code=int, shape=tuple, nbytes=Py_ssize_t)
     cpdef answer(self, Wire conn, object step, object request_id, Route route, object value)
     cpdef answer_deferred(self, Wire conn)
@@ -109,10 +97,7 @@ cdef class Core(Dispatcher):
     @cython.locals(keys=dict)
     cpdef Table drop_table(self, object step)
     cpdef consumed(self, tuple src, object value)
-    cpdef consumed_from(self, Peer peer, object value)
     cpdef unconsumed(self, tuple src, object value)
-    cpdef flush_credit(self, Peer peer)
-    cpdef flush_credit_now(self, object peer)
     @cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, pushing=bint, item=tuple)
     cpdef object send_many(self, list items, object mode, object step, Py_ssize_t start)
     @cython.locals(route=Route, peer=Peer, conn=Wire, table=Table, n=Py_ssize_t,
@@ -136,17 +121,7 @@ cdef class Core(Dispatcher):
     @cython.locals(route=Route, table=Table, peer=Peer, waiter=RemoteWaiter, held=bint, reused=bint)
     cpdef on_request(self, Wire conn, object step, object request_id, str key)
     cdef check_backlog(self, Wire conn, Peer peer)
-    @cython.locals(i=Py_ssize_t, item=tuple)
-    cpdef object unqueue_push(self, Peer peer, object step, str text)
     cpdef on_credit(self, Wire conn, object nbytes)
-    @cython.locals(floor=Py_ssize_t, above=set)
-    cpdef bint fresh(self, Peer peer, Py_ssize_t seq) except -1
-    @cython.locals(peer=Peer, head=Py_ssize_t, unacked=list)
-    cpdef on_ack(self, Wire conn, object seq)
-    @cython.locals(kept=Py_ssize_t)
-    cpdef resend(self, Peer peer, Wire conn)
-    cpdef resync(self, Peer peer, Wire conn, Py_ssize_t window)
-    cpdef drop_unacked(self, Peer peer)
     cpdef new_incarnation(self, Peer peer, Py_ssize_t window)
     cpdef Peer identified(self, Wire conn, tuple task_id)
     cpdef accepted(self, Peer peer, Wire conn, object incarnation, Py_ssize_t parks, str mode)

@@ -7,11 +7,10 @@ callbacks); the connections (``rvz._fast.wire.Wire``) feed it every frame of a r
 ``Core`` is the node's protocol state.  It holds the parts that own their state:
 ``Steps`` (``rvz._fast.steps``: each step's table, the dead steps), ``Holding``
 (``rvz._fast.holding``: held Recv-Driven values and their claims), ``Requests``
-(``rvz._fast.requests``: the Recv-Driven requests we sent) and the ``Peer`` of each other
-node (``rvz._fast.peers``), and keeps what spans them: the route of each key, dispatch,
-the pushes and the credit of each peer (Send-Driven).
-**Where credit is counted**: ``Core.push`` / ``Core.pump`` spend it, ``Core.consumed``
-owes it back, ``Core.on_credit`` gets it back.
+(``rvz._fast.requests``: the Recv-Driven requests we sent), ``Credit``
+(``rvz._fast.credit``: the push window both ways, the pushes waiting for it, the numbering
+of values) and the ``Peer`` of each other node (``rvz._fast.peers``), and keeps what spans
+them: the route of each key, the send and recv entry points, answers, and dispatch.
 
 Everything that dials, times out or spans several peers (connections, heartbeats, steps,
 close) stays in ``rvz.node.Node``; this module calls up into it only through the methods
@@ -38,8 +37,9 @@ from ..errors import (
 )
 from . import codec as _codec
 from . import keys as _keys
+from .credit import Credit
 from .holding import Holding
-from .peers import MESSAGE_COST, SWEEP_SLACK, Peer, Route
+from .peers import MESSAGE_COST, Peer, Route
 from .requests import Requests
 from .steps import Steps
 from .table import EMPTY, Batch, Table, Waiter, check_timeout, naming
@@ -53,8 +53,6 @@ except ImportError:  # pure Python without Cython installed
 
 describe = _codec.describe
 encode_requests_split = _codec.encode_requests_split
-encode_credit = _codec.encode_credit
-encode_ack = _codec.encode_ack
 encode_cancel = _codec.encode_cancel
 encode_error = _codec.encode_error
 DATA = _codec.DATA
@@ -176,7 +174,6 @@ class Core(Dispatcher):
         self.id = task_id
         self.name = name
         self.mode = canonical_mode(mode)
-        self.attach(loop, 0)
         self.running = False               # sends and recvs accepted
         self.closed = False                # nothing is served any more
         self.push_window = push_window
@@ -186,18 +183,16 @@ class Core(Dispatcher):
         self.steps = Steps(max_steps, others)
         self.routes: dict = {}             # key text -> Route
         self.devices: dict = {}            # device name -> (job, task)
-        # The done future of every push in a peer's queue -> that peer: ``drop_push`` looks
-        # for a push only there, and only if it is still queued (a burst of sends timing
-        # out, whose pushes the pump had mostly dropped already, scanned every queue whole
-        # for each of them).
-        self.queued_pushes: dict = {}
         # the Recv-Driven requests we sent: outstanding, held back, cancelled
         self.requests = Requests(self.steps, host)
+        # the push window both ways: pushes spend it, what our recvs take returns it
+        self.credit = Credit(self.peers, host)
         self.holding = Holding(hold_limit, lost_hold_limit, claim_timeout, self.steps.tables)
         self.max_parked = max_parked       # a peer's parked requests on one connection
         self.answer_backlog = answer_backlog  # unsent output beyond which answers wait
         self.waits_producer = 0            # how often a send had to wait (window, hold limit)
         self.waits_consumer = 0            # how often a recv had to wait for its value
+        self.attach(loop, 0)
 
     # -- keys and tables ----------------------------------------------------------------
 
@@ -289,41 +284,18 @@ class Core(Dispatcher):
             if self.requests.cancelled.get(request_id) is peer:
                 return
         cost = nbytes + MESSAGE_COST  # not asked for: a push
-        self.check_window(peer, cost)
+        self.credit.check_window(peer, cost)
         peer.arriving += cost
         conn.arriving = cost
 
     def arrived(self, conn: Wire) -> None:
-        """The push ``conn`` admitted has arrived, or never will (the connection closed):
-        what it reserved of its peer's window is free again."""
-        cost = conn.arriving
-        if cost != 0:
-            conn.arriving = 0
-            conn.peer.arriving -= cost
-
-    def check_window(self, peer: Peer, cost: Any) -> None:
-        """A push of ``cost`` arrives: refuse a producer that ignores the window we granted.
-
-        The producer may push while its credit covers the message, or one message of any
-        size when it has nothing unreturned.  What it cannot know when it reconnects (what
-        we still had not credited) is allowed for: the limit is twice the window.  Answers
-        to our requests do not count: they need no credit, and on a one-sided connection
-        one sent after a push may arrive before it (the push waiting for slots, the answer
-        written straight into its destination), so the producer had not counted it when
-        it pushed.  ``answered`` holds their bytes until that much credit went back (an
-        upper bound on what of ``unreturned`` was pushed: the limit never tightens).
-        Pushes still arriving on any of its connections (``arriving``) count as well: a
-        producer that starts large pushes on several connections at once gets one.
-        """
-        before = peer.unreturned - peer.answered + peer.arriving
-        # (``cost`` alone stays a Python int: from a frame's header it may exceed any C type)
-        if before > 0 and cost > 2 * peer.window - before:
-            raise ProtocolError(f"{peer.name} pushed beyond the push window: {before} bytes "
-                                f"unreturned, {cost} more, window {peer.window}")
+        """The push ``conn`` admitted has arrived, or never will (``Credit.arrived``)."""
+        self.credit.arrived(conn)
 
     def attach(self, loop: Any, thread: int) -> None:
         """The event loop the node runs on, and the thread that runs it (Node.start's)."""
         self.loop = loop
+        self.credit.attach(loop)
         self.loop_thread = thread
         self.pid = getpid()  # a forked child's copy of the node says it is not its own
         self.loop_running: Any = None if loop is None else loop.is_running  # bound once
@@ -447,99 +419,13 @@ class Core(Dispatcher):
 
     def push(self, peer: Peer, step: Any, route: Route, value: Any, code: int, shape: tuple,
              nbytes: int) -> Any:
-        """Send-Driven: write the value to its consumer now if the link, its credit and the
-        socket allow (returns None), else queue it behind earlier pushes (returns a future)."""
-        conn = self.push_link(peer, nbytes)
-        if conn is not None:
-            peer.credit -= nbytes + MESSAGE_COST
-            conn.write_value(step, 0, route.encoded, value, code, shape, nbytes)
+        """Send-Driven: write the value now (returns None), else queue it behind earlier
+        pushes (returns the future its write completes)."""
+        if self.credit.push(peer, step, route, value, code, shape, nbytes):
             return None
         self.waits_producer += 1
-        return self.queue_push(peer, step, route, value, code, shape, nbytes)
-
-    def push_link(self, peer: Peer, nbytes: int) -> Any:
-        """The link a push of ``nbytes`` is written to at once (``open_link``, and the
-        credit allows it; a value larger than the whole window goes when all of it is
-        back), else None: the push would wait in the peer's queue."""
-        conn = self.open_link(peer)
-        cost = nbytes + MESSAGE_COST
-        if conn is not None and (peer.credit >= cost or peer.credit >= peer.window):
-            return conn
-        return None
-
-    def open_link(self, peer: Peer) -> Any:
-        """The link a push to ``peer`` may be written to now (handshake done, open, not
-        paused, no earlier push queued before it), else None."""
-        conn = peer.link
-        if (conn is not None and not peer.queue and conn.ready and not conn.closed
-                and not conn.paused and not conn.closed_here):
-            return conn
-        return None
-
-    def queue_push(self, peer: Peer, step: Any, route: Route, value: Any, code: int,
-                   shape: tuple, nbytes: int) -> Any:
-        done = self.future()
-        peer.queue.append((done, step, route, value, code, shape, nbytes))
-        self.queued_pushes[done] = peer
-        self.pump(peer)
-        return done
-
-    def drop_push(self, done: Any) -> Any:
-        """Take the queued push behind ``done``, which its send gave up (timed out or was
-        cancelled), out of its peer's queue; returns ``(peer, item)``, or None when it is
-        not queued (any more).  Done pushes are otherwise dropped only when they reach the
-        queue's head.  One that was at the head may have held back the ones behind it
-        (waiting for credit it alone needed): they are pumped."""
-        peer = self.queued_pushes.pop(done, None)
-        if peer is None:
-            return None
-        queue = peer.queue
-        i = 0
-        for item in queue:
-            if item[0] is done:
-                del queue[i]
-                if i == 0 and queue:
-                    self.pump(peer)
-                return (peer, item)
-            i += 1
-        return None
-
-    def pump(self, peer: Peer) -> None:
-        """Write queued pushes while the link, credit and socket allow; else arrange a wake-up."""
-        queue = peer.queue
-        while queue:
-            item = queue[0]
-            done = item[0]
-            if done.done():  # cancelled or timed out before it went out
-                queue.popleft()
-                self.queued_pushes.pop(done, None)
-                continue
-            conn = peer.link
-            if conn is not None and conn.closed_here:
-                return  # we said BYE on it, so nothing may follow: close() fails what is left
-            if conn is None or conn.closed or not conn.ready:
-                self.host.start_link(peer)  # the node pumps again once linked
-                return
-            if conn.paused:
-                conn.on_resume = self.pump_later  # resume_writing pumps again
-                return
-            nbytes = item[6]
-            cost = nbytes + MESSAGE_COST
-            if not (peer.credit >= cost or peer.credit >= peer.window):
-                if not peer.asked:  # the consumer may be holding back a batch: ask for it
-                    peer.asked = True
-                    conn.write_frame(encode_credit(0))
-                return  # on_credit pumps again
-            queue.popleft()
-            self.queued_pushes.pop(done, None)
-            peer.credit -= cost
-            route = item[2]
-            conn.write_value(item[1], 0, route.encoded, item[3], item[4], item[5], nbytes)
-            done.set_result(None)
-
-    def pump_later(self, conn: Any) -> None:
-        if conn.peer is not None:
-            self.pump(conn.peer)
+        return self.credit.queue_push(self.future(), peer, step, route, value, code, shape,
+                                      nbytes)
 
     def answer(self, conn: Wire, step: Any, request_id: Any, route: Route, value: Any) -> None:
         """Send ``value`` as the answer to a Recv-Driven request.
@@ -617,7 +503,7 @@ class Core(Dispatcher):
         peer = route.peer
         if value is not EMPTY:
             if peer is not None:
-                self.consumed_from(peer, value)
+                self.credit.consumed_from(peer, nbytes_of(value))
             return value
         if peer is None:
             return self.new_waiter(table, route, None, False)
@@ -689,49 +575,6 @@ class Core(Dispatcher):
         self.requests.table_dropped(step)
         return table
 
-    def consumed(self, src: tuple, value: Any) -> None:
-        """A value from ``src`` left our table: grant that producer the space again."""
-        peer = self.peers.get(src)
-        if peer is not None:
-            self.consumed_from(peer, value)
-
-    def consumed_from(self, peer: Peer, value: Any) -> None:
-        peer.owed += nbytes_of(value) + MESSAGE_COST
-        # Credit goes back in batches of a quarter window (one frame per many messages),
-        # or at once when the producer said it is waiting for it.
-        if (peer.owe_now or peer.owed >= peer.window >> 2) and not peer.owed_scheduled:
-            peer.owed_scheduled = True
-            self.loop.call_soon(self.flush_credit, peer)
-
-    def unconsumed(self, src: tuple, value: Any) -> None:
-        """A value we counted as consumed went back to its queue (a cancelled recv)."""
-        peer = self.peers.get(src)
-        if peer is not None:
-            peer.owed -= nbytes_of(value) + MESSAGE_COST
-
-    def flush_credit(self, peer: Peer) -> None:
-        peer.owed_scheduled = False
-        self.flush_credit_now(peer)
-
-    def flush_credit_now(self, peer: Any) -> None:
-        if peer is None or peer.owed <= 0:
-            return
-        conns = peer.live_connections()
-        if conns:
-            peer.owe_now = False
-            peer.stuck = False
-            peer.credited += peer.owed
-            if conns[0].dataplane is not None:  # one-sided: with the data, one wake-up less
-                conns[0].dataplane.send_credit(peer.credited)
-            else:
-                conns[0].write_frame(encode_credit(peer.credited))
-            if peer.rx_floor != peer.acked_sent:
-                peer.acked_sent = peer.rx_floor
-                conns[0].write_frame(encode_ack(peer.rx_floor))
-            peer.unreturned -= peer.owed
-            peer.answered = peer.answered - peer.owed if peer.answered > peer.owed else 0
-            peer.owed = 0
-
     # -- batches ------------------------------------------------------------------------
 
     def send_many(self, items: list, mode: Any, step: Any, start: int) -> Any:
@@ -764,7 +607,7 @@ class Core(Dispatcher):
         peer = route.peer
         if peer is None:
             return start
-        conn = self.open_link(peer)
+        conn = self.credit.open_link(peer)
         if conn is None:
             return start
         table = self.steps.table(step)
@@ -839,7 +682,7 @@ class Core(Dispatcher):
                 values[i] = value
                 stamps[i] = table.took
                 if route.peer is not None:
-                    self.consumed_from(route.peer, value)
+                    self.credit.consumed_from(route.peer, nbytes_of(value))
         if not missing:
             return values
         self.waits_consumer += 1
@@ -867,7 +710,7 @@ class Core(Dispatcher):
                 elif kind == SEQ:
                     conn.rx_seq = event[1]
                 elif kind == ACK:
-                    self.on_ack(conn, event[1])
+                    self.credit.on_ack(conn, event[1])
                 elif kind == CANCEL:
                     self.on_cancel(conn, event[1])
                 elif kind == PING:
@@ -920,7 +763,7 @@ class Core(Dispatcher):
         if conn.rx_seq != 0:
             seq = conn.rx_seq
             conn.rx_seq = seq + 1
-            if not self.fresh(peer, seq):
+            if not self.credit.fresh(peer, seq):
                 return  # sent again after a reconnect: we have it
         asked = False
         route = None
@@ -946,16 +789,16 @@ class Core(Dispatcher):
         if asked:
             peer.answered += cost
         else:
-            self.check_window(peer, cost)
+            self.credit.check_window(peer, cost)
             peer.pushes_on = conn  # (``request_link``)
         peer.unreturned += cost
         table = self.steps.remote_table(step, conn.peer)
         if table is None:
-            self.consumed_from(peer, value)  # dropped: the step is gone
+            self.credit.consumed_from(peer, nbytes_of(value))  # dropped: the step is gone
             return
         self.steps.joined(step, peer)
         if table.put(route.text, value):
-            self.consumed_from(peer, value)
+            self.credit.consumed_from(peer, nbytes_of(value))
         elif peer.owe_now:  # it waits for credit, and this value was not taken
             self.check_stuck(peer)
 
@@ -975,7 +818,7 @@ class Core(Dispatcher):
             if seq == peer.rx_floor + 1 and not peer.rx_above:
                 peer.rx_floor = seq + n - 1  # in order, as nearly always
             else:
-                fresh = [i for i in range(n) if self.fresh(peer, seq + i)]
+                fresh = [i for i in range(n) if self.credit.fresh(peer, seq + i)]
                 if len(fresh) < n:  # sent again after a reconnect: drop what we have
                     keys = [keys[i] for i in fresh]
                     values = [values[i] for i in fresh]
@@ -986,19 +829,19 @@ class Core(Dispatcher):
         cost = 0
         for i in range(n):
             cost += nbytes_of(values[i]) + MESSAGE_COST
-        self.check_window(peer, cost)
+        self.credit.check_window(peer, cost)
         peer.unreturned += cost
         peer.pushes_on = conn  # (``request_link``)
         table = self.steps.remote_table(step, conn.peer)
         if table is None:  # dropped: the step is gone
             for i in range(n):
-                self.consumed_from(peer, values[i])
+                self.credit.consumed_from(peer, nbytes_of(values[i]))
             return
         self.steps.joined(step, peer)
         for i in range(n):
             route = routes[i]
             if table.put(route.text, values[i]):
-                self.consumed_from(peer, values[i])
+                self.credit.consumed_from(peer, nbytes_of(values[i]))
         if peer.owe_now:  # it waits for credit: were these values taken?
             self.check_stuck(peer)
 
@@ -1038,7 +881,7 @@ class Core(Dispatcher):
         # first (``Node._push_unclaimed``; close() too), and a Send-Driven consumer asks for
         # its pushes when the window is full of other keys' values (``unblock``).  That push
         # answers; a held value answered first would reach the consumer before it.
-        value = self.unqueue_push(peer, step, route.text) if peer.queue else EMPTY
+        value = self.credit.unqueue_push(peer, step, route.text) if peer.queue else EMPTY
         held = value is EMPTY
         if held:
             waiter = RemoteWaiter.__new__(RemoteWaiter)  # compiled: a C call, no argument tuple
@@ -1077,105 +920,24 @@ class Core(Dispatcher):
         if conn.backlog() > self.answer_backlog:
             raise ProtocolError(f"{peer.name} sends requests and does not read the replies")
 
-    def unqueue_push(self, peer: Peer, step: Any, text: str) -> Any:
-        """Take the oldest push of key ``text`` out of ``peer``'s queue (its ``send``
-        completes), or return ``EMPTY``.  Pushes of that key ahead of it are already on the
-        wire, so the consumer still sees the key's values in order: over TCP the answer goes
-        on our link, and on a one-sided channel the request came on it, where the consumer
-        read our pushes or our CREDIT 0 (``request_link``)."""
-        queue = peer.queue
-        i = 0
-        for item in queue:
-            if item[1] == step and item[2].text == text and not item[0].done():
-                del queue[i]
-                self.queued_pushes.pop(item[0], None)
-                item[0].set_result(None)
-                return item[3]
-            i += 1
-        return EMPTY
+    def consumed(self, src: tuple, value: Any) -> None:
+        """A value from ``src`` left our table: grant that producer the space again."""
+        peer = self.peers.get(src)
+        if peer is not None:
+            self.credit.consumed_from(peer, nbytes_of(value))
+
+    def unconsumed(self, src: tuple, value: Any) -> None:
+        """A value we counted as consumed went back to its queue (a cancelled recv)."""
+        peer = self.peers.get(src)
+        if peer is not None:
+            self.credit.unconsumed(peer, nbytes_of(value))
 
     def on_credit(self, conn: Wire, nbytes: Any) -> None:
         peer = conn.peer
-        if peer is None:
-            return
-        if nbytes == 0:  # the producer waits for credit we hold back in a batch
-            peer.owe_now = True
-            peer.pushes_on = conn  # its link: where it pushes and says it waits
-            self.flush_credit_now(peer)
+        if peer is not None and self.credit.returned(peer, conn, nbytes):
             self.check_stuck(peer)
-            return
-        # A running total: one that adds nothing (it came again, or late) changes nothing.
-        if nbytes > peer.credit_in:
-            peer.credit = min(peer.credit + (nbytes - peer.credit_in), peer.window)
-            peer.credit_in = nbytes
-        peer.asked = False
-        if peer.queue:
-            self.pump(peer)
 
     # -- exactly once across reconnects -------------------------------------------------------
-
-    def fresh(self, peer: Peer, seq: Any) -> bool:
-        """Value number ``seq`` of ``peer`` arrived: False if we had it already."""
-        floor = peer.rx_floor
-        above = peer.rx_above
-        if seq == floor + 1:
-            floor = seq
-            while above and floor + 1 in above:
-                floor += 1
-                above.discard(floor)
-            peer.rx_floor = floor
-            return True
-        if seq <= floor or seq in above:
-            return False
-        # Beyond a gap: the values before it are still on their way (another connection,
-        # or sent again after a reconnect).  A producer leaves gaps only that wide.
-        if len(above) > 2 * peer.window // MESSAGE_COST + SWEEP_SLACK:
-            raise ProtocolError(f"{peer.name} numbered its values with gaps wider than its "
-                                "push window")
-        above.add(seq)
-        return True
-
-    def on_ack(self, conn: Wire, seq: Any) -> None:
-        """The consumer has every value numbered ``seq`` or below: stop keeping them."""
-        peer = conn.peer
-        if seq > peer.tx_seq:
-            raise ProtocolError(f"{peer.name} acknowledged value {seq}; we sent {peer.tx_seq}")
-        unacked = peer.unacked
-        head = peer.unacked_head + seq - (peer.tx_seq - peer.kept())
-        if head <= peer.unacked_head:
-            return
-        if 2 * head >= len(unacked):  # most of the list is acknowledged: drop that part
-            del unacked[:head]
-            head = 0
-        peer.unacked_head = head
-
-    def resend(self, peer: Peer, conn: Wire) -> None:
-        """Send ``peer`` again, on ``conn``, every value it has not acknowledged, oldest
-        first (a connection that carried them closed); it drops the copies it has."""
-        kept = peer.kept()
-        if kept and conn.ready and not conn.closed and not conn.closed_here:
-            conn.resend(peer.tx_seq - kept + 1, peer.unacked[peer.unacked_head:])
-
-    def resync(self, peer: Peer, conn: Wire, window: int) -> None:
-        """A new connection to the same incarnation of ``peer``, which grants ``window``
-        now: tell it again the credit we returned and the values we have (either may have
-        been lost with the last one)."""
-        if window != peer.window:
-            peer.credit += window - peer.window
-            peer.window = window
-        if peer.credited > 0:
-            conn.write_frame(encode_credit(peer.credited))
-        if peer.rx_floor > 0:
-            peer.acked_sent = peer.rx_floor
-            conn.write_frame(encode_ack(peer.rx_floor))
-
-    def drop_unacked(self, peer: Peer) -> None:
-        """``peer`` refused what we sent (a protocol error): send none of it again.  The
-        credit those values held comes back (what it had not credited of them it allows
-        for, as after any reconnect: twice the window)."""
-        peer.unacked = []
-        peer.unacked_head = 0
-        peer.credit = peer.window
 
     def new_incarnation(self, peer: Peer, window: int) -> None:
         """``peer`` is a new process: nothing of the old one counts (its credit, what it
@@ -1216,7 +978,7 @@ class Core(Dispatcher):
         """``conn`` carries our traffic to ``peer`` from now on: what an earlier connection
         carried and ``peer`` did not acknowledge goes again on it."""
         peer.link = conn
-        self.resend(peer, conn)
+        self.credit.resend(peer, conn)
 
     def set_running(self, running: bool) -> None:
         """Whether the node runs: send and recv work only while it does."""

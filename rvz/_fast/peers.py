@@ -120,7 +120,7 @@ class Peer:
         self.held_bytes = 0
         self.held_count = 0
         self.hold_reserved = 0
-        # Exactly-once delivery across reconnects of one incarnation (``Core.resend``).
+        # Exactly-once delivery across reconnects of one incarnation (``Credit.resend``).
         # As its producer: the number of the last value we sent it, and the values it has
         # not acknowledged yet, ``unacked[unacked_head:]`` (numbers up to ``tx_seq``), kept
         # to be sent again after a reconnect (a list and an index: appending is a C call);

@@ -320,7 +320,7 @@ class Wire:
             raise self.lost_error()
         self.frames_out += 1  # a message: a value, however it is framed
         self.data_out += nbytes + MESSAGE_COST
-        # Every value is numbered and kept until acknowledged (``Core.resend``).
+        # Every value is numbered and kept until acknowledged (``Credit.resend``).
         peer = self.peer
         seq = peer.tx_seq + 1
         if self.dataplane is not None:  # shm / verbs: the key's way (``goes_onesided``)
