@@ -71,7 +71,7 @@ async def main() -> None:
     n = int(os.environ.get("N", "200000"))
     value = np.zeros(64, np.uint8)
     producer = core("a", "b", loop)
-    peer = producer.peer(("b", 0))
+    peer = producer.routes.peer(("b", 0))
     wire = NullWire(producer, True, peer, None)
     wire.ready = True
     peer.link = wire
@@ -90,7 +90,7 @@ async def main() -> None:
         codec.append_data(frames, 0, 0, k.encode(), 3, (64,), 64, value, True)
     consumer = core("b", "a", loop)
     decoder = codec.Decoder()
-    cwire = NullWire(consumer, False, consumer.peer(("a", 0)), decoder)
+    cwire = NullWire(consumer, False, consumer.routes.peer(("a", 0)), decoder)
     cwire.ready = True
     hello = codec.encode_hello({"v": codec.VERSION})
     decoder.get_buffer(-1)[:len(hello)] = hello

@@ -18,7 +18,7 @@ import sys
 from types import ModuleType, SimpleNamespace
 
 MODULES = ("arrays", "keys", "table", "codec", "recvpool", "peers", "steps", "holding", "wire",
-           "requests", "credit", "engine", "calls")
+           "requests", "credit", "routes", "engine", "calls")
 _PACKAGE = "rvz._fast"
 
 
@@ -94,6 +94,7 @@ steps = active.steps
 wire = active.wire
 requests = active.requests
 credit = active.credit
+routes = active.routes
 engine = active.engine
 calls = active.calls
 

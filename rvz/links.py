@@ -406,7 +406,7 @@ class Links:
                     core.requests.note_cancelled(request)
         for step, table in core.steps.tables.items():
             for key in table.keys_waiting():
-                if core.route(key).src == peer.id and (keep is None or (step, key) in stale):
+                if core.routes.route(key).src == peer.id and (keep is None or (step, key) in stale):
                     table.fail_waiters(key, lambda key=key: lost(key))
         if keep is None:
             self._fail_queued_pushes(peer, lost)

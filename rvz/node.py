@@ -954,7 +954,7 @@ class Node(_NodeCalls, Links):
     def _batch_where(self, step: int, keys: list[str]) -> str:
         """What a recv_many's timeout adds to name where it waited: the step and the
         producers of the keys still missing."""
-        routes = [self._core.route(key) for key in keys]
+        routes = [self._core.routes.route(key) for key in keys]
         peers = sorted({route.peer.name for route in routes if route.peer is not None})
         shown = ", ".join(peers[:3]) + (f" and {len(peers) - 3} more" if len(peers) > 3 else "")
         return (f" in step {step}" if step else "") + (f" from {shown}" if peers else "")
@@ -969,7 +969,7 @@ class Node(_NodeCalls, Links):
         """Values from peers went back to their queues: their consumption is undone."""
         core = self._core
         for key, value in pairs:
-            route = core.route(key)
+            route = core.routes.route(key)
             if route.peer is not None:
                 core.unconsumed(route.src, value)
 
@@ -1101,7 +1101,7 @@ class Node(_NodeCalls, Links):
         held = []
         for step, table in core.steps.tables.items():
             for key in table.queued_keys():
-                route = core.route(key)
+                route = core.routes.route(key)
                 if route.from_me and route.peer is not None:
                     held.append((step, table, route))
         return held
@@ -1127,8 +1127,8 @@ class Node(_NodeCalls, Links):
     def _push_unclaimed(self, now: float) -> None:
         """Push the held values whose claims came due (``Holding.due_claims``), oldest first."""
         core = self._core
-        for step, key, count in core.holding.due_claims(now, core.route):  # (not those of lost consumers)
-            route = core.route(key)
+        for step, key, count in core.holding.due_claims(now, core.routes.route):
+            route = core.routes.route(key)
             log.info("%s: pushing %d unclaimed value(s) of %s to %s after %ss", self.name,
                      count, key, route.peer.name, self.claim_timeout)
             self._push_oldest(core.steps.tables[step], step, route, count, _log_unclaimed_failure)
@@ -1225,7 +1225,7 @@ class Node(_NodeCalls, Links):
         count = nbytes = 0
         for table in list(core.steps.tables.values()):
             for key in table.queued_keys():
-                if core.route(key).src != peer.id:
+                if core.routes.route(key).src != peer.id:
                     continue
                 for _ in range(table.queued(key)):
                     nbytes += nbytes_of(table.take(key))
@@ -1241,7 +1241,7 @@ class Node(_NodeCalls, Links):
         core = self._core
         for step, table in list(core.steps.tables.items()):
             for key in table.keys_waiting():
-                route = core.route(key)
+                route = core.routes.route(key)
                 if route.src == peer.id:
                     core.ask_stuck(peer, step, route, table)
 
@@ -1385,7 +1385,7 @@ class Node(_NodeCalls, Links):
         if table is None:
             return
         for key, value in table.abort(message, cause, kind):
-            route = core.route(key)
+            route = core.routes.route(key)
             if route.src == self.id and route.dst != self.id:
                 core.holding.released_held(route.peer, nbytes_of(value))
             elif route.src != self.id:

@@ -156,7 +156,7 @@ class Pair:
 
     def __init__(self, producer: Side, consumer: Side) -> None:
         self.producer, self.consumer = producer, consumer
-        producer.wire = MemWire(producer.core, True, producer.core.peer(PS))
+        producer.wire = MemWire(producer.core, True, producer.core.routes.peer(PS))
         consumer.wire = MemWire(consumer.core, False, None)
 
     @classmethod

@@ -188,7 +188,7 @@ def test_a_dialler_that_rejects_the_listener_s_proof_still_sends_its_own(run) ->
 
     async def body() -> None:
         async with rvz.Node(three_tasks(), *WORKER0, "send", secret=OTHER, **QUICK) as node:
-            conn = node._connection(outbound=True, peer=node._core.peer(PS0))
+            conn = node._connection(outbound=True, peer=node._core.routes.peer(PS0))
             transport = FakeTransport()
             conn.connection_made(transport)  # our HELLO; this iteration's flush is pending
             nonce = os.urandom(16)

@@ -323,7 +323,7 @@ async def test_a_dial_that_connects_to_itself_is_dropped_not_taken_for_the_peer(
         sock.bind(("127.0.0.1", 0))
         sock.connect(sock.getsockname())  # simultaneous open with itself
         sock.setblocking(False)
-        peer = w._core.peer(("ps", 0))
+        peer = w._core.routes.peer(("ps", 0))
         loop = asyncio.get_running_loop()
         _, conn = await loop.create_connection(lambda: w._connection(outbound=True, peer=peer),
                                                sock=sock)

@@ -157,7 +157,7 @@ async def test_sends_that_give_up_together_do_not_each_search_the_queue(cluster)
     n = 20
     async with rvz.Node(cluster, "worker", 0, "send", **{**FAST, "connect_timeout": 30.0}) as w:
         queue = _Walked()
-        w._core.peer(("ps", 0)).queue = queue   # its consumer is not up: pushes wait
+        w._core.routes.peer(("ps", 0)).queue = queue   # its consumer is not up: pushes wait
         giving_up = [asyncio.ensure_future(w.send(key(f"gives_up{i}"), array(i))) for i in range(n)]
         staying = [asyncio.ensure_future(w.send(key(f"stays{i}"), array(i))) for i in range(n)]
         try:
@@ -208,7 +208,7 @@ async def test_held_values_pushed_unclaimed_count_against_hold_limit_until_writt
             for i in range(200):   # the old code sent them all, 6.4 MiB, in about two seconds
                 await w.send(key("untaken"), np.full(size // 4, i, np.float32), timeout=0.6)
                 sent += 1
-        queue = w._core.peer(p.id).queue
+        queue = w._core.routes.peer(p.id).queue
         assert sent * size <= limit + window + size, sent
         assert w._held_bytes + 64 * w._held_count <= limit   # MESSAGE_COST a value
         assert w._held_bytes >= sum(item[6] for item in queue) > 0   # the queued count as held
@@ -596,7 +596,7 @@ async def test_a_connection_made_after_abort_is_closed_at_once(cluster) -> None:
     peer's peer_timeout, and its HELLO handshake ran on a node that is gone."""
     async with pair(cluster, "recv", peer_timeout=30.0) as (w, p):
         w.abort(RuntimeError("gone"))
-        peer = w._core.peer(p.id)
+        peer = w._core.routes.peer(p.id)
         host, port = split_address(peer.address)
         _, late = await asyncio.get_running_loop().create_connection(
             lambda: w._connection(outbound=True, peer=peer), host, port)
@@ -604,7 +604,7 @@ async def test_a_connection_made_after_abort_is_closed_at_once(cluster) -> None:
         assert isinstance(late.close_reason, rvz.Aborted)
         assert "gone" in str(late.close_reason) and not late.ready
         assert late.bytes_out == 0, "it said HELLO for a node that is gone"
-        on_p = p._core.peer(w.id)
+        on_p = p._core.routes.peer(w.id)
         await eventually(lambda: not on_p.live_connections(), "the consumer's side closed too")
 
 
@@ -615,8 +615,8 @@ async def test_a_push_given_credit_after_close_said_bye_is_not_reported_sent(clu
     follow BYE, so its write would be dropped while its ``send`` returned as delivered."""
     async with pair(cluster, "send", push_window=MIB, worker={"linger": 0.2}) as (w, p):
         stalled = await stalled_push(w, p, key("late"))
-        link = w._core.peer(p.id).link
-        consumer_side = p._core.peer(w.id).link
+        link = w._core.routes.peer(p.id).link
+        consumer_side = p._core.routes.peer(w.id).link
         consumer_side.transport.pause_reading()  # close() waits for the consumer
         closing = asyncio.ensure_future(w.close())
         await eventually(lambda: w._said_bye, "close() said BYE")
@@ -637,7 +637,7 @@ async def test_a_request_gets_the_unclaimed_push_waiting_for_credit_before_later
     window = 2 * (8 + 64)   # two 8-byte values
     async with pair(cluster, "recv", push_window=window, claim_timeout=0.1) as (w, p):
         await _linked(w, p)
-        to_consumer = w._core.peer(p.id)
+        to_consumer = w._core.routes.peer(p.id)
         await eventually(lambda: to_consumer.credit == window, "the warm-up's credit came back")
         fill, k = key("fill"), key("ordered")
         for i in range(2):   # pushed once unclaimed, and never taken: the window stays full
@@ -665,7 +665,7 @@ async def test_a_cancelled_close_closes_the_node_at_once(cluster) -> None:  # ty
         with pytest.raises(rvz.Aborted, match=r"close\(\) was cancelled"):
             await stalled
         await asyncio.wait_for(w.close(), 5)   # at once: the node is closed
-        on_p = p._core.peer(w.id)
+        on_p = p._core.routes.peer(w.id)
         await eventually(lambda: not on_p.live_connections(), "the consumer's side closed")
 
 
@@ -832,9 +832,10 @@ async def test_the_claims_pass_looks_only_at_keys_whose_claims_came_due(cluster)
         peer = w._peers[("ps", 0)]
         await eventually(lambda: not peer.live_connections(), "the consumer is gone")
         later = w._loop.time() + 2 * timeout
-        assert core.holding.due_claims(later, core.route) == []   # due, and set aside: nobody to push to
+        # due, and set aside: nobody to push to
+        assert core.holding.due_claims(later, core.routes.route) == []
         assert [len(core.holding.claims[0, str(k)]) for k in keys] == [1, 1, 1]
-        assert core.holding.due_claims(later + timeout, core.route) == [], \
+        assert core.holding.due_claims(later + timeout, core.routes.route) == [], \
             "the lost consumer's keys were looked at again"
         async with rvz.Node(cluster, "ps", 0, "recv", **slow) as p:
             await w.send(key("again"), np.array([0]))
@@ -1046,7 +1047,7 @@ async def test_cleanup_fails_a_send_driven_send_still_waiting_for_credit(cluster
         assert (await p.recv(key("behind"), timeout=5)).tolist() == [0, 1, 2]
         with pytest.raises(rvz.Aborted):
             await p.step(6).recv(k, timeout=1)
-        assert w._core.peer(p.id).queue == collections.deque()
+        assert w._core.routes.peer(p.id).queue == collections.deque()
 
 
 @pytest.mark.parametrize("mode", ["recv", "send"])

@@ -370,7 +370,7 @@ async def _each_side_linked_its_own(w: rvz.Node, p: rvz.Node) -> tuple[Any, Any,
     """Both nodes dialled, each linked the connection it dialled (as after a simultaneous
     dial): returns the producer ``w`` as the consumer ``p`` sees it, ``p``'s link and the
     connection ``w`` pushes on."""
-    producer = p._core.peer(("worker", 0))
+    producer = p._core.routes.peer(("worker", 0))
     theirs = await p._link(producer)               # the consumer dials, both link it
     await eventually(lambda: ("ps", 0) in w._peers and w._peers[("ps", 0)].link is not None,
                      "the producer linked the consumer's connection")

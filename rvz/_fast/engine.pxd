@@ -2,11 +2,11 @@ cimport cython
 from cpython.object cimport PyObject_Call
 from cpython.pythread cimport PyThread_get_thread_ident
 from rvz._fast.arrays cimport describe_c, nbytes_c
-from rvz._fast.keys cimport canonical_devices as canonical_devices_c
 from rvz._fast.credit cimport Credit
 from rvz._fast.holding cimport Holding
 from rvz._fast.peers cimport Peer, Request, Route
 from rvz._fast.requests cimport Requests
+from rvz._fast.routes cimport Routes
 from rvz._fast.steps cimport Steps
 from rvz._fast.table cimport Table, Waiter, check_timeout
 from rvz._fast.wire cimport Dispatcher, Wire
@@ -51,18 +51,13 @@ cdef class Core(Dispatcher):
     cdef public Requests requests
     cdef public Credit credit
     cdef public dict peers
-    cdef public dict routes
-    cdef public dict devices
+    cdef public Routes routes
     cdef public Py_ssize_t max_parked
     cdef public Py_ssize_t waits_producer
     cdef public Py_ssize_t waits_consumer
 
     @cython.locals(route=Route)
-    cpdef Route route(self, object key)
-    cpdef tuple _task_of(self, str device, str key)
-    @cython.locals(route=Route)
     cpdef Route own_route(self, object key, bint sending)
-    cpdef Peer peer(self, tuple task_id)
     @cython.locals(route=Route, peer=Peer)
     cpdef admit(self, Wire conn, object step, object request_id, str key, object nbytes)
     cpdef arrived(self, Wire conn)

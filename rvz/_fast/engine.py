@@ -9,8 +9,9 @@ callbacks); the connections (``rvz._fast.wire.Wire``) feed it every frame of a r
 (``rvz._fast.holding``: held Recv-Driven values and their claims), ``Requests``
 (``rvz._fast.requests``: the Recv-Driven requests we sent), ``Credit``
 (``rvz._fast.credit``: the push window both ways, the pushes waiting for it, the numbering
-of values) and the ``Peer`` of each other node (``rvz._fast.peers``), and keeps what spans
-them: the route of each key, the send and recv entry points, answers, and dispatch.
+of values), ``Routes`` (``rvz._fast.routes``: where each key goes, and the ``Peer`` of
+each other node, ``rvz._fast.peers``), and keeps what spans them: the send and recv entry
+points, answers, and dispatch.
 
 Everything that dials, times out or spans several peers (connections, heartbeats, steps,
 close) stays in ``rvz.node.Node``; this module calls up into it only through the methods
@@ -36,11 +37,11 @@ from ..errors import (
     WrongEndpoint,
 )
 from . import codec as _codec
-from . import keys as _keys
 from .credit import Credit
 from .holding import Holding
 from .peers import MESSAGE_COST, Peer, Route
 from .requests import Requests
+from .routes import Routes
 from .steps import Steps
 from .table import EMPTY, Batch, Table, Waiter, check_timeout, naming
 from .wire import Dispatcher, Wire
@@ -71,8 +72,6 @@ BYE = _codec.BYE
 PING = _codec.PING
 AUTH = _codec.AUTH
 
-_ROUTE_CACHE_MAX = 1 << 16
-_DEVICES_MAX = 4096
 
 
 # The two modes.  The engine keeps only these two objects as modes (``canonical_mode``,
@@ -181,8 +180,8 @@ class Core(Dispatcher):
         # the step registry: each step's table, the dead steps, who took part in each
         others = len(cluster.tasks()) - 1 if cluster is not None else 1
         self.steps = Steps(max_steps, others)
-        self.routes: dict = {}             # key text -> Route
-        self.devices: dict = {}            # device name -> (job, task)
+        # where each key goes: its two ends and the Peer at the other end
+        self.routes = Routes(cluster, task_id, self.peers, push_window)
         # the Recv-Driven requests we sent: outstanding, held back, cancelled
         self.requests = Requests(self.steps, host)
         # the push window both ways: pushes spend it, what our recvs take returns it
@@ -196,55 +195,9 @@ class Core(Dispatcher):
 
     # -- keys and tables ----------------------------------------------------------------
 
-    def route(self, key: Any) -> Route:
-        text = key if type(key) is str else str(key)
-        route = self.routes.get(text)
-        if route is None:
-            # Keys change every step (frame:iter), devices do not: those are parsed once,
-            # and a key string already in canonical form is not parsed into a Key at all.
-            if type(key) is not str:
-                devices = None
-            elif COMPILED:
-                devices = canonical_devices_c(text)  # type: ignore[name-defined]  # noqa: F821
-            else:
-                devices = _keys.canonical_devices(text)
-            if devices is not None:
-                canonical = text
-                src_device, dst_device = devices
-            else:
-                parsed = _keys.as_key(key)
-                canonical = str(parsed)
-                src_device, dst_device = parsed.src, parsed.dst
-            src = self._task_of(src_device, canonical)
-            dst = self._task_of(dst_device, canonical)
-            route = Route(canonical, src, dst, self.id, None)
-            if route.from_me != route.to_me:  # else a key from this node to itself, or a
-                route.peer = self.peer(dst if route.from_me else src)  # stranger's
-            if len(self.routes) >= _ROUTE_CACHE_MAX:
-                self.routes.clear()
-            self.routes[text] = route
-        return route
-
-    def _task_of(self, device: str, key: str) -> tuple:
-        """``(job, task)`` of a device name, checked against the cluster once per device."""
-        task_id = self.devices.get(device)
-        if task_id is None:
-            task_id = _keys.parse_device(device)
-            if task_id == self.id:
-                task_id = self.id  # one object: a route's from_me / to_me is an identity test
-            try:  # here, before a recv queues its waiter: not a KeyError from deep inside
-                self.cluster.address(*task_id)
-            except KeyError:
-                raise WrongEndpoint(f"key {key} names /job:{task_id[0]}/task:{task_id[1]}, "
-                                    f"which is not in the cluster {self.cluster!r}") from None
-            if len(self.devices) >= _DEVICES_MAX:
-                self.devices.clear()
-            self.devices[device] = task_id
-        return task_id
-
     def own_route(self, key: Any, sending: bool) -> Route:
         """The route of a key this node may send (its src) or receive (its dst) now."""
-        route = self.route(key)
+        route = self.routes.route(key)
         if not (route.from_me if sending else route.to_me):
             end = route.src if sending else route.dst
             op, role = ("send", "source") if sending else ("recv", "destination")
@@ -254,13 +207,6 @@ class Core(Dispatcher):
             self.host.check_running(route.text)
         return route
 
-    def peer(self, task_id: tuple) -> Peer:
-        peer = self.peers.get(task_id)
-        if peer is None:
-            peer = Peer(task_id, self.cluster.address(*task_id), self.push_window)
-            self.peers[task_id] = peer
-        return peer
-
     def admit(self, conn: Wire, step: Any, request_id: Any, key: str, nbytes: Any) -> None:
         """Check a DATA frame at its header, before memory is allocated for its payload:
         its route, and for a push the window its producer must respect."""
@@ -268,7 +214,7 @@ class Core(Dispatcher):
         if peer is None or not conn.ready:
             raise ProtocolError("DATA before the handshake")
         try:
-            route = self.route(key)
+            route = self.routes.route(key)
         except (KeyFormatError, WrongEndpoint) as exc:
             raise ProtocolError(f"{peer.name} sent a key we cannot route: {exc}") from None
         if not route.to_me or route.peer is not peer:
@@ -545,7 +491,7 @@ class Core(Dispatcher):
         no credit, and the producer takes them out of its push queue (``on_request``)."""
         for step, table in list(self.steps.tables.items()):
             for key in table.keys_waiting():
-                route = self.route(key)
+                route = self.routes.route(key)
                 if route.peer is peer:
                     self.ask_stuck(peer, step, route, table)
 
@@ -847,7 +793,7 @@ class Core(Dispatcher):
 
     def arriving_route(self, peer: Peer, key: str) -> Route:
         """The route of a key ``peer`` sent us data for; it must run from that peer to us."""
-        route = self.route(key)
+        route = self.routes.route(key)
         if not route.to_me or route.peer is not peer:
             raise ProtocolError(f"{peer.name} sent key {key} to {self.name}; the key routes from "
                                 f"/job:{route.src[0]}/task:{route.src[1]} to "
@@ -855,7 +801,7 @@ class Core(Dispatcher):
         return route
 
     def on_request(self, conn: Wire, step: Any, request_id: Any, key: str) -> None:
-        route = self.route(key)
+        route = self.routes.route(key)
         peer = conn.peer
         if peer is None:
             raise ProtocolError("REQUEST before HELLO")
@@ -961,7 +907,7 @@ class Core(Dispatcher):
     def identified(self, conn: Wire, task_id: tuple) -> Peer:
         """``conn``, accepted here, is from ``task_id`` (its HELLO says so): it is bound to
         that peer."""
-        peer = self.peer(task_id)
+        peer = self.routes.peer(task_id)
         conn.peer = peer
         return peer
 

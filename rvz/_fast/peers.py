@@ -42,7 +42,7 @@ class Route:
                                  f"{MAX_KEY} bytes rvz carries: {text[:80]}...")
         self.src = src
         self.dst = dst
-        # ``Core._task_of`` hands out the node's own id for its own tasks: mostly one test
+        # ``Routes.task_of`` hands out the node's own id for its own tasks: mostly one test
         self.from_me = src is me or src == me
         self.to_me = dst is me or dst == me
         self.peer = peer
