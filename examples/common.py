@@ -37,6 +37,20 @@ async def run_together(*coros: Coroutine[Any, Any, Any]) -> list[Any]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def until_set(work: asyncio.Future[Any], event: asyncio.Event) -> None:
+    """Wait until ``work`` is done or ``event`` is set, whichever comes first; ``work`` is
+    cancelled if the event came first.  The caller reads the outcome from ``work`` (a
+    result, an exception, or cancelled); nothing this started is left running."""
+    watch = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+
+
 free_ports = rvz.cluster.free_ports
 
 # Where the processes of a one-machine run listen, unless told otherwise (``--host``).

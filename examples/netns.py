@@ -6,7 +6,6 @@ each with an ``eth0`` on a private 10.23x.N.0/24 subnet that exists only inside 
 host's link is shaped both ways (its egress and the switch port's egress). Everything made
 is removed on exit, also on failure (deleting a namespace deletes its veth end, and the peer
 goes with it). It needs root, ``ip`` and ``tc``; ``NamespacesUnavailable`` says why not.
-The layout is that of tests/test_netns.py, for any number of hosts.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Three hosts in network namespaces: traffic over real (veth) interfaces, one link rate-limited.
 
 Each run makes four namespaces with unique names: three hosts and a switch (a bridge) that
-joins their veth links, on a private 10.231.N.0/24 subnet that exists only inside them.
+joins their veth links, on a private subnet that exists only inside them (examples/netns.py).
 The link of host 3 goes through ``tc ... tbf``.  ps:0 runs on host 1, worker:0 on host 2 and
 worker:1 on host 3, each as a subprocess under ``ip netns exec``.  The test checks that values
 cross (also over the slow link) and that one node's step clean-up reaches all three hosts.
@@ -17,8 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -29,6 +27,7 @@ import numpy as np
 import pytest
 
 import rvz
+from examples import netns
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -37,49 +36,17 @@ PORT = 7000
 BOUND = 60.0   # generous: the slow link moves a few MB
 
 
-def sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, timeout=15)
-
-
 @contextmanager
 def three_hosts() -> Iterator[list[tuple[str, str]]]:
-    """``[(namespace, address)]`` of three hosts; skips the test if they cannot be made."""
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("no `ip` or `tc` binary")
-    tag = f"{os.getpid() % 100000}{random.randrange(1000)}"
-    subnet = f"10.231.{random.randrange(1, 250)}"
-    switch = f"rvz{tag}sw"
-    hosts = [f"rvz{tag}h{i}" for i in (1, 2, 3)]
-    made: list[str] = []
+    """``[(namespace, address)]`` of three hosts, host 3's link at 20 Mbit/s both ways;
+    skips the test if they cannot be made."""
     try:
-        try:
-            for ns in [switch, *hosts]:
-                sh("ip", "netns", "add", ns)
-                made.append(ns)
-            sh("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
-            sh("ip", "-n", switch, "link", "set", "br0", "up")
-            for i, ns in enumerate(hosts, 1):
-                sh("ip", "link", "add", "name", "eth0", "netns", ns, "type", "veth",
-                   "peer", "name", f"port{i}", "netns", switch)
-                sh("ip", "-n", switch, "link", "set", f"port{i}", "master", "br0", "up")
-                sh("ip", "-n", ns, "addr", "add", f"{subnet}.{i}/24", "dev", "eth0")
-                sh("ip", "-n", ns, "link", "set", "eth0", "up")
-                sh("ip", "-n", ns, "link", "set", "lo", "up")
-            # host 3's link: 20 Mbit/s both ways (its egress and the switch port's egress)
-            for ns, dev in ((hosts[2], "eth0"), (switch, "port3")):
-                sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                   "rate", "20mbit", "burst", "32kb", "latency", "400ms")
-        except (subprocess.SubprocessError, OSError) as exc:
-            err = getattr(exc, "stderr", b"") or b""
-            print(f"namespaces unavailable: {exc} {err.decode(errors='replace').strip()}")
-            pytest.skip(f"cannot make network namespaces here: {exc} "
-                        f"{err.decode(errors='replace').strip()}")
-        yield [(ns, f"{subnet}.{i}") for i, ns in enumerate(hosts, 1)]
-    finally:
-        for ns in reversed(made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=15)
+        with netns.hosts(["h1", "h2", "h3"], slow={"h3": "20mbit"}, burst="32kb",
+                         latency="400ms") as made:
+            yield [(host.netns, host.address) for host in made.values()]
+    except netns.NamespacesUnavailable as exc:
+        print(f"namespaces unavailable: {exc}")
+        pytest.skip(str(exc))
 
 
 # -- the nodes (subprocesses) ---------------------------------------------------------------

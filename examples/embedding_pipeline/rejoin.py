@@ -34,6 +34,7 @@ import numpy as np
 
 import rvz
 
+from ..common import until_set
 from ..param_server.cut import CutError, cuts, load_worker_part, write_worker_part
 from .allreduce import ring_allreduce, worker_device
 from .exchange import pipeline_step
@@ -191,14 +192,9 @@ class Peers:
             attempt = asyncio.ensure_future(ring_allreduce(
                 self.node, vector, self.n, step=pipeline_step(t), tag=t, timeout=self.timeout,
                 epoch=self.epoch))
-            waiter = asyncio.ensure_future(changed.wait())
-            try:
-                await asyncio.wait([attempt, waiter], return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                waiter.cancel()
-                if not attempt.done():
-                    attempt.cancel()  # a peer's new process: the ring starts again at the new epoch
-                await asyncio.gather(attempt, waiter, return_exceptions=True)
+            # A peer's new process (``changed``) cancels the attempt: the ring starts again at
+            # the new epoch.
+            await until_set(attempt, changed)
             if attempt.cancelled():
                 continue
             try:

@@ -68,7 +68,7 @@ import numpy as np
 
 import rvz
 
-from ..common import run_together
+from ..common import run_together, until_set
 from .cut import write_shard_part
 from .protocol import (
     DELTA_ASK,
@@ -288,14 +288,7 @@ class ShardServer:
         loops = asyncio.ensure_future(run_together(self._serve_pulls(worker, pull_clock),
                                                    self._serve_pushes(worker, push_clock),
                                                    self._serve_pulls(worker, read_seq, read=True)))
-        watch = asyncio.ensure_future(lost.wait())
-        try:
-            await asyncio.wait([loops, watch], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not loops.done():
-                loops.cancel()
-            await asyncio.gather(loops, watch, return_exceptions=True)
+        await until_set(loops, lost)
         if not loops.cancelled() and loops.exception() is not None:
             raise loops.exception()  # type: ignore[misc]
         return lost.is_set()
