@@ -284,8 +284,8 @@ class Connection(Wire, asyncio.BufferedProtocol):
                 self.close_reason = reason
             # Once per connection (``closed_here`` guards it): the operator's only sign that
             # a peer misbehaves, as the peer is not lost and nothing else fails here.
-            log.warning("%s: closing the connection of %s: %s", self.core.name,
-                        getattr(self.peer, "name", "a peer"), reason)
+            log.warning("%s: closing the connection of %s: %s", self.core.name, self.peer.name,
+                        reason)
             self.write_frame(_impl.codec.encode_error(0, 0, "", "protocol", str(reason)))
             self.flush()
             self.closed_here = True
