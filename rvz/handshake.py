@@ -36,6 +36,29 @@ def task_name(task_id: TaskId) -> str:
     return f"/job:{task_id[0]}/replica:0/task:{task_id[1]}"
 
 
+def certificate_names(job: str, task: int) -> set[str]:
+    """The names a TLS certificate may give a task with ``tls_identity``: as a CN or a DNS
+    or URI subject alternative name, ``/job:worker/task:2`` or ``worker-2``."""
+    return {f"/job:{job}/task:{task}", f"{job}-{task}"}
+
+
+def check_certificate(cert: dict[str, Any] | None, task_id: TaskId) -> None:
+    """With ``tls_identity``, a peer's certificate must name the task it claims: its
+    subject's CN or one of its DNS or URI subject alternative names (as
+    ``ssl.SSLSocket.getpeercert()`` decodes them) is one of ``certificate_names``."""
+    wanted = certificate_names(*task_id)
+    names: list[str] = []
+    if cert:
+        names = [value for rdn in cert.get("subject", ()) for name, value in rdn
+                 if name == "commonName"]
+        names += [value for kind, value in cert.get("subjectAltName", ())
+                  if kind in ("DNS", "URI")]
+    if not wanted.intersection(names):
+        raise AuthError(f"{task_name(task_id)}'s TLS certificate does not name it "
+                        f"(tls_identity): it names {sorted(names)[:8]}, not one of "
+                        f"{sorted(wanted)}")
+
+
 @dataclass(frozen=True)
 class Hello:
     """A peer's HELLO, checked.  ``proof`` is the AUTH this node answers with (a secret is

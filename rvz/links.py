@@ -14,18 +14,18 @@ import logging
 import os
 import socket
 import ssl as _ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import _impl
-from .cluster import ClusterSpec, split_address
+from .cluster import split_address
 from .connection import Connection, TlsAccept
 from .errors import AuthError, NodeClosed, PeerLost, ProtocolError, RvzError, TransportError
+from .nodestate import NodeState
 from .runner import wait_for
-from .types import Mode
 
 if TYPE_CHECKING:
-    from .handshake import Handshake
+    pass
 
 log = logging.getLogger("rvz.node")  # one logger for the node and its links
 _codec = _impl.codec
@@ -37,40 +37,8 @@ def _transient(reason: BaseException | None) -> bool:
     return isinstance(reason, OSError) and not isinstance(reason, TimeoutError)
 
 
-class Links:
+class Links(NodeState):
     """Connections and links of a node (see the module docstring)."""
-
-    # The node's state these methods share (set in ``Node.__init__`` and ``start``).
-    name: str
-    mode: Mode
-    cluster: ClusterSpec
-    push_window: int
-    max_parked: int
-    max_payload: int
-    max_unidentified: int
-    hello_timeout: float
-    connect_timeout: float
-    _core: Any
-    _loop: asyncio.AbstractEventLoop | None
-    _conns: set[Connection]
-    _handshaking: set[Connection]
-    _dials: dict[tuple[str, int], asyncio.Future[Connection]]
-    _state: str
-    _close_cause: BaseException | None
-    _said_bye: bool
-    _handshake: Handshake
-    _onesided: Any
-    _recv_pool: Any
-    _repeats: Any
-    _ssl_server: _ssl.SSLContext | None
-    _ssl_client: _ssl.SSLContext | None
-
-    if TYPE_CHECKING:  # the node's own, which these call
-        def _spawn(self, coro: Awaitable[Any], delivery: bool = False) -> None: ...
-
-        def _closed_error(self, cause: BaseException) -> NodeClosed: ...
-
-        def _say_bye(self, conn: Connection) -> None: ...
 
     def _accepted(self) -> Connection | TlsAccept:
         """The protocol of a connection the server accepted."""

@@ -1,14 +1,15 @@
 """A node of a cluster: the public API and the life cycle (options, start, close, steps,
-the batch calls, stats), the heartbeat, and what the engine hands up.
+the batch calls, stats).
 
 The per-message work lives in the protocol engine (``rvz._fast.engine``): ``Core`` matches
-keys in its per-step tables (``Core.table(step)``), runs both remote modes and counts
-credit; ``Wire`` frames and coalesces what one connection sends.  This module is the shell
-around it: everything that awaits, times out or spans several peers.  Connections,
-dialling and links are ``rvz.links.Links``, a base class of ``Node``; the handshake's
-verdicts are ``rvz.handshake``.  ``send`` and ``recv``, which every message passes through,
-are compiled in ``Node``'s other base class (``rvz._fast.calls``) and hand their slow paths
-back to this one.
+keys in its per-step tables, runs both remote modes and counts credit through its parts;
+``Wire`` frames and coalesces what one connection sends.  The node is the shell around it:
+everything that awaits, times out or spans several peers, in parts that are its base
+classes (``rvz.nodestate`` lists them): connections and dialling (``rvz.links``), what the
+engine hands up (``rvz.peering``; the handshake's verdicts are ``rvz.handshake``), the
+heartbeat (``rvz.heartbeat``), calls that must wait (``rvz.waiting``) and close
+(``rvz.closing``).  ``send`` and ``recv``, which every message passes through, are
+compiled in ``Node``'s first base class (``rvz._fast.calls``).
 
 Recv-Driven (``mode="recv"``): ``send`` keeps the value in the producer's table; the
 consumer's ``recv`` sends REQUEST {step, key, request id}; the producer parks it as a
@@ -37,41 +38,36 @@ connection, ``Peer.link``: one ordered stream per direction, coalesced per loop 
 from __future__ import annotations
 
 import asyncio
-import functools
 import ipaddress
 import logging
 import os
 import ssl as _ssl
-import time
 import warnings
-import weakref
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import _impl
+from .closing import Closing
 from .cluster import ClusterSpec, split_address
 from .cluster import from_env as _cluster_from_env
 from .connection import Connection
 from .errors import (
     Aborted,
-    AuthError,
     ConfigError,
     NodeClosed,
-    PeerLost,
-    ProtocolError,
-    RemoteError,
     RvzError,
     TransportError,
-    WrongEndpoint,
 )
 from .handshake import Handshake
+from .heartbeat import Heartbeat, Repeats
 from .links import Links
+from .nodestate import TaskId, started
 from .options import MIN_RATE, Options
+from .peering import Peering
 from .poll import BusyPoll
-from .runner import wait_for
 from .types import KeyLike, Mode, NodeStats, PeerStats, SendValue, StepStats, TransportName, Value
+from .waiting import Waiting
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +86,6 @@ EMPTY = _table.EMPTY
 _seconds = _table.seconds  # a duration as a message says it
 nbytes_of = _engine.nbytes_of
 
-# A peer needs one or two connections (each side may dial); a few more cover reconnects
-# whose old connection is not known dead yet.  More is a peer holding sockets open.
-_MAX_INBOUND_PER_PEER = 8
-_ABORT_TEXT_MAX = 1024  # characters of a peer's step clean-up message that are kept
-
-TaskId = tuple  # (job, task)
 
 
 def _is_loopback(host: str) -> bool:
@@ -105,83 +95,10 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def certificate_names(job: str, task: int) -> set[str]:
-    """The names a TLS certificate may give a task with ``tls_identity``: as a CN or a DNS
-    or URI subject alternative name, ``/job:worker/task:2`` or ``worker-2``."""
-    return {f"/job:{job}/task:{task}", f"{job}-{task}"}
-
-
-def _certificate_names(cert: dict[str, Any]) -> list[str]:
-    """The CNs of a certificate's subject and its DNS and URI alternative names, as
-    ``ssl.SSLSocket.getpeercert()`` decodes them."""
-    names = [value for rdn in cert.get("subject", ()) for name, value in rdn
-             if name == "commonName"]
-    names += [value for kind, value in cert.get("subjectAltName", ()) if kind in ("DNS", "URI")]
-    return names
-
-
-# Seconds over which a repeated event (a refused connection) is said in one line.
-REPEAT_INTERVAL = 10.0
-
-
-class _Repeats:
-    """One log line per ``REPEAT_INTERVAL`` for an event that may repeat many times a second.
-
-    The first occurrence is logged as it happens, with its detail; those that follow within
-    the interval are counted, and ``flush`` (at each heartbeat) says how many in one line
-    with the first of them, at the highest level among them."""
-
-    def __init__(self) -> None:
-        self.began: dict[str, float] = {}               # kind -> when its interval began
-        self.counted: dict[str, list[Any]] = {}         # kind -> [count, level, first text]
-
-    def log(self, kind: str, level: int, text: str) -> None:
-        if kind not in self.began:
-            self.began[kind] = time.monotonic()
-            log.log(level, "%s", text)
-            return
-        entry = self.counted.get(kind)
-        if entry is None:
-            self.counted[kind] = [1, level, text]
-        else:
-            entry[0] += 1
-            entry[1] = max(entry[1], level)
-
-    def flush(self, force: bool = False) -> None:
-        now = time.monotonic()
-        for kind, began in list(self.began.items()):
-            if not force and now - began < REPEAT_INTERVAL:
-                continue
-            entry = self.counted.pop(kind, None)
-            if entry is None:
-                del self.began[kind]  # a quiet interval: the next one is logged at once
-                continue
-            count, level, text = entry
-            log.log(level, "%d more like this in the last %.0fs, the first: %s", count,
-                    now - began, text)
-            self.began[kind] = now
-
-
-def _log_unclaimed_failure(done: asyncio.Future[None]) -> None:
-    if not done.cancelled() and done.exception() is not None:
-        log.warning("an unclaimed value could not be pushed: %s", done.exception())
-
-
-def _release_held(core: Any, peer: Any, nbytes: int, done: asyncio.Future[None]) -> None:
-    """A held value pushed to its consumer left the push queue (``Node._push_oldest``)."""
-    core.holding.released_held(peer, nbytes)
-
-
 def _close_server(creating: asyncio.Future[Any]) -> None:
     """A server a cancelled or failed ``start()`` made after all: close it."""
     if not creating.cancelled() and creating.exception() is None:
         creating.result().close()
-
-
-def _observe(future: asyncio.Future[Any]) -> None:
-    """Mark a finished future's exception as seen (its failure is reported elsewhere)."""
-    if not future.cancelled():
-        future.exception()
 
 
 class _Inherited:
@@ -211,14 +128,10 @@ def _ignore(*args: Any, **kwargs: Any) -> None:
     pass
 
 
-# The nodes started in this process and not yet closed, for a forked child to disown.
-_started: weakref.WeakSet[Node] = weakref.WeakSet()
-
-
 def _disown_after_fork() -> None:
     """``os.register_at_fork(after_in_child=)``: the child's copies of running nodes are
     the parent's nodes, not its own (``Node._disown``)."""
-    for node in list(_started):
+    for node in list(started):
         node._disown()
 
 
@@ -250,7 +163,7 @@ if TYPE_CHECKING:
         return _EngineHost(node)  # mypy holds _EngineHost to the Host protocol
 
 
-class Node(_NodeCalls, Links):
+class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
     """One task of a cluster: ``async with Node(cluster, job, task, mode) as node``.
 
     ``connect_timeout`` bounds dialling a peer that is not up yet (retried with backoff);
@@ -330,7 +243,7 @@ class Node(_NodeCalls, Links):
         self._onesided_options = onesided
         self._onesided: Any = None
         self._closing_pushes: list[Any] = []
-        self._repeats = _Repeats()  # events that may repeat many times a second, logged in sum
+        self._repeats = Repeats()  # events that may repeat many times a second, logged in sum
         self._said_bye = False  # close() said BYE: a connection made since says it at once
         # HELLO and AUTH: their verdicts, and the incarnations newer ones replaced.
         self._handshake = Handshake(self.id, self.incarnation, o.secret,
@@ -445,7 +358,7 @@ class Node(_NodeCalls, Links):
                                      f"{exc.strerror or exc}") from exc
             raise
         self._set_state("running")
-        _started.add(self)
+        started.add(self)
         self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
         if not self._handshake.has_secret and not _is_loopback(host):
             log.warning("%s listens on %s without a secret: any process that reaches the port "
@@ -616,154 +529,6 @@ class Node(_NodeCalls, Links):
                           if self._poll is not None else None),
         }
 
-    # -- close ----------------------------------------------------------------------------------
-
-    async def close(self) -> None:
-        """Graceful close: deliver what was sent, then say BYE and close.
-
-        Pushes already accepted are flushed, and Recv-Driven values still held for remote
-        consumers are pushed to them (their recvs find them in their own tables), in both
-        cases for at most ``linger`` seconds.  What cannot be delivered by then is dropped
-        and counted in one log line.  A close() that is cancelled (an ``asyncio.wait_for``
-        around it timed out, say) closes the rest at once, as ``abort()`` does.
-        """
-        if self._forked_from is not None:
-            return  # the parent's node: nothing of it is this child's to close (_disown)
-        self._entry(None)  # from another thread it raises RuntimeError and changes nothing
-        if self._state in ("new", "closed"):
-            self._state = "closed"
-            self._core.stop()
-            return
-        if self._state == "closing":
-            while self._state != "closed":
-                await asyncio.sleep(0.01)
-            return
-        self._set_state("closing")
-        try:
-            await self._close_gracefully()
-        except BaseException as exc:
-            # Left half-closed, the node would keep its server, its heartbeats and its
-            # connections, and every later close() (``async with``'s own) would wait forever.
-            why = ("close() was cancelled" if isinstance(exc, asyncio.CancelledError)
-                   else f"close() failed: {exc!r}")
-            self.abort(NodeClosed(f"node {self.name}: {why}"))
-            raise
-
-    async def _close_gracefully(self) -> None:
-        core = self._core
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.linger
-        self._closing_pushes = self._push_held()
-        # Not every background task: a dial retrying toward a dead peer would hold the close
-        # for the whole linger although it delivers nothing.
-        while loop.time() < deadline and (core.holding.held_count or self._deliveries or any(
-                p.queue for p in core.peers.values()) or (
-                self._onesided is not None and self._onesided.busy())):
-            await asyncio.sleep(min(0.005, max(0.0, deadline - loop.time())))
-            if self._state == "closed":
-                return  # abort() was called meanwhile: it closed everything
-        if self._server is not None:
-            self._server.close()
-        for conn in list(self._conns):
-            if not conn.closed and conn.ready:
-                core.credit.flush_credit_now(conn.peer)
-        # BYE on every open connection, those still in their handshake too.  Ours is not
-        # complete until we read the peer's HELLO, but the peer completes its own when it
-        # reads ours (sent at connection_made), and from then on it takes an end without BYE
-        # for a lost peer: it fails every connection to us, among them the one still
-        # carrying the values pushed above.  BYE after our HELLO is always in order; a peer
-        # whose own handshake is not complete either (it waits for our AUTH) refuses it as a
-        # protocol error, on a connection it never counted ready: that fails nothing else.
-        self._said_bye = True
-        for conn in list(self._conns):
-            if not conn.closed:
-                self._say_bye(conn)
-        for conn in list(self._conns):
-            if not conn.closed:
-                try:
-                    await wait_for(conn.drain(), max(0.05, deadline - loop.time()))
-                except (asyncio.TimeoutError, RvzError):
-                    pass
-                conn.close()
-        # conn.close() only half-closes: wait until each peer has read everything and closed
-        # its side (a silent peer for at most peer_timeout), then cut what is left.
-        handshake = loop.time() + self.peer_timeout
-        while any(c.closed_here and not c.closed for c in self._conns) and loop.time() < handshake:
-            await asyncio.sleep(0.005)
-        if self._state == "closed":
-            return  # aborted while the peers read to the end
-        cause = NodeClosed(f"node {self.name} was closed")
-        for conn in list(self._conns):
-            if not conn.closed:
-                conn.fail(cause)
-        # Counted once: still queued now, or pushed at close and already failed.
-        undelivered = sum(len(p.queue) for p in core.peers.values()) + sum(
-            1 for d in self._closing_pushes
-            if d.done() and not d.cancelled() and d.exception() is not None)
-        self._finish(cause)
-        if undelivered:
-            log.warning("%s: closed after a linger of %ss with %d values undelivered",
-                        self.name, self.linger, undelivered)
-        # Give the transports one iteration to run their close callbacks.
-        await asyncio.sleep(0)
-
-    def _say_bye(self, conn: Connection) -> None:
-        """Write BYE as ``conn``'s last frame.  Nothing may follow it: the peer's decoder
-        takes any frame after BYE as a protocol error, and fails every connection to us.
-        A dial, a request or a credit finishing while close() drains would write one, so
-        the connection counts as closed here from now on (its writes are dropped)."""
-        conn.say_bye()
-
-    def abort(self, exc: BaseException | None = None) -> None:
-        """Close at once: every pending and later operation fails with ``NodeClosed`` (an
-        ``Aborted``) whose ``__cause__`` is ``exc``.  From another thread, schedule it on
-        the node's loop (``loop.call_soon_threadsafe(node.abort)``)."""
-        if self._forked_from is not None:
-            return  # the parent's node (_disown)
-        self._entry(None)
-        if self._state == "closed":
-            return
-        cause = exc if exc is not None else NodeClosed(f"node {self.name} was aborted")
-        if self._server is not None:
-            self._server.close()
-        for conn in list(self._conns):
-            conn.fail(cause)
-        self._finish(cause)
-
-    def _finish(self, cause: BaseException) -> None:
-        _started.discard(self)
-        core = self._core
-        self._close_cause = cause
-        self._state = "closed"
-        core.stop()
-        if self._tick_handle is not None:
-            self._tick_handle.cancel()
-        self._repeats.flush(force=True)
-        message = f"node {self.name} closed"
-        for step in list(core.steps.tables):
-            self._drop_table(step, message, cause, NodeClosed)
-        for peer in core.peers.values():
-            self._fail_queued_pushes(peer, lambda key: self._closed_error(cause))
-        for waiter in core.holding.hold_waiters:
-            if not waiter.done():
-                waiter.set_exception(self._closed_error(cause))
-        core.holding.hold_waiters.clear()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._onesided is not None:
-            self._onesided.close()  # pool blocks under live arrays stay until those die
-
-    def _closed_error(self, cause: BaseException) -> NodeClosed:
-        err = NodeClosed(self._closed_text(cause, "closed"))
-        err.__cause__ = cause
-        return err
-
-    def _closed_text(self, cause: BaseException, how: str) -> str:
-        """Why this node is closed: the node once, then the cause (ours names it already)."""
-        text = str(cause)
-        prefix = f"node {self.name}"
-        return text if text.startswith(prefix) else f"{prefix} {how}: {text}"
-
     # -- send ----------------------------------------------------------------------------------
 
     # send and recv, the per-message calls, are compiled (rvz/_fast/calls.py); named here so
@@ -798,105 +563,6 @@ class Node(_NodeCalls, Links):
             await self._send_wait(pending, step, left, timeout)
             start = index + 1
 
-    async def _send_wait(self, pending: Any, step: int, timeout: float | None,
-                         total: float | None = None) -> None:
-        """The rest of a send that could not complete at once (see ``Core.send``)."""
-        said = timeout if total is None else total
-        if isinstance(pending, tuple):  # Recv-Driven: wait for room under hold_limit
-            route, value, nbytes, peer = pending
-            core = self._core
-            assert self._loop is not None
-            end = None if timeout is None else self._loop.time() + timeout
-            mine = core.holding.reserve_hold(peer, nbytes)
-            try:
-                # The step's table is looked up again after every wait: an empty one is
-                # dropped at a heartbeat, and the request of the consumer that then asks
-                # parks in the new one (kept, the old one hid it, and took the value where
-                # no recv looks: both sides waited for ever).
-                while core.hold_full(core.steps.table(step), route, nbytes, mine):
-                    left = None if end is None else max(0.0, end - self._loop.time())
-                    try:
-                        if peer.unconnected():
-                            # Room comes when consumers fetch.  Ours is dialled, as a
-                            # Send-Driven recv's producer is, so that one gone (or never
-                            # up) fails the send with PeerLost within connect_timeout
-                            # instead of leaving it waiting for ever; a lost connection
-                            # wakes us to look again (``_peer_lost``).
-                            await wait_for(self._link(peer, route.text), left)
-                            continue
-                        await self._wait(core.holding.hold_waiters, left, "hold limit")
-                    except (TimeoutError, asyncio.TimeoutError):
-                        raise TimeoutError(f"send of {route.text} to {peer.name} timed out "
-                                           f"after {_seconds(said)}s (hold limit: values not yet "
-                                           f"fetched{self._held_summary()})") from None
-            except BaseException:
-                core.holding.wake_holders()  # the sends behind it look again (once ``finally`` ran)
-                raise
-            finally:
-                core.holding.unreserve_hold(peer, mine)
-            core.hold(core.steps.table(step), step, route, value, nbytes)
-            return
-        # A Send-Driven push waiting in its peer's queue (for the link, credit or socket).
-        # A cancelled or timed-out push is cancelled, and leaves the queue at once.
-        done = pending
-        if done.done():
-            return done.result()
-        try:
-            if timeout is None:
-                await done
-            else:
-                await wait_for(done, timeout)
-        except BaseException as exc:
-            # Left in the queue behind a push that still waits (a send without a timeout,
-            # say), each abandoned push would keep its value there until that one went:
-            # a producer retrying on a timeout grew the queue by one value a try.
-            dropped = self._core.credit.drop_push(done) if done.cancelled() else None
-            if not isinstance(exc, asyncio.TimeoutError):
-                raise
-            what = (f"send of {dropped[1][2].text} to {dropped[0].name}"
-                    if dropped is not None else "send")
-            raise TimeoutError(f"{what} timed out after {_seconds(said)}s "
-                               "(connection, push window or socket)") from None
-
-    def _held_for(self) -> dict[Any, int]:
-        """How many Recv-Driven values this node holds for each remote consumer."""
-        held: dict[Any, int] = {}
-        for _, table, route in self._held_keys():
-            held[route.peer] = held.get(route.peer, 0) + table.queued(route.text)
-        return held
-
-    def _held_summary(self) -> str:
-        """``"; held for <peer> (<state>): <n> values, ..."``, the three holding most: who
-        fills hold_limit, when a send times out waiting for room (a consumer that is gone
-        keeps its values held for its next incarnation, and they count).  From each
-        consumer's count of what it holds against hold_limit, not from a walk of every key
-        held: each send that times out says it (100k keys held took each 0.2-0.5 s)."""
-        held = sorted(((peer, peer.held_count) for peer in self._core.peers.values()
-                       if peer.held_count > 0), key=lambda item: -item[1])
-        if not held:
-            return ""
-        parts = [f"{peer.name} ({'not connected' if peer.unconnected() else 'connected'}): "
-                 f"{count} values" for peer, count in held[:3]]
-        more = f" and {len(held) - 3} more consumers" if len(held) > 3 else ""
-        return "; held for " + ", ".join(parts) + more
-
-    async def _wait(self, waiters: deque[asyncio.Future[None]], timeout: float | None,
-                    what: str) -> None:
-        waiter = asyncio.get_running_loop().create_future()
-        waiters.append(waiter)
-        try:
-            if timeout is None:
-                await waiter
-            else:
-                await wait_for(waiter, timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"{what}: timed out after {_seconds(timeout)}s") from None
-        finally:
-            try:
-                waiters.remove(waiter)
-            except ValueError:
-                pass
-
     # -- recv ----------------------------------------------------------------------------------
 
     async def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None, step: int = 0,
@@ -919,60 +585,6 @@ class Node(_NodeCalls, Links):
             return got
         return await self._recv_many_wait(got, routes, mode, step, timeout)
 
-    async def _recv_many_wait(self, batch: Any, routes: list[Any], mode: str | None, step: int,
-                              timeout: float | None) -> list[Any]:
-        core = self._core
-        loop = self._loop
-        assert loop is not None
-        waiting = batch.wait()
-        try:
-            asks, dial = core.ask_many(waiting, routes, mode, step)
-        except BaseException:
-            self._undo_batch(batch)
-            raise
-        for peer, text in dial.items():  # one link task a producer, not one a key
-            self._spawn(self._link(peer, text))  # to notice if it is gone
-        for peer, requests in asks.items():
-            if not core.requests.send_asks(peer, requests):
-                self._request_when_linked(requests)
-        poll = self._poll
-        if poll is not None and any(routes[i].peer is not None for i in waiting):
-            poll.begin()
-        else:
-            poll = None
-        try:
-            return await _table.wait_batch(batch, loop, timeout, self._unconsume,
-                                           functools.partial(self._batch_where, step))
-        finally:
-            if poll is not None:
-                poll.end()
-            if asks and not loop.is_closed():  # (closed: see NodeCalls.recv)
-                table = batch.table
-                for text in {routes[i].text for i in waiting}:
-                    core.requests.rebalance(step, text, table)
-
-    def _batch_where(self, step: int, keys: list[str]) -> str:
-        """What a recv_many's timeout adds to name where it waited: the step and the
-        producers of the keys still missing."""
-        routes = [self._core.routes.route(key) for key in keys]
-        peers = sorted({route.peer.name for route in routes if route.peer is not None})
-        shown = ", ".join(peers[:3]) + (f" and {len(peers) - 3} more" if len(peers) > 3 else "")
-        return (f" in step {step}" if step else "") + (f" from {shown}" if peers else "")
-
-    def _undo_batch(self, batch: Any) -> None:
-        """Give a batch's values back, oldest first, before it ever waited."""
-        if not batch.future.done():
-            batch.future.cancel()
-        self._unconsume(batch.restore())
-
-    def _unconsume(self, pairs: list[tuple[str, Any]]) -> None:
-        """Values from peers went back to their queues: their consumption is undone."""
-        core = self._core
-        for key, value in pairs:
-            route = core.routes.route(key)
-            if route.peer is not None:
-                core.unconsumed(route.src, value)
-
     # -- background tasks and the heartbeat ------------------------------------------------------
 
     def _spawn(self, coro: Awaitable[Any], delivery: bool = False) -> None:
@@ -991,323 +603,6 @@ class Node(_NodeCalls, Links):
             exc = task.exception()
             if not isinstance(exc, RvzError):
                 log.error("%s: background task failed", self.name, exc_info=exc)
-
-    def _tick(self) -> None:
-        """Heartbeat: its jobs, then the next one."""
-        if self._forked_from is not None:
-            return  # a forked child's copy of the parent's heartbeat (_disown)
-        assert self._loop is not None
-        now = self._loop.time()
-        self._check_connections(now)
-        self._sweep_claims(now)
-        self._sweep_steps(now)
-        for peer in self._core.peers.values():
-            if peer.owed > 0:  # a batch below a quarter window still goes back when idle
-                self._core.credit.flush_credit_now(peer)
-        self._repeats.flush()
-        self._tick_handle = self._loop.call_later(self.heartbeat, self._tick)
-
-    def _check_connections(self, now: float) -> None:
-        """Fail the connections that did not complete their handshake in time, went silent
-        for ``peer_timeout`` or trickle a payload below ``min_rate``; ping the idle ones."""
-        limit = max(1, round(self.peer_timeout / self.heartbeat))
-        for conn in list(self._conns):
-            if conn.closed:
-                continue
-            if not conn.ready and now - conn.opened > self.hello_timeout:
-                conn.fail(ProtocolError(f"no handshake within {self.hello_timeout}s "
-                                        "(hello_timeout)"))
-                continue
-            received = conn.decoder.bytes_in
-            if received == conn.seen_in:
-                conn.idle_ticks += 1
-                conn.read_stalled()
-                if conn.idle_ticks >= limit:
-                    name = conn.peer.name if conn.peer is not None else "peer"
-                    conn.fail(TimeoutError(f"{name} sent nothing for {self.peer_timeout}s "
-                                           "(no heartbeat)"))
-                    continue
-            else:
-                conn.seen_in = received
-                conn.idle_ticks = 0
-            if self.min_rate and conn.payload_too_slow(self.heartbeat, self.peer_timeout,
-                                                       self.min_rate):
-                conn.fail(ProtocolError(f"a payload from {self._peer_name(conn)} has taken over "
-                                        f"{self.peer_timeout}s and comes at less than "
-                                        f"{self.min_rate} bytes/s (min_rate)"))
-                continue
-            if conn.ready and conn.bytes_out == conn.seen_out:
-                conn.write_frame(_codec.encode_ping())
-            conn.seen_out = conn.bytes_out
-
-    def _sweep_claims(self, now: float) -> None:
-        """Push the held values nobody claimed in time; forget claims past ``claim_timeout``."""
-        holding = self._core.holding
-        if holding.claims:
-            self._push_unclaimed(now)
-        if holding.asked and self.claim_timeout is not None:
-            holding.forget_asked(now - self.claim_timeout)
-
-    def _sweep_steps(self, now: float) -> None:
-        """Drop empty tables, expire idle steps, forget the oldest retired ones."""
-        steps = self._core.steps
-        for step in steps.empty_steps():
-            self._core.drop_table(step)
-        if self.step_idle is not None:
-            self._expire_idle_steps(now)
-        steps.retire()
-
-    def _expire_idle_steps(self, now: float) -> None:
-        """Drop the tables of steps nothing touched for ``step_idle`` seconds (a peer that
-        opened steps and never cleaned them up cannot keep them forever)."""
-        assert self.step_idle is not None
-        expired = more = values_lost = recvs_failed = 0
-        level = logging.INFO
-        for step, table in self._core.steps.idle_steps(now, self.step_idle):
-            message = f"step {step} expired after {self.step_idle}s without activity"
-            keys, values, _, recvs = table.counts()
-            # What it held is lost (values never received, recvs that now fail): worth
-            # a warning, not the INFO line of a step that only kept its table.
-            this = logging.WARNING if values or recvs else logging.INFO
-            expired += 1
-            if expired == 1:  # the first with its detail, the others in one line
-                log.log(this, "%s: %s; dropped %d value(s) of %d key(s), failed %d recv(s)",
-                        self.name, message, values, keys, recvs)
-            else:
-                more += 1
-                values_lost += values
-                recvs_failed += recvs
-                level = max(level, this)
-            self._drop_table(step, message, None)
-        if more:
-            log.log(level, "%s: %d more step(s) expired after %ss without activity; dropped "
-                    "%d value(s), failed %d recv(s)", self.name, more, self.step_idle,
-                    values_lost, recvs_failed)
-
-    def _push_held(self) -> list[Any]:
-        """At close: push every Recv-Driven value still held to its consumer."""
-        dones = []
-        for step, table, route in self._held_keys():
-            # No caller awaits these: close() counts the failed ones, and asyncio must not
-            # log each as an exception never retrieved.
-            dones += self._push_oldest(table, step, route, table.queued(route.text), _observe)
-        self._core.holding.drop_claims()
-        return dones
-
-    def _held_keys(self) -> list[tuple[int, Any, Any]]:
-        """``(step, table, route)`` of every key with Recv-Driven values held here for a
-        remote consumer."""
-        core = self._core
-        held = []
-        for step, table in core.steps.tables.items():
-            for key in table.queued_keys():
-                route = core.routes.route(key)
-                if route.from_me and route.peer is not None:
-                    held.append((step, table, route))
-        return held
-
-    def _push_oldest(self, table: Any, step: int, route: Any, count: int,
-                     on_done: Callable[[asyncio.Future[None]], None]) -> list[asyncio.Future[None]]:
-        """Push the ``count`` oldest values of ``route``'s key held in ``table`` to its
-        consumer; they wait for credit like any push, and ``on_done`` sees how each ends."""
-        core = self._core
-        dones = []
-        for _ in range(count):
-            value, code, shape, nbytes = _codec.describe(table.take(route.text))
-            done = core.credit.queue_push(core.future(), route.peer, step, route, value, code, shape, nbytes)
-            # It counts against hold_limit until it leaves the queue (written, taken by a
-            # request, or failed).  Released here, a consumer that took none of them let the
-            # sends behind hold hold_limit again every claim_timeout: the queue grew
-            # without bound.
-            done.add_done_callback(functools.partial(_release_held, core, route.peer, nbytes))
-            done.add_done_callback(on_done)
-            dones.append(done)
-        return dones
-
-    def _push_unclaimed(self, now: float) -> None:
-        """Push the held values whose claims came due (``Holding.due_claims``), oldest first."""
-        core = self._core
-        for step, key, count in core.holding.due_claims(now, core.routes.route):
-            route = core.routes.route(key)
-            log.info("%s: pushing %d unclaimed value(s) of %s to %s after %ss", self.name,
-                     count, key, route.peer.name, self.claim_timeout)
-            self._push_oldest(core.steps.tables[step], step, route, count, _log_unclaimed_failure)
-
-    # -- frames the engine hands up ------------------------------------------------------------
-
-    def _in_cluster(self, task_id: TaskId) -> bool:
-        try:
-            self.cluster.address(*task_id)
-        except KeyError:
-            return False
-        return True
-
-    def _peer_name(self, conn: Connection) -> str:
-        return conn.peer.name if conn.peer is not None else "an unidentified peer"
-
-    def _on_hello(self, conn: Connection, fields: dict[str, Any]) -> None:
-        """The peer's HELLO: accepted now, or answered with our AUTH (rvz.handshake)."""
-        self._handshake.hello_on(self._core, conn, fields, self._accept_peer)
-
-    def _on_auth(self, conn: Connection, fields: dict[str, Any]) -> None:
-        """The peer's proof that it holds the secret, bound to this connection's nonces."""
-        self._handshake.auth_on(conn, fields, self._accept_peer)
-
-    def _accept_peer(self, conn: Connection) -> None:
-        """The handshake is complete: bind the connection to its peer and open it."""
-        hello = conn.hello
-        incarnation, window = hello.incarnation, min(hello.window, self.push_window)
-        peer = conn.peer
-        self._check_certificate(conn, peer)
-        self._handshake.check_replaced(
-            peer.id, incarnation, peer.incarnation,
-            any(c.ready and not c.bye_received for c in peer.live_connections()))
-        if not conn.outbound:
-            if len([c for c in peer.inbound if not c.closed]) >= _MAX_INBOUND_PER_PEER:
-                raise ProtocolError(f"{peer.name} opened more than {_MAX_INBOUND_PER_PEER} "
-                                    "connections")
-            peer.inbound.add(conn)
-        if self._onesided is not None:  # agree on the transport; TransportError fails conn
-            self._onesided.on_hello(conn, hello.fields)
-        if peer.incarnation != incarnation:
-            self._replace_incarnation(peer, conn, incarnation, window)
-        else:
-            self._core.credit.resync(peer, conn, window)
-        self._core.accepted(peer, conn, incarnation, hello.parks, hello.mode)
-        if peer.link is None or peer.link.closed:
-            # The first ready connection either side dialled carries our traffic: a push
-            # to a consumer that dialled us need not wait for a dial of our own.
-            self._link_ready(peer, conn)
-        waiter = conn.hello_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-        if peer.mode == "recv" and self.mode == "send":
-            self._ask_holder(peer)
-
-    def _check_certificate(self, conn: Connection, peer: Any) -> None:
-        """With ``tls_identity``, the peer's certificate must name the task it claims: its
-        subject's CN or one of its DNS or URI subject alternative names is
-        ``/job:<job>/task:<task>`` or ``<job>-<task>`` (``certificate_names``)."""
-        if not self.tls_identity:
-            return
-        transport = getattr(conn, "transport", None)
-        cert = transport.get_extra_info("peercert") if transport is not None else None
-        wanted = certificate_names(*peer.id)
-        names = _certificate_names(cert) if cert else []
-        if not wanted.intersection(names):
-            raise AuthError(f"{peer.name}'s TLS certificate does not name it (tls_identity): "
-                            f"it names {sorted(names)[:8]}, not one of {sorted(wanted)}")
-
-    def _replace_incarnation(self, peer: Any, conn: Connection, incarnation: int,
-                             window: int) -> None:
-        """``peer`` is a new process (``incarnation``), or a replaced one taken back: fail
-        what depended on the one it replaces and drop everything kept for that one."""
-        old = peer.incarnation
-        if old is not None:
-            self._handshake.replaced(peer.id, old)
-            err = PeerLost(f"peer {peer.name} restarted (new incarnation)")
-            err.__cause__ = ConnectionResetError(f"{peer.name} restarted")
-            self._peer_lost(peer, err, keep=conn)
-            self._core.steps.forget_dead_of(peer.id, old)
-            self._drop_values_of(peer, old)
-        self._core.new_incarnation(peer, window)  # nothing of the old process counts
-
-    def _drop_values_of(self, peer: Any, incarnation: int) -> None:
-        """Drop the values ``peer``'s replaced processes pushed here that nobody took.
-
-        Called as its new incarnation is accepted, before any frame of that one is read, so
-        every value from that task still queued came from a process that is gone.  Kept,
-        a peer restarting again and again while nobody receives made the node hold up to a
-        push window per incarnation, for ever.  Their steps' tables, empty now, go at the
-        next heartbeats.  (A recv of such a value fails or times out as for any value a
-        crashed process never sent.)"""
-        core = self._core
-        count = nbytes = 0
-        for table in list(core.steps.tables.values()):
-            for key in table.queued_keys():
-                if core.routes.route(key).src != peer.id:
-                    continue
-                for _ in range(table.queued(key)):
-                    nbytes += nbytes_of(table.take(key))
-                    count += 1
-        if count:
-            self._repeats.log("replaced-values", logging.WARNING,
-                              f"{self.name}: dropped {count} value(s) ({nbytes} bytes) that "
-                              f"{peer.name} incarnation {incarnation:#x} pushed and nobody "
-                              "received: a newer incarnation replaced it")
-
-    def _ask_holder(self, peer: Any) -> None:
-        """Request what we already wait for from a peer we just learned holds its values."""
-        core = self._core
-        for step, table in list(core.steps.tables.items()):
-            for key in table.keys_waiting():
-                route = core.routes.route(key)
-                if route.src == peer.id:
-                    core.ask_stuck(peer, step, route, table)
-
-    def _on_error(self, conn: Connection, fields: dict[str, Any]) -> None:
-        core = self._core
-        if not conn.ready or (conn.outbound and fields.get("code") == "auth"):
-            # A refused handshake says ERROR: before it is complete here, or after, when the
-            # listener refused us (without a secret each side takes the other's HELLO as it
-            # comes, so a dialler may already have taken the connection).
-            if fields.get("code") == "auth":
-                raise AuthError(f"{self._peer_name(conn)} refused this node: "
-                                f"{str(fields.get('msg', ''))[:500]}")
-            raise ProtocolError(f"{self._peer_name(conn)} sent an ERROR frame before "
-                                "completing its handshake")
-        request_id = fields.get("req", 0)
-        if not isinstance(request_id, int):  # int("x") would raise into the event loop
-            raise ProtocolError(f"{self._peer_name(conn)} sent an ERROR frame whose request id "
-                                f"is not a number: {fields!r}")
-        if request_id == 0 and fields.get("code") == "protocol":
-            # It closes this connection for something we sent: not a broken link.  What it
-            # did not acknowledge is not sent again (it would be refused again).
-            core.credit.drop_unacked(conn.peer)
-            conn.close_because(ProtocolError(f"{self._peer_name(conn)} closed the connection: "
-                                             f"{str(fields.get('msg', ''))[:500]}"))
-            return
-        core.requests.asked_no_more(conn.peer, request_id)
-        request = core.requests.by_id.get(request_id)
-        if request is None:
-            # One we cancelled: the producer dropped it (code "cancelled") or failed it
-            # first; nothing of it follows.  Else a stray answer.
-            core.requests.settled(conn.peer, request_id)
-            return
-        if request.peer is not conn.peer:
-            return  # about a request we did not send to this peer
-        core.requests.drop(request_id)
-        peer_name = self._peer_name(conn)
-        message = str(fields.get("msg", ""))
-        code = str(fields.get("code", ""))
-        cause = RemoteError(message, peer_name, code)
-        table = core.steps.tables.get(request.step)
-        if table is None:
-            return
-        cls: type[RvzError] = {"aborted": Aborted, "WrongEndpoint": WrongEndpoint}.get(code, RemoteError)
-
-        def error() -> RvzError:
-            # An abort leads with its step and who cleaned it up, as a Send-Driven recv's
-            # does (cleanup_step); other failures lead with the producer that could not answer.
-            exc = cls(f"{message} (key {request.key})" if cls is Aborted
-                      else f"{peer_name} could not answer key {request.key}: {message}")
-            exc.__cause__ = cause
-            return exc
-
-        table.fail_waiters(request.key, error)
-
-    def _on_abort_step(self, conn: Connection, step: int, message: str) -> None:
-        name = self._peer_name(conn)
-        if step == 0:  # no node sends it (cleanup_step(0) is refused): a broken peer
-            raise ProtocolError(f"{name} tried to abort step 0, the step of plain send/recv")
-        # Kept for every dead step (up to Steps.dead_max of them): a peer's text is cut to a
-        # length that names a reason, not one that fills memory.
-        message = message[:_ABORT_TEXT_MAX]
-        # Said once: a message relayed from node to node already names who started it.
-        incarnation = conn.peer.incarnation if conn.peer is not None else None
-        text = (message if " by /job:" in message
-                else f"{message} (by {name}, incarnation {incarnation:#x})")
-        self._abort_step(step, text, RemoteError(message, name), origin=conn.peer)
 
     # -- steps ---------------------------------------------------------------------------------
 

@@ -46,12 +46,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("protocol",     ("rvz.handshake",)),
     ("transports",   ("rvz.connection", "rvz.onesided", "rvz.onesided.*")),
     # Node, and its compiled base (send and recv), which rvz._impl loads like the hot paths
-    ("node",         ("rvz._fast.calls", "rvz.options", "rvz.node", "rvz.links")),
+    ("node",         ("rvz._fast.calls", "rvz.options", "rvz.node", "rvz.nodestate",
+                      "rvz.links", "rvz.peering", "rvz.heartbeat", "rvz.waiting",
+                      "rvz.closing")),
     ("public API",   ("rvz",)),
     ("bench",        ("rvz.bench", "rvz.bench.*")),
 ]
 
 PACKAGE = "rvz"
+# The node and its parts (its base classes, each in a module of its own).
+NODE_MODULES = ("node.py", "nodestate.py", "links.py", "peering.py", "heartbeat.py", "waiting.py",
+                "closing.py")
 ROOT = os.path.dirname(os.path.abspath(rvz.__file__))
 
 
@@ -332,7 +337,7 @@ def test_the_engine_calls_its_host_only_through_the_host_interface() -> None:
     assert declared, "rvz/_fast/host.py declares no Host methods"
     assert not [n for n in declared if n.startswith("_")], "Host names a private method"
     # No private method of the node is called from the engine, through the host or not.
-    node_private = {n for module in ("node.py", "links.py")
+    node_private = {n for module in NODE_MODULES
                     for n in _methods(_tree(os.path.join(ROOT, module)))
                     if n.startswith("_") and not n.startswith("__")}
     wrong = []
@@ -384,7 +389,7 @@ def foreign_assignments(tree: ast.AST, allowed: set[str]) -> list[tuple[int, str
     return found
 
 
-@pytest.mark.parametrize("module", ["node.py", "links.py"])
+@pytest.mark.parametrize("module", NODE_MODULES)
 def test_the_node_assigns_no_field_of_the_engine(module: str) -> None:
     allowed = _connection_fields() | {"__cause__"}
     wrong = foreign_assignments(_tree(os.path.join(ROOT, module)), allowed)

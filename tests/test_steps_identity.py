@@ -16,7 +16,7 @@ import pytest
 
 import rvz
 import rvz.handshake
-import rvz.node
+import rvz.heartbeat
 from rvz import _impl
 
 from .conftest import FAST, eventually, key, pair
@@ -337,7 +337,7 @@ def test_tls_identity_needs_mutual_tls(task_certs) -> None:  # type: ignore[no-u
         rvz.Node(cluster, "ps", 0, tls_identity=True,
                  ssl=(server_ctx(task_certs, cert="ps-0", require=False),
                       client_ctx(task_certs, cert="ps-0")))
-    assert rvz.node.certificate_names("worker", 2) == {"/job:worker/task:2", "worker-2"}
+    assert rvz.handshake.certificate_names("worker", 2) == {"/job:worker/task:2", "worker-2"}
 
 
 # -- logs that sum up -----------------------------------------------------------------------------
@@ -367,7 +367,7 @@ def test_steps_expiring_together_are_logged_in_two_lines(run, caplog) -> None:  
 
 def test_refused_connections_are_logged_once_per_interval_with_a_count(run, caplog, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     async def body() -> None:
-        monkeypatch.setattr(rvz.node, "REPEAT_INTERVAL", 0.5)
+        monkeypatch.setattr(rvz.heartbeat, "REPEAT_INTERVAL", 0.5)
         cluster = three_tasks()
         loop = asyncio.get_running_loop()
         began = loop.time()
