@@ -119,14 +119,14 @@ async def main() -> None:
     items = [(k, value) for k in KEYS]
     t = time.perf_counter()
     for _ in range(rounds):
-        producer.send_many(items, None, 0, 0)
+        _impl.batches.send_many(producer, items, None, 0, 0)
         peer.credit = 64 << 20
         wire.flush()
         producer.credit.on_ack(wire, peer.tx_seq)
     print(f"send_many (64 x 64 B):   {(time.perf_counter() - t) / (rounds * 64) * 1e9:6.0f} ns/message")
     frame = codec.encode_data_many(0, [(k.encode(), value) for k in KEYS])
-    routes = consumer.check_routes(KEYS, False)
-    fed, taken = feed_and_take(frame, lambda: consumer.take_many(routes, 0))
+    routes = _impl.batches.check_routes(consumer, KEYS, False)
+    fed, taken = feed_and_take(frame, lambda: _impl.batches.take_many(consumer, routes, 0))
     print(f"DATA_MANY decode+dispatch: {fed:4.0f} ns/message")
     print(f"take_many (64 keys):     {taken:6.0f} ns/message")
 

@@ -18,7 +18,7 @@ import sys
 from types import ModuleType, SimpleNamespace
 
 MODULES = ("arrays", "keys", "table", "codec", "recvpool", "peers", "steps", "holding", "wire",
-           "requests", "credit", "routes", "engine", "calls")
+           "requests", "credit", "routes", "engine", "batches", "calls")
 _PACKAGE = "rvz._fast"
 
 
@@ -96,6 +96,7 @@ requests = active.requests
 credit = active.credit
 routes = active.routes
 engine = active.engine
+batches = active.batches
 calls = active.calls
 
 

@@ -69,7 +69,7 @@ def _log_unclaimed_failure(done: asyncio.Future[None]) -> None:
 
 
 def _release_held(core: Any, peer: Any, nbytes: int, done: asyncio.Future[None]) -> None:
-    """A held value pushed to its consumer left the push queue (``Node._push_oldest``)."""
+    """A held value pushed to its consumer left the push queue (``Heartbeat._push_oldest``)."""
     core.holding.released_held(peer, nbytes)
 
 def _observe(future: asyncio.Future[Any]) -> None:

@@ -181,7 +181,7 @@ class Links(NodeState):
         connection is made within ``connect_timeout`` (or the peer refuses one: its process
         is gone), what waits on it fails with ``PeerLost``."""
         core = self._core
-        core.reask(conn)
+        core.requests.reask(conn)
         link = peer.link
         if link is not None and link.ready and not link.closed:
             if conn.tx_next:

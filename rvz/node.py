@@ -75,6 +75,7 @@ _codec = _impl.codec
 _keys = _impl.keys
 _table = _impl.table
 _engine = _impl.engine
+_batches = _impl.batches
 if TYPE_CHECKING:  # the annotated source; at run time, the variant _impl loaded
     from typing_extensions import Unpack
 
@@ -547,7 +548,7 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
         self._entry(timeout)
         batch = list(items)
         core = self._core
-        core.check_routes([item[0] for item in batch], True)
+        _batches.check_routes(core, [item[0] for item in batch], True)
         if not batch:
             self._check_empty_batch(step)
             return
@@ -555,7 +556,7 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
         end = None if timeout is None or self._loop is None else self._loop.time() + timeout
         start = 0
         while True:
-            blocked = core.send_many(batch, mode, step, start)
+            blocked = _batches.send_many(core, batch, mode, step, start)
             if blocked is None:
                 return
             index, pending = blocked
@@ -576,11 +577,11 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
         """
         self._entry(timeout)
         core = self._core
-        routes = core.check_routes(list(keys), False)
+        routes = _batches.check_routes(core, list(keys), False)
         if not routes:
             self._check_empty_batch(step)
             return []
-        got = core.take_many(routes, step)
+        got = _batches.take_many(core, routes, step)
         if type(got) is list:
             return got
         return await self._recv_many_wait(got, routes, mode, step, timeout)
@@ -684,7 +685,7 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
             if route.src == self.id and route.dst != self.id:
                 core.holding.released_held(route.peer, nbytes_of(value))
             elif route.src != self.id:
-                core.consumed(route.src, value)
+                core.credit.consumed_from(route.peer, nbytes_of(value))
 
 
 class Step:

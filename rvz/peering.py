@@ -129,7 +129,7 @@ class Peering(NodeState):
             for key in table.keys_waiting():
                 route = core.routes.route(key)
                 if route.src == peer.id:
-                    core.ask_stuck(peer, step, route, table)
+                    core.requests.ask_missing(peer, step, route, table)
 
     def _on_error(self, conn: Connection, fields: dict[str, Any]) -> None:
         core = self._core

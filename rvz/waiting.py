@@ -129,7 +129,7 @@ class Waiting(NodeState):
         assert loop is not None
         waiting = batch.wait()
         try:
-            asks, dial = core.ask_many(waiting, routes, mode, step)
+            asks, dial = _impl.batches.ask_many(core, waiting, routes, mode, step)
         except BaseException:
             self._undo_batch(batch)
             raise

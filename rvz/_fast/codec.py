@@ -42,6 +42,7 @@ import numpy as np
 from ..errors import ProtocolError
 from . import arrays as _arrays
 from . import format as _format
+from .format import KEY, REQUEST_ID, STEP, VALUE
 
 try:  # Cython's own module; a compiled build sees the constant True
     import cython
@@ -429,8 +430,8 @@ class Decoder:
             if self._dest_filled < self._dest_len:
                 return _EMPTY_LIST
             event = self._pending
-            if event[4] is None:  # a large bytes value was received into a uint8 array
-                event = (DATA, event[1], event[2], event[3], self._dest.tobytes())
+            if event[VALUE] is None:  # a large bytes value was received into a uint8 array
+                event = (DATA, event[STEP], event[REQUEST_ID], event[KEY], self._dest.tobytes())
             self._dest = None
             self._pending = None
             self._peek = True

@@ -15,9 +15,11 @@ cdef bint COMPILED
 cdef str RECV, SEND
 # The engine's sizes, as C values: each message's accounting does arithmetic with them.
 cdef Py_ssize_t MESSAGE_COST
+# The positions of an event's items (format.py)
+cdef Py_ssize_t FIELD, KEY, KEYS, KIND, MESSAGE, REQUEST_ID, STEP, VALUE, VALUES
 cpdef Py_ssize_t nbytes_of(object value) except -1
 cdef unsigned long thread_ident()
-cdef tuple describe_value(object value)
+cpdef tuple describe_value(object value)
 
 
 cdef class Core
@@ -63,7 +65,7 @@ cdef class Core(Dispatcher):
     cpdef arrived(self, Wire conn)
     cpdef attach(self, object loop, unsigned long thread)
     cpdef object future(self)
-    cpdef str _check_mode(self, object mode)
+    cpdef str check_mode(self, object mode)
     @cython.locals(route=Route, table=Table, peer=Peer)
     cpdef enter(self, object timeout)
     cpdef object send(self, object key, object value, object mode, object step, object timeout)
@@ -88,22 +90,12 @@ cdef class Core(Dispatcher):
     @cython.locals(table=Table, route=Route)
     cpdef unblock(self, Peer peer)
     cpdef check_stuck(self, Peer peer)
-    cpdef ask_stuck(self, Peer peer, object step, Route route, Table table)
     @cython.locals(keys=dict)
     cpdef Table drop_table(self, object step)
-    cpdef consumed(self, tuple src, object value)
     cpdef unconsumed(self, tuple src, object value)
-    @cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, pushing=bint, item=tuple)
-    cpdef object send_many(self, list items, object mode, object step, Py_ssize_t start)
-    @cython.locals(route=Route, peer=Peer, conn=Wire, table=Table, n=Py_ssize_t,
-                   i=Py_ssize_t, code=int, nbytes=Py_ssize_t, cost=Py_ssize_t, shape=tuple)
-    cpdef Py_ssize_t push_many(self, list items, Py_ssize_t start, object step) except -1
-    cpdef list check_routes(self, list keys, bint sending)
-    @cython.locals(route=Route, peer=Peer, last=Peer, ask=bint, i=Py_ssize_t, asks=dict,
-                   dial=dict, requests=list)
-    cpdef tuple ask_many(self, list waiting, list routes, object mode, object step)
-    @cython.locals(route=Route, table=Table)
-    cpdef object take_many(self, list routes, object step)
+    # An event's items are read by position: the decoder made the tuple, of its kind's length.
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
     @cython.locals(event=tuple)
     cpdef dispatch(self, Wire conn, list events)
     @cython.locals(route=Route, table=Table, peer=Peer, cost=Py_ssize_t, request=Request,
@@ -115,7 +107,6 @@ cdef class Core(Dispatcher):
     cpdef Route arriving_route(self, Peer peer, str key)
     @cython.locals(route=Route, table=Table, peer=Peer, waiter=RemoteWaiter, held=bint, reused=bint)
     cpdef on_request(self, Wire conn, object step, object request_id, str key)
-    cdef check_backlog(self, Wire conn, Peer peer)
     cpdef on_credit(self, Wire conn, object nbytes)
     cpdef new_incarnation(self, Peer peer, Py_ssize_t window)
     cpdef Peer identified(self, Wire conn, tuple task_id)
@@ -123,6 +114,4 @@ cdef class Core(Dispatcher):
     cpdef link(self, Peer peer, Wire conn)
     cpdef set_running(self, bint running)
     cpdef stop(self, bint forked=*)
-    @cython.locals(again=list, keys=dict, request=Request, table=Table)
-    cpdef reask(self, Wire conn)
     cpdef on_cancel(self, Wire conn, object request_id)

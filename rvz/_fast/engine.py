@@ -38,12 +38,13 @@ from ..errors import (
 )
 from . import codec as _codec
 from .credit import Credit
+from .format import FIELD, KEY, KEYS, KIND, MESSAGE, REQUEST_ID, STEP, VALUE, VALUES
 from .holding import Holding
 from .peers import MESSAGE_COST, Peer, Route
 from .requests import Requests
 from .routes import Routes
 from .steps import Steps
-from .table import EMPTY, Batch, Table, Waiter, check_timeout, naming
+from .table import EMPTY, Table, Waiter, check_timeout, naming
 from .wire import Dispatcher, Wire
 
 try:  # Cython's own module; a compiled build sees the constant True
@@ -75,7 +76,7 @@ AUTH = _codec.AUTH
 
 
 # The two modes.  The engine keeps only these two objects as modes (``canonical_mode``,
-# ``Core._check_mode``), so that the per-message tests are identity tests.
+# ``Core.check_mode``), so that the per-message tests are identity tests.
 RECV = "recv"
 SEND = "send"
 
@@ -122,6 +123,27 @@ def nbytes_of(value: Any) -> int:
         return nbytes_c(value)  # type: ignore[name-defined]  # noqa: F821
     n = getattr(value, "nbytes", None)
     return len(value) if n is None else int(n)
+
+
+def wrong_loop(name: str, pid: int, loop: Any) -> str:
+    """Why a call from here cannot run on node ``name``, started in process ``pid`` on
+    ``loop`` (``Core.enter``): the advice differs with the state of
+    the node's loop (a closed one, as pytest-asyncio's per-test loops leave behind, is
+    the usual case)."""
+    if pid != getpid():
+        return (f"node {name} was started in process {pid}, and this process "
+                f"({getpid()}) is a child forked from it: the node's connections are the "
+                "parent's, and a child cannot use them; start a node of its own in the "
+                "child (close() and abort() on the inherited one do nothing)")
+    if loop.is_closed():
+        return (f"node {name} was started on an event loop that is now closed: a "
+                "node lives and dies with the loop that started it; start a new node on "
+                "this loop")
+    if not loop.is_running():
+        return (f"node {name} belongs to an event loop that is not running: call it "
+                "from a coroutine on that loop")
+    return (f"node {name} runs on another thread's event loop; call it from that "
+            "thread, e.g. asyncio.run_coroutine_threadsafe(node.recv(key), node_loop)")
 
 
 class RemoteWaiter(Waiter):
@@ -259,7 +281,7 @@ class Core(Dispatcher):
             return PyObject_Call(Future, (), self.future_kw)  # type: ignore[name-defined]  # noqa: F821
         return self.loop.create_future()
 
-    def _check_mode(self, mode: Any) -> str:
+    def check_mode(self, mode: Any) -> str:
         if mode is None:
             return self.mode
         if mode is RECV or mode is SEND:
@@ -281,29 +303,9 @@ class Core(Dispatcher):
         # loop (a thread runs one loop at a time), and that test costs no system call.
         if (loop is not None and (thread_ident() != self.loop_thread or not self.loop_running())
                 and _get_running_loop() is not loop):
-            raise RuntimeError(self.wrong_loop())
+            raise RuntimeError(wrong_loop(self.name, self.pid, loop))
         if timeout is not None:
             check_timeout(timeout)
-
-    def wrong_loop(self) -> str:
-        """Why a call from here cannot run (``enter``): the advice differs with the state of
-        the node's loop (a closed one, as pytest-asyncio's per-test loops leave behind, is
-        the usual case)."""
-        loop = self.loop
-        if self.pid != getpid():
-            return (f"node {self.name} was started in process {self.pid}, and this process "
-                    f"({getpid()}) is a child forked from it: the node's connections are the "
-                    "parent's, and a child cannot use them; start a node of its own in the "
-                    "child (close() and abort() on the inherited one do nothing)")
-        if loop.is_closed():
-            return (f"node {self.name} was started on an event loop that is now closed: a "
-                    "node lives and dies with the loop that started it; start a new node on "
-                    "this loop")
-        if not loop.is_running():
-            return (f"node {self.name} belongs to an event loop that is not running: call it "
-                    "from a coroutine on that loop")
-        return (f"node {self.name} runs on another thread's event loop; call it from that "
-                "thread, e.g. asyncio.run_coroutine_threadsafe(node.recv(key), node_loop)")
 
     def send(self, key: Any, value: Any, mode: Any, step: Any, timeout: Any) -> Any:
         """The synchronous part of ``Node.send`` (``enter`` first).
@@ -323,7 +325,7 @@ class Core(Dispatcher):
             table.put(route.text, local_value(value, code))
             return None
         self.steps.joined(step, peer)
-        mode = self._check_mode(mode)
+        mode = self.check_mode(mode)
         if mode is SEND and not table.waiting(route.text):
             return self.push(peer, step, route, value, code, shape, nbytes)
         # Recv-Driven (or a consumer already asked for it): a parked request takes it now.
@@ -482,7 +484,7 @@ class Core(Dispatcher):
         """
         if mode is None:
             return RECV if self.mode is RECV or peer.mode is RECV else SEND
-        return self._check_mode(mode)
+        return self.check_mode(mode)
 
     def unblock(self, peer: Peer) -> None:
         """``peer`` waits for credit and we have none to return: the whole window is values
@@ -493,7 +495,7 @@ class Core(Dispatcher):
             for key in table.keys_waiting():
                 route = self.routes.route(key)
                 if route.peer is peer:
-                    self.ask_stuck(peer, step, route, table)
+                    self.requests.ask_missing(peer, step, route, table)
 
     def check_stuck(self, peer: Peer) -> None:
         """``peer`` said it waits for credit and we have none to return: when we hold values
@@ -507,12 +509,6 @@ class Core(Dispatcher):
             peer.stuck = True
             self.unblock(peer)
 
-    def ask_stuck(self, peer: Peer, step: Any, route: Route, table: Table) -> None:
-        """Request one value of ``route`` for each waiter not yet covered by a request."""
-        missing = table.waiting(route.text) - self.requests.outstanding_count(step, route.text)
-        for _ in range(missing):
-            self.requests.request(peer, step, route)
-
     def drop_table(self, step: Any) -> Table | None:
         """Forget ``step``'s table (empty, expired or aborted) and return it; its map of
         requests goes too when nothing is asked in it any more (else the last answer's
@@ -521,185 +517,45 @@ class Core(Dispatcher):
         self.requests.table_dropped(step)
         return table
 
-    # -- batches ------------------------------------------------------------------------
-
-    def send_many(self, items: list, mode: Any, step: Any, start: int) -> Any:
-        """Send ``items[start:]`` until one must wait: returns ``(index, pending)`` of that
-        one (see ``send``), or None when all went.  Send-Driven runs of values to one peer
-        go by ``push_many``; the rest as ``send`` would."""
-        n = len(items)
-        i = start
-        pushing = self._check_mode(mode) is SEND
-        while i < n:
-            if pushing:
-                j = self.push_many(items, i, step)
-                if j > i:
-                    i = j
-                    continue
-            item = items[i]
-            pending = self.send(item[0], item[1], mode, step, None)
-            if pending is not None:
-                return (i, pending)
-            i += 1
-        return None
-
-    def push_many(self, items: list, start: int, step: Any) -> int:
-        """Push ``items[start:]`` to one peer as far as ``push`` would write each at once
-        (the same peer, an ``open_link``, credit for each, no parked request for its key),
-        without ``send``'s work per item; the link's buffer packs the small ones into
-        DATA_MANY frames.  Returns the index of the first item not pushed (``start`` when
-        none was: the caller sends that one alone)."""
-        route = self.own_route(items[start][0], True)
-        peer = route.peer
-        if peer is None:
-            return start
-        conn = self.credit.open_link(peer)
-        if conn is None:
-            return start
-        table = self.steps.table(step)
-        n = len(items)
-        i = start
-        while i < n:
-            if i > start:
-                route = self.own_route(items[i][0], True)
-                if route.peer is not peer:
-                    break
-            if table.waiting(route.text):  # a consumer's request is parked: answer it
-                break
-            value, code, shape, nbytes = describe_value(items[i][1])
-            cost = nbytes + MESSAGE_COST
-            if peer.credit < cost:
-                break
-            if i == start:
-                self.steps.joined(step, peer)
-            peer.credit -= cost
-            conn.write_value(step, 0, route.encoded, value, code, shape, nbytes)
-            i += 1
-        return i
-
-    def check_routes(self, keys: list, sending: bool) -> list:
-        """Every key's route, checked before a batch touches anything."""
-        return [self.own_route(key, sending) for key in keys]
-
-    def ask_many(self, waiting: list, routes: list, mode: Any, step: Any) -> tuple:
-        """The keys of a ``recv_many`` that wait (``waiting``: indexes into ``routes``) from
-        their producers: Recv-Driven ones get a request each (not sent yet), and the
-        Send-Driven producers with no connection are listed once each, with the first of
-        their keys (the node dials them, to notice if they are gone).  Returns
-        ``({peer: [requests]}, {peer: key to dial for})``.  The producer's mode is decided
-        once per run of keys from one producer."""
-        asks: dict = {}
-        dial: dict = {}
-        last = None
-        ask = False
-        for i in waiting:
-            route = routes[i]
-            peer = route.peer
-            if peer is None:  # a local key: a local send fills it
-                continue
-            if peer is not last:
-                last = peer
-                self.steps.joined(step, peer)
-                ask = self.must_ask(peer, mode)
-                if not ask and peer not in dial and peer.unconnected():
-                    dial[peer] = route.text
-            if ask:
-                requests = asks.get(peer)
-                if requests is None:
-                    asks[peer] = [self.requests.new_request(peer, step, route)]
-                else:
-                    requests.append(self.requests.new_request(peer, step, route))
-        return asks, dial
-
-    def take_many(self, routes: list, step: Any) -> Any:
-        """Take what is queued for a ``recv_many``: the list of values when every key had
-        one, else a ``Batch`` (its missing slots are not registered yet)."""
-        table = self.steps.table(step)
-        n = len(routes)
-        values = [EMPTY] * n
-        stamps = [0] * n
-        missing = 0
-        for i in range(n):
-            route = routes[i]
-            value = table.take(route.text)
-            if value is EMPTY:
-                missing += 1
-            else:
-                values[i] = value
-                stamps[i] = table.took
-                if route.peer is not None:
-                    self.credit.consumed_from(route.peer, nbytes_of(value))
-        if not missing:
-            return values
-        self.waits_consumer += 1
-        return Batch(table, [r.text for r in routes], values, stamps, missing,
-                     self.future())
-
     # -- frames from peers ----------------------------------------------------------------
 
     def dispatch(self, conn: Wire, events: list) -> None:
         """Handle every frame decoded from one read (or one batch of completions)."""
         for event in events:
-            kind = event[0]
+            kind = event[KIND]
             try:
                 if not conn.ready and kind != HELLO and kind != AUTH and kind != ERROR:
                     raise ProtocolError(f"{_peer_name(conn)} sent a frame of type {kind} before "
                                         "completing its handshake")
                 if kind == DATA:
-                    self.on_data(conn, event[1], event[2], event[3], event[4])
+                    self.on_data(conn, event[STEP], event[REQUEST_ID], event[KEY], event[VALUE])
                 elif kind == DATA_MANY:
-                    self.on_data_many(conn, event[1], event[2], event[3])
+                    self.on_data_many(conn, event[STEP], event[KEYS], event[VALUES])
                 elif kind == REQUEST:
-                    self.on_request(conn, event[1], event[2], event[3])
+                    self.on_request(conn, event[STEP], event[REQUEST_ID], event[KEY])
                 elif kind == CREDIT:
-                    self.on_credit(conn, event[1])
+                    self.on_credit(conn, event[FIELD])
                 elif kind == SEQ:
-                    conn.rx_seq = event[1]
+                    conn.rx_seq = event[FIELD]
                 elif kind == ACK:
-                    self.credit.on_ack(conn, event[1])
+                    self.credit.on_ack(conn, event[FIELD])
                 elif kind == CANCEL:
-                    self.on_cancel(conn, event[1])
+                    self.on_cancel(conn, event[FIELD])
                 elif kind == PING:
                     pass
                 elif kind == HELLO:
-                    self.host.on_hello(conn, event[1])
+                    self.host.on_hello(conn, event[FIELD])
                 elif kind == AUTH:
-                    self.host.on_auth(conn, event[1])
+                    self.host.on_auth(conn, event[FIELD])
                 elif kind == ERROR:
-                    self.host.on_error(conn, event[1])
+                    self.host.on_error(conn, event[FIELD])
                 elif kind == ABORT_STEP:
-                    self.host.on_abort_step(conn, event[1], event[2])
+                    self.host.on_abort_step(conn, event[STEP], event[MESSAGE])
                 elif kind == BYE:
                     conn.bye_received = True
-            except AuthError as exc:
-                if conn.ready:
-                    conn.fail(exc)
-                elif conn.outbound:
-                    # The handshake failed here, at the dialler.  Our own AUTH, queued when
-                    # the listener's HELLO came (often in this same read), may still be in
-                    # the write buffer: a reset discarded it, and the listener saw a
-                    # connection closed without a word instead of a failed proof, so it
-                    # neither refused nor logged it.  It leaves first; the listener closes.
-                    conn.close_because(exc)
-                else:
-                    conn.refuse(exc)  # we are the listener: the dialler must learn why
-                return
-            except (ProtocolError, TransportError) as exc:
-                conn.fail(exc)
-                return
-            except (OverflowError, MemoryError, ValueError, TypeError) as exc:
-                # A peer-supplied value that breaks a conversion (task=inf, a huge shape):
-                # that peer's protocol violation, never an exception in the event loop.
-                err = ProtocolError(f"{_peer_name(conn)} sent a frame we cannot use: {exc!r}")
-                err.__cause__ = exc
-                conn.fail(err)
-                return
-            except (KeyFormatError, WrongEndpoint) as exc:
-                # A key from the wire that does not parse or route is the peer's protocol
-                # violation: close that connection only, never raise into the event loop.
-                err = ProtocolError(f"{_peer_name(conn)} sent a key we cannot route: {exc}")
-                err.__cause__ = exc
-                conn.fail(err)
+            except (AuthError, ProtocolError, TransportError, KeyFormatError, WrongEndpoint,
+                    OverflowError, MemoryError, ValueError, TypeError) as exc:
+                conn.frame_failed(exc)  # that connection ends; never the event loop
                 return
 
     def on_data(self, conn: Wire, step: Any, request_id: Any, key: str, value: Any) -> None:
@@ -807,7 +663,7 @@ class Core(Dispatcher):
             raise ProtocolError("REQUEST before HELLO")
         if not route.from_me or route.peer is not peer:
             # Only the key's destination may fetch it, and never a key local to this node.
-            self.check_backlog(conn, peer)
+            conn.check_backlog()
             conn.write_frame(encode_error(
                 request_id, step, key, "WrongEndpoint",
                 f"{self.name} cannot answer {peer.name}'s request for key {key}: it routes "
@@ -816,7 +672,7 @@ class Core(Dispatcher):
             return
         dead = self.steps.dead_steps.get(step)
         if dead is not None or self.closed:
-            self.check_backlog(conn, peer)  # an error reply is output as any other
+            conn.check_backlog()  # an error reply is output as any other
             conn.write_frame(encode_error(request_id, step, key, "aborted",
                                           dead or f"node {self.name} closed"))
             return
@@ -824,7 +680,7 @@ class Core(Dispatcher):
         self.steps.joined(step, peer)
         # A push of this key still waiting for credit came before any value of it held
         # here: Recv-Driven values nobody asked for within claim_timeout are pushed oldest
-        # first (``Node._push_unclaimed``; close() too), and a Send-Driven consumer asks for
+        # first (``Heartbeat._push_unclaimed``; close() too), and a Send-Driven consumer asks for
         # its pushes when the window is full of other keys' values (``unblock``).  That push
         # answers; a held value answered first would reach the consumer before it.
         value = self.credit.unqueue_push(peer, step, route.text) if peer.queue else EMPTY
@@ -835,7 +691,7 @@ class Core(Dispatcher):
             value = table.take_or_wait(route.text, waiter)
         if value is not EMPTY and self.holding.claim_timeout is not None:
             # The consumer pulls this key: its values held before now are not pushed at
-            # claim_timeout (``Node._push_unclaimed``), which could reorder them.  A request
+            # claim_timeout (``Heartbeat._push_unclaimed``), which could reorder them.  A request
             # that finds nothing held (it parks: a consumer-first exchange) can spare no
             # value, as every value held later is held after it, and the claims of values
             # taken earlier are covered by the requests that took them: it records nothing
@@ -860,18 +716,6 @@ class Core(Dispatcher):
                 self.holding.released_held(peer, nbytes_of(value))
             self.answer(conn, step, request_id, route, value)
 
-    def check_backlog(self, conn: Wire, peer: Peer) -> None:
-        """A peer whose requests get only error replies, and that does not read them, is
-        closed at ``answer_backlog`` bytes unsent: they would pile up here unbounded."""
-        if conn.backlog() > self.answer_backlog:
-            raise ProtocolError(f"{peer.name} sends requests and does not read the replies")
-
-    def consumed(self, src: tuple, value: Any) -> None:
-        """A value from ``src`` left our table: grant that producer the space again."""
-        peer = self.peers.get(src)
-        if peer is not None:
-            self.credit.consumed_from(peer, nbytes_of(value))
-
     def unconsumed(self, src: tuple, value: Any) -> None:
         """A value we counted as consumed went back to its queue (a cancelled recv)."""
         peer = self.peers.get(src)
@@ -886,22 +730,9 @@ class Core(Dispatcher):
     # -- exactly once across reconnects -------------------------------------------------------
 
     def new_incarnation(self, peer: Peer, window: int) -> None:
-        """``peer`` is a new process: nothing of the old one counts (its credit, what it
-        owed us or we owed it, the values we kept for it and the numbers of its values)."""
-        peer.unreturned = 0
-        peer.answered = 0
-        peer.owed = 0
-        peer.window = window
-        peer.credit = window
-        peer.credit_in = 0
-        peer.credited = 0
-        peer.tx_seq = 0
-        peer.unacked = []
-        peer.unacked_head = 0
-        peer.rx_floor = 0
-        peer.rx_above.clear()
-        peer.acked_sent = 0
-        # Requests we cancelled on an old process are never settled by the new one.
+        """``peer`` is a new process: nothing of the old one counts (``Peer.new_incarnation``),
+        nor the requests we cancelled on it, which the new one never settles."""
+        peer.new_incarnation(window)
         self.requests.forget_cancelled_of(peer)
 
     def identified(self, conn: Wire, task_id: tuple) -> Peer:
@@ -938,23 +769,6 @@ class Core(Dispatcher):
         if forked:
             self.loop_thread = 0
 
-    def reask(self, conn: Wire) -> None:
-        """``conn`` closed with requests of ours on it: ask again, with new ids, once a
-        connection to the same process is up.  The old ids count as cancelled, so an
-        answer to one sent again after the reconnect is still taken as an answer; a key
-        may then get a value more than its recvs asked for, which waits for the next one."""
-        again = [r for r in self.requests.by_id.values() if r.conn is conn]
-        keys: dict = {}
-        for request in again:
-            self.requests.drop(request.id)
-            self.requests.note_cancelled(request)
-            keys[(request.step, request.key)] = request
-        for (step, key), request in keys.items():
-            table = self.steps.tables.get(step)
-            if table is not None:
-                for _ in range(table.waiting(key) - self.requests.outstanding_count(step, key)):
-                    self.requests.request(request.peer, step, request.route)
-
     def on_cancel(self, conn: Wire, request_id: Any) -> None:
         parked = conn.parked.pop(request_id, None)
         if parked is not None:
@@ -964,7 +778,7 @@ class Core(Dispatcher):
                 table.remove_waiter(parked.route.text, parked)
             # Say that no answer follows, so the consumer can forget the id (``settled``); a
             # request answered already needs no word: its answer is on its way.
-            self.check_backlog(conn, conn.peer)
+            conn.check_backlog()
             conn.write_frame(encode_error(request_id, parked.step, "", "cancelled", ""))
 
 

@@ -20,6 +20,19 @@ REQUEST = 3    # the REQUEST frame's type
 DATA_MANY = 13  # several small Send-Driven values of one step in one frame
 MAX_NDIM = 32
 
+# The decoder hands each frame up as an event: a tuple of its kind, then its fields
+# (``codec.Decoder.feed`` lists each kind's).  These name the positions.
+KIND = 0
+STEP = 1        # DATA, DATA_MANY, REQUEST, ABORT_STEP
+FIELD = 1       # the one field of CREDIT, SEQ, ACK, CANCEL, HELLO, AUTH, ERROR, ONESIDED
+REQUEST_ID = 2  # DATA (0: a push), REQUEST
+KEY = 3         # DATA, REQUEST
+VALUE = 4       # DATA
+NUMBER = 5      # DATA delivered by a one-sided channel: the value's number (``Wire.deliver``)
+KEYS = 2        # DATA_MANY
+VALUES = 3      # DATA_MANY
+MESSAGE = 2     # ABORT_STEP
+
 # dtype code 0 is a ``bytes`` value; the others are numpy dtypes, little-endian on the wire.
 BYTES_CODE = 0
 WIRE_DTYPES = ["|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8",

@@ -108,7 +108,7 @@ class Holding:
 
     def due_claims(self, now: float, route: Any) -> list:
         """The held values nobody asked for within claim_timeout, as ``(step, key, count)``:
-        push the ``count`` oldest values of ``key`` (``Node._push_unclaimed``).  ``route``
+        push the ``count`` oldest values of ``key`` (``Heartbeat._push_unclaimed``).  ``route``
         gives a key's ``Route``.
 
         Only the keys whose time came (``next_claim``) are looked at, each once a pass:

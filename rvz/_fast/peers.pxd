@@ -61,6 +61,7 @@ cdef class Peer:
     cpdef dialled(self, object conn)
     cpdef dropped(self, object conn)
     cpdef forget_links(self, object keep)
+    cpdef new_incarnation(self, Py_ssize_t window)
     cpdef object take_queue(self)
     cpdef left_step(self, object step)
     cpdef Py_ssize_t kept(self)

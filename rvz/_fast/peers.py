@@ -190,6 +190,23 @@ class Peer:
         self.stuck = False
         self.pushes_on = None
 
+    def new_incarnation(self, window: int) -> None:
+        """The peer is a new process: nothing of the old one counts (its credit, what it
+        owed us or we owed it, the values we kept for it and the numbers of its values)."""
+        self.unreturned = 0
+        self.answered = 0
+        self.owed = 0
+        self.window = window
+        self.credit = window
+        self.credit_in = 0
+        self.credited = 0
+        self.tx_seq = 0
+        self.unacked = []
+        self.unacked_head = 0
+        self.rx_floor = 0
+        self.rx_above.clear()
+        self.acked_sent = 0
+
     def take_queue(self) -> Any:
         """The pushes queued for this peer; its queue is empty after."""
         queue = self.queue

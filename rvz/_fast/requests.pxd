@@ -18,6 +18,9 @@ cdef class Requests:
 
     cpdef table_dropped(self, object step)
     cpdef forget_cancelled_of(self, Peer peer)
+    @cython.locals(again=list, keys=dict, request=Request, table=Table)
+    cpdef reask(self, Wire conn)
+    cpdef ask_missing(self, Peer peer, object step, Route route, Table table)
     @cython.locals(request=Request)
     cpdef object drop(self, object request_id)
     @cython.locals(request=Request, keys=dict, key=str, request_id=object)

@@ -56,6 +56,29 @@ class Requests:
         if self.cancelled:
             self.cancelled = {i: p for i, p in self.cancelled.items() if p is not peer}
 
+    def ask_missing(self, peer: Peer, step: Any, route: Route, table: Table) -> None:
+        """Request one value of ``route``'s key for each recv waiting in ``table`` that no
+        request covers yet."""
+        for _ in range(table.waiting(route.text) - self.outstanding_count(step, route.text)):
+            self.request(peer, step, route)
+
+    def reask(self, conn: Wire) -> None:
+        """``conn`` closed with requests of ours on it: ask again, with new ids, once a
+        connection to the same process is up.  The old ids count as cancelled, so an
+        answer to one sent again after the reconnect is still taken as an answer; a key
+        may then get a value more than its recvs asked for, which waits for the next one."""
+        again = [r for r in self.by_id.values() if r.conn is conn]
+        keys: dict = {}
+        for request in again:
+            self.drop(request.id)
+            self.note_cancelled(request)
+            keys[(request.step, request.key)] = request
+        for (step, key), request in keys.items():
+            table = self.steps.tables.get(step)
+            if table is not None:
+                for _ in range(table.waiting(key) - self.outstanding_count(step, key)):
+                    self.request(request.peer, step, request.route)
+
     def drop(self, request_id: Any) -> Any:
         """Forget request ``request_id`` (answered, failed or cancelled) and return it, or
         None if it is not outstanding."""
@@ -157,7 +180,7 @@ class Requests:
         held = peer.held_back
         conn = self.request_link(peer)
         if conn is None or not conn.ready or conn.closed:
-            return  # the next link sends them (``Node._link_ready``)
+            return  # the next link sends them (``Links._link_ready``)
         requests = self.by_id
         go: list = []
         room = peer.parks - len(peer.asking)

@@ -13,6 +13,7 @@ cdef bint COMPILED
 cdef Py_ssize_t MESSAGE_COST, COALESCE_MAX, FLUSH_AT, MANY_PAYLOAD, MAX_MANY
 cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, LARGE_READ, COPY_WRITE_MAX
 cdef long long ALONE_NS
+cdef Py_ssize_t NUMBER
 cdef bytes copy_bytes(bytearray data)
 cdef long long clock_ns()
 cdef frame_data(bytearray out, object step, object request_id, bytes key, int code,
@@ -110,6 +111,7 @@ cdef class Wire:
     @cython.locals(now="long long")
     cdef bint _at_once(self) except -1
     cpdef flush(self)
+    cdef check_backlog(self)
     cdef requests_queued(self)
     cdef _write_out(self)
     cdef _write(self, bytearray data, object payload)

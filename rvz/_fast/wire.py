@@ -13,7 +13,7 @@ from __future__ import annotations
 from time import monotonic_ns
 from typing import Any
 
-from ..errors import PeerLost, ProtocolError
+from ..errors import AuthError, PeerLost, ProtocolError, TransportError, WrongEndpoint
 from . import arrays as _arrays
 from . import codec as _codec
 from .codec import (
@@ -24,6 +24,7 @@ from .codec import (
     encode_error,
     encode_seq,
 )
+from .format import NUMBER
 from .peers import MESSAGE_COST
 
 try:  # Cython's own module; a compiled build sees the constant True
@@ -286,7 +287,7 @@ class Wire:
         stream = self.rx_seq
         try:
             for event in events:
-                self.rx_seq = event[5] if len(event) > 5 else 0
+                self.rx_seq = event[NUMBER] if len(event) > NUMBER else 0
                 self.core.dispatch(self, [event])
         finally:
             self.rx_seq = stream
@@ -573,6 +574,38 @@ class Wire:
 
     def close(self) -> None:
         raise NotImplementedError  # the transport's: close after what is queued
+
+    def check_backlog(self) -> None:
+        """A peer whose requests get only error replies, and that does not read them, is
+        closed at ``answer_backlog`` bytes unsent: they would pile up here unbounded."""
+        if self.backlog() > self.core.answer_backlog:
+            raise ProtocolError(f"{self.peer.name} sends requests and does not read the replies")
+
+    def frame_failed(self, exc: BaseException) -> None:
+        """A frame of the peer's could not be handled (``Dispatcher.dispatch`` raised
+        ``exc``): the connection ends, so that the peer learns why where it can."""
+        if isinstance(exc, AuthError):
+            if self.ready:
+                self.fail(exc)
+            elif self.outbound:
+                # The handshake failed here, at the dialler.  Our own AUTH, queued when the
+                # listener's HELLO came (often in this same read), may still be in the
+                # write buffer: a reset would discard it, and the listener would see an end
+                # without a word instead of a failed proof.  It leaves first.
+                self.close_because(exc)
+            else:
+                self.refuse(exc)  # we are the listener: the dialler must learn why
+            return
+        if not isinstance(exc, (ProtocolError, TransportError)):
+            # A peer-supplied value that breaks a conversion (task=inf, a huge shape) or a
+            # key that does not route: that peer's protocol violation.
+            name = self.peer.name if self.peer is not None else "an unidentified peer"
+            err = ProtocolError(f"{name} sent a key we cannot route: {exc}"
+                                if isinstance(exc, WrongEndpoint)
+                                else f"{name} sent a frame we cannot use: {exc!r}")
+            err.__cause__ = exc
+            exc = err
+        self.fail(exc)
 
     def refuse(self, reason: BaseException) -> None:
         """A failed handshake, at the listener: tell the dialler why (a dialler told "auth"

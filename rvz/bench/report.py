@@ -99,25 +99,40 @@ def _find(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
 HOLD_SIZES = (256 << 10, 4 << 20, 64 << 20)
 
 
+class _Verdicts:
+    """The targets evaluated so far, each a row of ``evaluate_targets``."""
+
+    def __init__(self) -> None:
+        self.out: list[dict[str, Any]] = []
+
+    def add(self, tid: str, what: str, required: str, figure: float | None, ok: bool | None,
+            detail: str, kind: str = "goal") -> None:
+        self.out.append({"id": tid, "target": what, "required": required, "figure": figure,
+                         "met": ok, "detail": detail, "kind": kind})
+
+
+def at_least(x: float | None, floor: float) -> bool | None:
+    return None if x is None else x >= floor
+
+
+def at_most(x: float | None, ceiling: float) -> bool | None:
+    return None if x is None else x <= ceiling
+
+
 def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The goals, then the levels already reached that must stay met ("keep"); each with
     its figure (a ratio of same-run figures) and met / not met (None: not measured)."""
+    v = _Verdicts()
     stream = results.get("stream", [])
-    pingpong = results.get("pingpong", [])
-    rendezvous = results.get("rendezvous_summary", [])
-    out: list[dict[str, Any]] = []
+    _message_rates(v, stream, results.get("impl_compare"))
+    _throughputs(v, stream)
+    _latencies(v, results.get("pingpong", []), results.get("rendezvous_summary", []))
+    _kept_levels(v, stream, results.get("rendezvous_summary", []))
+    _memory(v, stream)
+    return v.out
 
-    def add(tid: str, what: str, required: str, figure: float | None, ok: bool | None,
-            detail: str, kind: str = "goal") -> None:
-        out.append({"id": tid, "target": what, "required": required, "figure": figure,
-                    "met": ok, "detail": detail, "kind": kind})
 
-    def at_least(x: float | None, floor: float) -> bool | None:
-        return None if x is None else x >= floor
-
-    def at_most(x: float | None, ceiling: float) -> bool | None:
-        return None if x is None else x <= ceiling
-
+def _message_rates(v: _Verdicts, stream: list[dict[str, Any]], comp: Any) -> None:
     # 64B Send-Driven message rate against pyzmq PUSH/PULL: one call per message on 64
     # lanes, and the batch API with 64 keys per call.
     for tid, variant, what, floor, key in (
@@ -135,21 +150,22 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                       f"{rate_label(row['baseline_pyzmq_msgs'])} msg/s")
         else:
             detail = "not measured" + ("" if row is None else " (no pyzmq baseline)")
-        add(tid, f"{what} vs pyzmq", f">= {floor}x", r, at_least(r, floor), detail)
+        v.add(tid, f"{what} vs pyzmq", f">= {floor}x", r, at_least(r, floor), detail)
 
-    comp = results.get("impl_compare")
     r = comp.get("ratio") if comp else None
     detail = (f"compiled {rate_label(comp['compiled_msgs_per_s'])} msg/s vs python "
               f"{rate_label(comp['python_msgs_per_s'])} msg/s" if comp and r is not None
               else "not measured")
-    add("compiled-vs-python-64B", "stream 64B compiled / pure Python", ">= 3x", r,
+    v.add("compiled-vs-python-64B", "stream 64B compiled / pure Python", ">= 3x", r,
         at_least(r, 3.0), detail)
 
+
+def _throughputs(v: _Verdicts, stream: list[dict[str, Any]]) -> None:
     row = _find(stream, variant="rvz-one", mode="send", size=4 << 10)
     r = row.get("ratio_socket") if row else None
     detail = (f"{row['gbytes_per_s']:.2f} GB/s vs socket {row['baseline_socket_gbps']:.2f} GB/s"
               if row and r is not None else "not measured")
-    add("one-in-flight-4K", "4K send-driven, 1 in flight, vs socket", ">= 0.8x", r,
+    v.add("one-in-flight-4K", "4K send-driven, 1 in flight, vs socket", ">= 0.8x", r,
         at_least(r, 0.8), detail)
 
     for mode in ("send", "recv"):
@@ -175,9 +191,12 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 # plain socket this much of its streaming rate here.
                 detail += (f"; socket request/reply, same size: {reply:.2f} GB/s "
                            f"({reply / worst['baseline_socket_gbps']:.2f}x the socket)")
-        add(f"holds-previous-{mode}", f"256K..64M {mode}-driven holds previous vs socket",
+        v.add(f"holds-previous-{mode}", f"256K..64M {mode}-driven holds previous vs socket",
             ">= 0.9x", r, at_least(r, 0.9), detail)
 
+
+def _latencies(v: _Verdicts, pingpong: list[dict[str, Any]],
+               rendezvous: list[dict[str, Any]]) -> None:
     for mode, ceiling in (("recv", 1.2), ("send", 1.1)):
         row = _find(pingpong, variant="rvz", mode=mode, size=64)
         r = row.get("ratio_streams") if row else None
@@ -186,7 +205,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                   if row and r is not None else "not measured")
         if row and row.get("busy_poll_us"):
             detail += f" (both busy-polling {row['busy_poll_us']:g} us)"
-        add(f"pingpong-{mode}-64B", f"pingpong {mode}-driven 64B p50 vs {loop} echo",
+        v.add(f"pingpong-{mode}-64B", f"pingpong {mode}-driven 64B p50 vs {loop} echo",
             f"<= {ceiling}x", r, at_most(r, ceiling), detail)
 
     row = _find(rendezvous, order="consumer-first")
@@ -197,25 +216,30 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     if host is not None:
         # Context, not the verdict: what the same rounds cost on a plain socket here.
         detail += f"; plain socket, same rounds: push / request+reply {host:.2f}x"
-    add("rendezvous-consumer-first", "rendezvous consumer-first: send p50 / recv p50", "<= 1.0x",
+    v.add("rendezvous-consumer-first", "rendezvous consumer-first: send p50 / recv p50", "<= 1.0x",
         r, at_most(r, 1.0), detail)
 
-    # Levels already reached: they must stay met.
+
+def _kept_levels(v: _Verdicts, stream: list[dict[str, Any]],
+                 rendezvous: list[dict[str, Any]]) -> None:
+    """Levels already reached: they must stay met."""
     for size, floor in ((4 << 20, 0.85), (64 << 20, 0.85), (4 << 10, 0.6)):
         row = _find(stream, variant="rvz", mode="send", size=size)
         r = row.get("ratio_socket") if row else None
         detail = (f"{row['gbytes_per_s']:.2f} GB/s vs socket {row['baseline_socket_gbps']:.2f} GB/s"
                   if row and r is not None else "not measured")
-        add(f"stream-send-{size_label(size)}", f"stream send-driven {size_label(size)} vs socket",
+        v.add(f"stream-send-{size_label(size)}", f"stream send-driven {size_label(size)} vs socket",
             f">= {floor}x", r, at_least(r, floor), detail, kind="keep")
 
     row = _find(rendezvous, order="producer-first")
     r = row.get("send_over_recv_p50") if row else None
     detail = (f"send {row['send_p50_us']:.1f} us vs recv {row['recv_p50_us']:.1f} us (p50)"
               if row and r is not None else "not measured")
-    add("rendezvous-producer-first", "rendezvous producer-first: send p50 / recv p50", "<= 0.6x",
+    v.add("rendezvous-producer-first", "rendezvous producer-first: send p50 / recv p50", "<= 0.6x",
         r, at_most(r, 0.6), detail, kind="keep")
 
+
+def _memory(v: _Verdicts, stream: list[dict[str, Any]]) -> None:
     worst_mem: tuple[float, dict[str, Any]] | None = None
     for row in stream:
         if row.get("variant") == "rvz" and row.get("size") == MEMORY_SIZE and row.get("memory"):
@@ -223,7 +247,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             if worst_mem is None or tensors > worst_mem[0]:
                 worst_mem = (tensors, row)
     if worst_mem is None:
-        add("memory-64M", "consumer peak RSS above idle, streaming 64M", "< 3 tensors", None, None,
+        v.add("memory-64M", "consumer peak RSS above idle, streaming 64M", "< 3 tensors", None, None,
             "not measured", kind="keep")
     else:
         tensors, row = worst_mem
@@ -231,9 +255,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         detail = (f"{row['mode']}-driven: idle {mem['idle_rss'] / 2**20:.0f} MiB, peak "
                   f"{mem['peak_rss'] / 2**20:.0f} MiB" + ("" if mem["peak_was_reset"]
                                                           else " (peak not resettable)"))
-        add("memory-64M", "consumer peak RSS above idle, streaming 64M", "< 3 tensors", tensors,
+        v.add("memory-64M", "consumer peak RSS above idle, streaming 64M", "< 3 tensors", tensors,
             tensors < 3.0, detail, kind="keep")
-    return out
 
 
 def targets_table(targets: list[dict[str, Any]]) -> str:
