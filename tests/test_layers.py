@@ -51,6 +51,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                       "rvz.links", "rvz.peering", "rvz.heartbeat", "rvz.waiting",
                       "rvz.closing")),
     ("public API",   ("rvz",)),
+    # optional exporters of what the public API reports
+    ("exporters",    ("rvz.metrics",)),
     ("bench",        ("rvz.bench", "rvz.bench.*")),
 ]
 
