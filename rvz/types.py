@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import ssl as _ssl
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -26,9 +26,28 @@ Value: TypeAlias = npt.NDArray[Any] | bytes
 """A value rvz moves: a numpy array of a numeric or bool dtype (any shape), or ``bytes``.
 ``recv`` returns one of these."""
 
-SendValue: TypeAlias = Value | bytearray | memoryview | np.generic
+
+
+class DLPackTensor(Protocol):
+    """A tensor that exports DLPack: torch, JAX, TensorFlow and numpy arrays do."""
+
+    def __dlpack__(self) -> Any: ...
+
+    def __dlpack_device__(self) -> Any: ...
+
+
+class ArrayInterface(Protocol):
+    """An object that describes its memory by numpy's ``__array_interface__``."""
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]: ...
+
+
+SendValue: TypeAlias = Value | bytearray | memoryview | np.generic | DLPackTensor | ArrayInterface
 """What ``send`` accepts: a ``Value``; a ``bytearray`` or ``memoryview``, sent as its bytes
-(it arrives as ``bytes``); or a numpy scalar (``arr.sum()``), sent as a 0-d array."""
+(it arrives as ``bytes``); a numpy scalar (``arr.sum()``), sent as a 0-d array; or a CPU
+tensor of another framework (DLPack or ``__array_interface__``; any other object that
+exports the buffer protocol too), read where it lies and received as a numpy array."""
 
 KeyLike: TypeAlias = Key | str
 """Anything ``send``/``recv`` accept as a key: a ``rvz.Key`` or its string form."""
@@ -148,5 +167,6 @@ class NodeStats(TypedDict):
     busy_poll: BusyPollStats | None
 
 
-__all__ = ["BusyPollStats", "HeldStats", "KeyLike", "LoopName", "Mode", "NodeOptions", "NodeStats",
-           "PeerStats", "SendValue", "StepStats", "TransportName", "Value", "WaitStats"]
+__all__ = ["ArrayInterface", "BusyPollStats", "DLPackTensor", "HeldStats", "KeyLike", "LoopName",
+           "Mode", "NodeOptions", "NodeStats", "PeerStats", "SendValue", "StepStats", "TransportName",
+           "Value", "WaitStats"]

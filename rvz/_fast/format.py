@@ -75,4 +75,53 @@ def describe_other(value: Any) -> tuple:
         if isinstance(value, memoryview):
             value = value.cast("B") if value.c_contiguous else memoryview(value.tobytes())
         return value, BYTES_CODE, (), len(value)
-    raise TypeError(f"rvz sends numpy arrays or bytes, not {type(value).__name__}")
+    array = foreign_array(value)
+    if array is None:
+        raise TypeError(f"rvz sends numpy arrays, bytes, or CPU tensors and arrays that export "
+                        f"DLPack, __array_interface__ or the buffer protocol, not "
+                        f"{_kind(value)}")
+    return describe_other(array)
+
+
+# DLPack's device types that are CPU memory numpy can read (``__dlpack_device__``).
+_DL_CPU = 1
+_DL_DEVICES = {2: "CUDA", 3: "pinned CUDA host", 4: "OpenCL", 7: "Vulkan", 8: "Metal",
+               9: "VPI", 10: "ROCm", 11: "pinned ROCm host", 13: "CUDA managed",
+               14: "oneAPI", 15: "WebGPU", 16: "Hexagon"}
+
+
+def _kind(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def foreign_array(value: Any) -> np.ndarray | None:
+    """An ndarray over the memory of a tensor of another framework (torch, JAX, TensorFlow,
+    CuPy on the host) or of any object that exports DLPack, ``__array_interface__`` or the
+    buffer protocol: no copy.  None for an object that exports none of them; a tensor
+    that cannot be sent as it is raises ``TypeError`` naming why and the fix."""
+    kind = _kind(value)
+    if getattr(value, "requires_grad", False) is True:  # torch: its DLPack refuses it too
+        raise TypeError(f"rvz does not send a {kind} that requires grad: send "
+                        "value.detach(), its values without the autograd graph")
+    if hasattr(value, "__dlpack__"):
+        device = value.__dlpack_device__() if hasattr(value, "__dlpack_device__") else (1, 0)
+        if int(device[0]) != _DL_CPU:
+            where = _DL_DEVICES.get(int(device[0]), f"type {int(device[0])}")
+            raise TypeError(f"rvz sends CPU memory, and this {kind} is on a {where} device "
+                            f"({int(device[1])}): copy it to the CPU first (torch: "
+                            "value.cpu(); JAX: jax.device_get(value))")
+        try:
+            return np.from_dlpack(value)
+        except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+            # numpy has no bfloat16 (or float8): the framework must convert it.
+            raise TypeError(f"rvz cannot send this {kind} of dtype "
+                            f"{getattr(value, 'dtype', '?')}: {str(exc).rstrip('.')}; send it as a dtype "
+                            "numpy has (torch: value.float(), or value.view(torch.int16) to "
+                            "keep the bits)") from exc
+    if hasattr(value, "__array_interface__"):
+        return np.asarray(value)
+    try:
+        memoryview(value)
+    except TypeError:
+        return None
+    return np.asarray(value)
