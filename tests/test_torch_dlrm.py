@@ -8,6 +8,7 @@ thread of this process, the worker's EG on another (as the CLI runs it, except t
 starts the shards as processes, which its own test does).
 """
 
+# ruff: noqa: E402 - the example's modules import torch: they come after importorskip
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,16 +19,26 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the torch example needs torch (the 'torch' extra)")
 
-from examples.embedding_pipeline import criteo  # noqa: E402
-from examples.embedding_pipeline.criteo import Columns  # noqa: E402
-from examples.embedding_pipeline.synthetic import Planted  # noqa: E402
-from examples.torch_dlrm.data import MISSING_IDS, TABLES, jagged  # noqa: E402
-from examples.torch_dlrm.embedding import PSEmbeddingBagCollection  # noqa: E402
-from examples.torch_dlrm.service import SparseBatch  # noqa: E402
-from examples.torch_dlrm.sparse_adam import SparseAdam  # noqa: E402
-from examples.torch_dlrm.train import RunConfig, max_relative_difference, run_local, run_ps  # noqa: E402
+from examples.embedding_pipeline import criteo
+from examples.embedding_pipeline.criteo import Columns
+from examples.embedding_pipeline.synthetic import Planted
+from examples.param_server.launch import local_cluster
+from examples.param_server.protocol import WORKER_JOB
+from examples.torch_dlrm.data import MISSING_IDS, TABLES, batches, jagged
+from examples.torch_dlrm.embedding import PSEmbeddingBagCollection
+from examples.torch_dlrm.service import EmbeddingService, SparseBatch
+from examples.torch_dlrm.sparse_adam import SparseAdam
+from examples.torch_dlrm.train import (
+    RunConfig,
+    ShardThread,
+    make_model,
+    max_relative_difference,
+    ps_config,
+    run_local,
+    run_ps,
+)
 
-from .procs import run_module  # noqa: E402
+from .procs import run_module
 
 REPO = Path(__file__).resolve().parent.parent
 FAST_NODE = dict(heartbeat=0.2, peer_timeout=5.0, linger=1.0, connect_timeout=5.0)
@@ -212,6 +223,36 @@ def test_staleness_2_trains_with_the_rows_after_step_t_minus_3(planted) -> None:
     assert ours.losses[0] == fresh.losses[0] and max_relative_difference(ours.losses, fresh.losses) > 1e-4
 
 
+def test_a_failing_source_fails_the_training_loop_and_the_shards_end(planted) -> None:  # type: ignore[no-untyped-def]
+    train, _ = planted
+    cfg = config()
+    ps = ps_config(cfg)
+    cluster = local_cluster(cfg.shards, 1, WORKER_JOB)
+
+    def source() -> Any:
+        yield from batches(train, BATCH, 3)
+        raise OSError("the data went away")
+
+    with ShardThread(cluster, ps) as shards:
+        service = EmbeddingService(cluster, 0, cfg.shards, ps.dims(), staleness=1, timeout=10.0,
+                                   node_options=FAST_NODE)
+        seen = []
+        try:
+            service.start(source())
+            model = make_model(PSEmbeddingBagCollection(service), cfg)
+            with pytest.raises(OSError, match="the data went away"):
+                for batch in service.batches():
+                    model(batch).sum().backward()
+                    seen.append(batch.batch_id)
+        finally:
+            service.close()
+        # Batches 0 and 1 trained; batch 2 too if its rows reached the training loop before
+        # the failure did. Every shard ended, none waits for a push.
+        assert seen in ([0, 1], [0, 1, 2])
+        steps = [s["global_step"] for s in shards.wait(10.0)]
+        assert steps in ([2] * cfg.shards, [3] * cfg.shards) and steps[0] >= len(seen) - 1
+
+
 # -- the CLI ------------------------------------------------------------------------------------------------
 
 @pytest.mark.process
@@ -242,3 +283,15 @@ def test_the_cli_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None
             parse_args(argv)
         assert info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.process
+@pytest.mark.timeout(180)
+def test_cli_parity_reports_the_loss_difference_and_both_aucs() -> None:
+    proc = run_module("examples.torch_dlrm", "parity", "--steps", "8", "--samples", "600",
+                      "--eval-samples", "300", "--batch-size", "64", "--dim", "4", "--bottom", "8",
+                      "--top", "8", "--shards", "1", "--pooling", "mean", "--timeout", "30",
+                      "--log-level", "WARNING", cwd=str(REPO), timeout=150)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "parity over 8 steps: max relative loss difference 0 " in proc.stdout, proc.stdout
+    assert "8 of 8 losses bit-identical" in proc.stdout and ": OK" in proc.stdout

@@ -99,6 +99,7 @@ class EmbeddingService:
         self._eg: asyncio.Future[None] | None = None
         self._given: Any = None  # the last hand-off of gradients (a concurrent future)
         self._cpu_started = 0.0
+        self._inflight: set[int] = set()  # PS clocks of calls not finished
 
     # -- life ------------------------------------------------------------------------------
 
@@ -161,6 +162,10 @@ class EmbeddingService:
             await asyncio.gather(self._eg, return_exceptions=True)
         try:
             if self.ps is not None:
+                # A PS clock left half done (EG failed or was cancelled in it): every shard
+                # drops it and counts it as an empty push, so none waits for it.
+                for clock in sorted(self._inflight):
+                    await asyncio.wait_for(self.ps.abort_step(clock), self.timeout)
                 await asyncio.wait_for(self.ps.close(), self.timeout)
         finally:
             if self._node is not None:
@@ -180,12 +185,17 @@ class EmbeddingService:
         self.exchange.set_index(b, uniques, inverses)  # type: ignore[arg-type]
         return uniques
 
-    async def _ps_call(self, call: Any) -> Any:
+    async def _ps_call(self, channel: str, call: Any) -> Any:
+        """``call`` on the PS ``channel`` ("lookup" or "push"); its clock is kept while it runs."""
+        assert self.ps is not None
+        clock = self.ps.next_step[channel]
+        self._inflight.add(clock)
         started = time.perf_counter()
         try:
             return await call
         finally:
             self.timings.ps += time.perf_counter() - started
+        self._inflight.discard(clock)  # (not on a failure: that clock is cleaned up by _close)
 
     async def _pull(self, batch_ids: list[int]) -> None:
         """One PS pull for ``batch_ids`` (the union of their ids); each batch's rows to MG."""
@@ -193,7 +203,7 @@ class EmbeddingService:
         uniques = [self._index(b) for b in batch_ids]
         union = {name: uniques[0][t] if len(uniques) == 1 else
                  np.unique(np.concatenate([u[t] for u in uniques])) for t, name in enumerate(self.names)}
-        rows = await self._ps_call(self.ps.pull(union))
+        rows = await self._ps_call("lookup", self.ps.pull(union))
         for b, unique in zip(batch_ids, uniques, strict=True):
             parts = [rows[name] if len(uniques) == 1 else rows[name][np.searchsorted(union[name], unique[t])]
                      for t, name in enumerate(self.names)]
@@ -209,8 +219,8 @@ class EmbeddingService:
             grads = await self.exchange.recv(GRADIENTS, s)
             uniques, _ = self.exchange.index(s)
             parts = unpack_rows(grads, [len(u) for u in uniques], [self.dims[n] for n in self.names])
-            await self._ps_call(self.ps.push_tables(dict(zip(self.names, uniques, strict=True)),
-                                                    dict(zip(self.names, parts, strict=True))))
+            await self._ps_call("push", self.ps.push_tables(dict(zip(self.names, uniques, strict=True)),
+                                                            dict(zip(self.names, parts, strict=True))))
             self.exchange.done(s, "eg")
             after = next(batches, None)
             if after is not None:
@@ -232,9 +242,11 @@ class EmbeddingService:
             yield batch
 
     async def _next_batch(self) -> SparseBatch | None:
-        assert self._mg is not None and self.exchange is not None
+        assert self._mg is not None and self.exchange is not None and self._eg is not None
         b = next(self._mg, None)
         if b is None:
+            if self._eg.done():
+                await self._eg  # the source ended in EG's hands: by an error, if it failed
             return None
         batch: SparseBatch = self.exchange.samples(b)
         batch.batch_id = b

@@ -161,6 +161,7 @@ class ShardThread:
     left; leaving the ``with`` block cancels whatever still runs."""
 
     def __init__(self, cluster: dict[str, Any], ps: PSConfig) -> None:
+        register()
         self.loop = rvz.new_event_loop(ps.loop)  # type: ignore[arg-type]
         self.thread = threading.Thread(target=self.loop.run_forever, name="ps-shards", daemon=True)
         self.thread.start()
