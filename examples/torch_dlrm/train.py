@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import rvz
 
 from ..common import LOCAL_HOST
+from ..embedding_pipeline.launch import ps_config as pipeline_ps_config
 from ..embedding_pipeline.metrics import auc, logloss
 from ..param_server.launch import Processes, PSConfig, TableSpec, make_table, run_shard
 from ..param_server.launch import local_cluster as ps_cluster
@@ -45,6 +46,8 @@ DENSE_OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "s
 
 @dataclass(frozen=True)
 class RunConfig:
+    """One run's data, model, optimizers and processes (the CLI's options)."""
+
     batch_size: int = 1024
     steps: int = 100
     dim: int = 16
@@ -72,6 +75,8 @@ class RunConfig:
 
 @dataclass
 class Report:
+    """What a run reports: its losses, held-out metrics and where the time went (seconds)."""
+
     losses: list[float] = field(default_factory=list)
     auc: float | None = None
     logloss: float | None = None
@@ -108,11 +113,11 @@ def table_specs(cfg: RunConfig) -> tuple[TableSpec, ...]:
 
 
 def ps_config(cfg: RunConfig) -> PSConfig:
-    """One worker, bsp: every push applied, in order, before the next pull is answered."""
-    return PSConfig(dim=cfg.dim, optimizer=cfg.sparse_optimizer, lr=cfg.lr, seed=cfg.seed,
-                    tables=table_specs(cfg), init_std=cfg.init_std, num_workers=1, consistency="bsp",
-                    mode=cfg.mode, loop=cfg.loop,
-                    node_options=cfg.node_options)
+    """The pipeline's PS settings for one worker: bsp, every push applied before the next
+    pull is answered."""
+    return pipeline_ps_config(PSConfig(dim=cfg.dim, optimizer=cfg.sparse_optimizer, lr=cfg.lr, seed=cfg.seed,
+                                       tables=table_specs(cfg), init_std=cfg.init_std, mode=cfg.mode,
+                                       loop=cfg.loop, node_options=cfg.node_options), 1)
 
 
 def make_model(embeddings: torch.nn.Module, cfg: RunConfig) -> DLRM:
