@@ -11,6 +11,7 @@ starts the shards as processes, which its own test does).
 # ruff: noqa: E402 - the example's modules import torch: they come after importorskip
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +224,19 @@ def test_staleness_2_trains_with_the_rows_after_step_t_minus_3(planted) -> None:
     assert ours.losses[0] == fresh.losses[0] and max_relative_difference(ours.losses, fresh.losses) > 1e-4
 
 
+@pytest.mark.timeout(120)
+def test_two_workers_split_each_batch_and_stay_within_float_rounding_of_one(planted) -> None:  # type: ignore[no-untyped-def]
+    train, held_out = planted
+    cfg = config(steps=12)
+    two = run_ps(train, held_out, dataclasses.replace(cfg, workers=2), in_process=True)
+    one = run_local(train, held_out, cfg)
+    # Each worker's loss and gradients are its share of the batch's; the shares' sums round
+    # differently from the whole batch's, and nothing else differs.
+    assert two.steps == 12 and max_relative_difference(two.losses, one.losses) <= 1e-5
+    assert two.allreduce > 0 and "dense all-reduce" in two.overhead()
+    assert two.auc is not None and one.auc is not None and abs(two.auc - one.auc) <= 1e-3
+
+
 def test_a_failing_source_fails_the_training_loop_and_the_shards_end(planted) -> None:  # type: ignore[no-untyped-def]
     train, _ = planted
     cfg = config()
@@ -257,12 +271,12 @@ def test_a_failing_source_fails_the_training_loop_and_the_shards_end(planted) ->
 
 @pytest.mark.process
 @pytest.mark.timeout(180)
-def test_cli_trains_over_shard_processes_and_reports_auc_and_overhead(tmp_path: Path) -> None:
+def test_cli_trains_with_worker_and_shard_processes_and_reports_auc_and_overhead(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     proc = run_module("examples.torch_dlrm", "train", "--samples", "640", "--eval-samples", "300",
                       "--batch-size", "64", "--dim", "4", "--bottom", "8", "--top", "8", "--shards", "1",
-                      "--staleness", "1", "--timeout", "30", "--log-level", "WARNING", "--json", str(out),
-                      cwd=str(REPO), timeout=150)
+                      "--workers", "2", "--staleness", "1", "--timeout", "30", "--log-level", "WARNING",
+                      "--json", str(out), cwd=str(REPO), timeout=150)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "over the PS: 10 steps" in proc.stdout and "held-out AUC" in proc.stdout, proc.stdout
     assert "overhead: per step" in proc.stdout and "torch compute" in proc.stdout
@@ -270,7 +284,8 @@ def test_cli_trains_over_shard_processes_and_reports_auc_and_overhead(tmp_path: 
 
     report = json.loads(out.read_text())
     assert report["ps"]["steps"] == 10 and 0.0 < report["ps"]["auc"] < 1.0
-    assert report["config"]["staleness"] == 1
+    assert report["config"]["staleness"] == 1 and report["config"]["workers"] == 2
+    assert "dense all-reduce" in proc.stdout
 
 
 def test_the_cli_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None:

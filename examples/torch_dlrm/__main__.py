@@ -3,11 +3,12 @@ against the same model trained in one process.
 
 ``train`` reads Criteo files (``--data`` and ``--eval-data``) or generates planted data
 (``--samples``), parses them once into the embedding pipeline's column cache, starts PS
-shard processes (bsp, one table per categorical field) and trains in this process at
-staleness k; it prints the held-out AUC and logloss and where a step's time went (torch's
-compute against rvz and the PS). ``parity`` runs the same data twice, over the PS
-(staleness 0, ``sparse_adam``) and with ``nn.EmbeddingBag`` + ``torch.optim.SparseAdam`` in
-this process, and prints the largest relative difference between their per-step losses and
+shard processes (bsp, one table per categorical field) and trains at staleness k, worker 0
+in this process (``--workers N``: the others in processes of their own); it prints the
+held-out AUC and logloss and where a step's time went (torch's compute against rvz and the
+PS). ``parity`` runs the same data twice, over the PS (one worker, ``sparse_adam``,
+staleness 0 unless ``--staleness``) and with ``nn.EmbeddingBag`` + ``torch.optim.SparseAdam``
+in this process, and prints the largest relative difference between their per-step losses and
 both runs' AUC (exit 1 if beyond ``--tolerance`` or ``--auc-tolerance``).
 
 Everything is float32: the PS stores float32 rows and the optimizer slots next to them, as
@@ -72,6 +73,9 @@ def add_options(p: argparse.ArgumentParser, parity: bool) -> None:
         run.add_argument("--auc-tolerance", type=float, default=1e-3)
     else:
         run.add_argument("--max-steps", type=int, help="stop after this many steps (default: one pass)")
+        run.add_argument("--workers", type=int, default=1, help="worker processes, each with an equal share "
+                         "of every batch (worker 0 is this process; dense gradients summed by a ring "
+                         "all-reduce)")
     infra = p.add_argument_group("processes")
     infra.add_argument("--shards", type=int, default=2, help="PS shard processes")
     infra.add_argument("--mode", choices=("recv", "send"), default="send", help="rvz mode of every node")
@@ -95,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_options(sub.add_parser("parity", help="the PS run against nn.EmbeddingBag + SparseAdam"), parity=True)
     args = p.parse_args(argv)
     if args.command == "parity":
-        args.optimizer, args.max_steps = SPARSE_ADAM, args.steps
+        args.optimizer, args.max_steps, args.workers = SPARSE_ADAM, args.steps, 1
     try:
         check_args(args)
     except ValueError as exc:
@@ -110,11 +114,13 @@ def check_args(args: argparse.Namespace) -> None:
         path = getattr(args, name)
         if path and not os.path.isfile(path):
             raise ValueError(f"--{name.replace('_', '-')} {path}: no such file")
-    for name in ("samples", "eval_samples", "batch_size", "dim", "shards"):
+    for name in ("samples", "eval_samples", "batch_size", "dim", "shards", "workers"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if any(h < 1 for h in args.bottom + args.top):
         raise ValueError("--bottom and --top take positive layer widths")
+    if args.batch_size % args.workers:
+        raise ValueError(f"--batch-size {args.batch_size} does not split into {args.workers} equal shares")
     if args.staleness < 0:
         raise ValueError("--staleness must be at least 0")
     if args.max_steps is not None and args.max_steps < 1:
@@ -131,14 +137,16 @@ def run_config(args: argparse.Namespace, steps: int) -> Any:
                      top=tuple(args.top), interaction=args.interaction, pooling=args.pooling, lr=args.lr,
                      dense_lr=args.dense_lr, dense_optimizer=args.dense_optimizer,
                      sparse_optimizer=args.optimizer, seed=args.seed, keep_missing=args.keep_missing,
-                     staleness=args.staleness, shards=args.shards, mode=args.mode, loop=args.loop,
+                     staleness=args.staleness, workers=args.workers, shards=args.shards, mode=args.mode,
+                     loop=args.loop,
                      timeout=args.timeout, host=args.host, progress_every=args.progress_every)
 
 
 def describe(cfg: Any, n: int) -> str:
     return (f"torch_dlrm: {n} training samples, {cfg.steps} steps of {cfg.batch_size}, 26 tables of dim "
             f"{cfg.dim} ({cfg.pooling} bags), bottom {'-'.join(map(str, (13, *cfg.bottom, cfg.dim)))}, "
-            f"{cfg.interaction} interaction, top {'-'.join(map(str, cfg.top))}-1; {cfg.shards} PS shard "
+            f"{cfg.interaction} interaction, top {'-'.join(map(str, cfg.top))}-1; {cfg.workers} worker(s), "
+            f"{cfg.shards} PS shard "
             f"processes (bsp, {cfg.sparse_optimizer} lr {cfg.lr:g}), staleness {cfg.staleness}, "
             f"mode={cfg.mode}, "
             f"rvz {rvz.implementation()}, load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
@@ -183,7 +191,7 @@ def run(args: argparse.Namespace, cache: Path) -> int:
     train, held_out = Columns.open(train_dir), Columns.open(eval_dir)
     cfg = run_config(args, steps)
     print(describe(cfg, n), flush=True)
-    ps = run_ps(train, held_out, cfg)
+    ps = run_ps(train, held_out, cfg, train_dir=train_dir)
     print(result_line("over the PS", ps), flush=True)
     doc: dict[str, Any] = {"config": dataclasses.asdict(cfg), "ps": ps.to_dict(), "oracle": oracle}
     ok = True

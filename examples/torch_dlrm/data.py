@@ -44,10 +44,14 @@ def to_batch(chunk: Chunk, keep_missing: bool = False) -> SparseBatch:
                        labels=np.ascontiguousarray(chunk.labels))
 
 
-def batches(data: Any, batch_size: int, steps: int, keep_missing: bool = False) -> Iterator[SparseBatch]:
-    """The first ``steps`` batches of ``data`` (anything with ``rows``, e.g. ``Columns``)."""
+def batches(data: Any, batch_size: int, steps: int, keep_missing: bool = False, *, worker: int = 0,
+            workers: int = 1) -> Iterator[SparseBatch]:
+    """Worker ``worker``'s share (of ``workers`` equal ones) of each of the first ``steps``
+    batches of ``data`` (anything with ``rows``, e.g. ``Columns``)."""
+    share = batch_size // workers
     for t in range(steps):
-        yield to_batch(data.rows(t * batch_size, (t + 1) * batch_size), keep_missing)
+        start = t * batch_size + worker * share
+        yield to_batch(data.rows(start, start + share), keep_missing)
 
 
 def vocabulary(*datasets: Any, keep_missing: bool = False) -> list[np.ndarray]:

@@ -13,13 +13,16 @@ rows used at step t are those after the sparse update of step t - k - 1:
                         pull rows for step s + k + 1
 
 With k = 0 that is the sequential loop; with k >= 1 the push of step t - 1 and the pull of
-step t + k run while torch computes step t. The PS runs ``bsp``.
+step t + k run while torch computes step t. The PS runs ``bsp``: with several workers, the
+pushes of one clock are applied together, in worker order.
 
 The torch side calls ``batches()`` (the batches in order, numbered, each once its rows are
 here), ``take(batch)`` (its unique ids, their positions and rows, per table),
-``give(b, grads)`` (the summed gradient of each unique row) and ``read(ids)`` (read-only
-rows, for evaluation); each blocks the calling thread only, never the loop. Rows and
-gradients are float32 numpy arrays, shared with torch without a copy.
+``give(b, grads)`` (the summed gradient of each unique row), ``allreduce(b, vector)``
+(several workers: the dense gradients summed over every worker by the pipeline's ring
+all-reduce) and ``read(ids)`` (read-only rows, for evaluation); each blocks the calling
+thread only, never the loop. Rows and gradients are float32 numpy arrays, shared with torch
+without a copy.
 """
 
 from __future__ import annotations
@@ -36,7 +39,14 @@ import numpy as np
 
 import rvz
 
-from ..embedding_pipeline.exchange import EMBEDDINGS, GRADIENTS, ExchangeManager, PipelineDataset
+from ..embedding_pipeline.allreduce import ring_allreduce
+from ..embedding_pipeline.exchange import (
+    EMBEDDINGS,
+    GRADIENTS,
+    ExchangeManager,
+    PipelineDataset,
+    pipeline_step,
+)
 from ..param_server.client import PSClient
 from ..param_server.protocol import WORKER_JOB, pack_rows, unpack_rows
 
@@ -67,6 +77,7 @@ class Timings:
     waiting: float = 0.0   # the torch side waiting for the next batch and its rows
     handing: float = 0.0   # the torch side handing gradients over
     reading: float = 0.0   # read-only lookups (evaluation)
+    allreduce: float = 0.0  # the torch side in the dense all-reduce (several workers)
     loop_cpu: float = 0.0  # CPU time of the service's thread from start to finish (rvz, the
                            # PS client, the hand-offs: work that shares the GIL with torch)
 
@@ -77,14 +88,15 @@ class EmbeddingService:
     ``source`` (``SparseBatch`` objects, in training order); ``close()`` ends it."""
 
     def __init__(self, cluster: dict[str, list[str]], task: int, num_shards: int, dims: dict[str, int], *,
-                 staleness: int = 0, timeout: float = 60.0, mode: str = "send", loop: str = "auto",
-                 node_options: dict[str, Any] | None = None) -> None:
+                 staleness: int = 0, workers: int = 1, timeout: float = 60.0, mode: str = "send",
+                 loop: str = "auto", node_options: dict[str, Any] | None = None) -> None:
         if staleness < 0:
             raise ValueError("staleness must be >= 0")
         self.cluster, self.task, self.num_shards = cluster, task, num_shards
         self.dims = dict(dims)
         self.names = list(self.dims)
         self.staleness = staleness
+        self.workers = workers
         self.timeout = timeout
         self.mode = mode
         self.loop_name = loop
@@ -307,6 +319,18 @@ class EmbeddingService:
         assert self.exchange is not None
         await self.exchange.send(GRADIENTS, b, packed)
         self.exchange.done(b, "mg")
+
+    def allreduce(self, b: int, vector: np.ndarray) -> np.ndarray:
+        """The sum of ``vector`` (float32) over every worker's, for batch ``b``: the
+        pipeline's ring all-reduce, in the batch's rvz step."""
+        if self.workers == 1:
+            return vector
+        assert self._node is not None
+        started = time.perf_counter()
+        total: np.ndarray = self._call(self._until_eg_fails(ring_allreduce(
+            self._node, vector, self.workers, step=pipeline_step(b), tag=b, timeout=self.timeout)))
+        self.timings.allreduce += time.perf_counter() - started
+        return total
 
     def read(self, ids: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The current rows of ``ids`` (``{table: ids}``), read without a clock and without

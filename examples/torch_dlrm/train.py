@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,7 +27,8 @@ import torch.nn.functional as F
 
 import rvz
 
-from ..common import LOCAL_HOST
+from ..common import LOCAL_HOST, child_signals
+from ..embedding_pipeline.criteo import Columns
 from ..embedding_pipeline.launch import ps_config as pipeline_ps_config
 from ..embedding_pipeline.metrics import auc, logloss
 from ..param_server.launch import Processes, PSConfig, TableSpec, make_table, run_shard
@@ -40,6 +43,9 @@ from .sparse_adam import NAME as SPARSE_ADAM
 from .sparse_adam import register
 
 log = logging.getLogger(__name__)
+
+# The GIL switch interval of a worker process: torch and the rvz loop share it (seconds).
+SWITCH_INTERVAL = 0.0005
 
 DENSE_OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
 
@@ -63,6 +69,7 @@ class RunConfig:
     init_std: float = 0.01
     keep_missing: bool = False      # an empty categorical value: its own id, not an empty bag
     staleness: int = 0
+    workers: int = 1                # each takes an equal share of every batch
     shards: int = 2
     mode: str = "send"              # rvz mode of every node
     loop: str = "auto"
@@ -85,6 +92,7 @@ class Report:
     waiting: float = 0.0            # waiting for the next batch and its rows (rvz hand-off; PS
                                     # pull and push not overlapped)
     handing: float = 0.0            # handing the gradients to EG (rvz hand-off)
+    allreduce: float = 0.0          # the dense gradients' ring all-reduce (several workers)
     ps: float = 0.0                 # EG in PS pulls and pushes (overlapped when staleness >= 1)
     loop_cpu: float = 0.0           # CPU of the service's thread (rvz, PS client, hand-offs)
     eval_seconds: float = 0.0
@@ -100,12 +108,14 @@ class Report:
         """Per step: time in rvz and the PS next to the step's compute."""
         n = max(1, self.steps)
         ms = {k: 1000 * getattr(self, k) / n
-              for k in ("seconds", "compute", "waiting", "handing", "ps", "loop_cpu")}
-        share = 100 * (self.waiting + self.handing) / self.seconds if self.seconds else 0.0
+              for k in ("seconds", "compute", "waiting", "handing", "allreduce", "ps", "loop_cpu")}
+        path = self.waiting + self.handing + self.allreduce
+        share = 100 * path / self.seconds if self.seconds else 0.0
+        ring = f", dense all-reduce {ms['allreduce']:.2f} ms" if self.allreduce else ""
         return (f"per step {ms['seconds']:.2f} ms: torch compute {ms['compute']:.2f} ms, waiting for rows "
-                f"{ms['waiting']:.2f} ms, handing gradients {ms['handing']:.2f} ms (rvz + PS on the step's "
-                f"path: {share:.0f}% of it); EG's PS pulls and pushes {ms['ps']:.2f} ms; the rvz thread's "
-                f"CPU {ms['loop_cpu']:.2f} ms")
+                f"{ms['waiting']:.2f} ms, handing gradients {ms['handing']:.2f} ms{ring} (rvz + PS on the "
+                f"step's path: {share:.0f}% of it); EG's PS pulls and pushes {ms['ps']:.2f} ms; the rvz "
+                f"thread's CPU {ms['loop_cpu']:.2f} ms")
 
 
 def table_specs(cfg: RunConfig) -> tuple[TableSpec, ...]:
@@ -113,11 +123,11 @@ def table_specs(cfg: RunConfig) -> tuple[TableSpec, ...]:
 
 
 def ps_config(cfg: RunConfig) -> PSConfig:
-    """The pipeline's PS settings for one worker: bsp, every push applied before the next
-    pull is answered."""
+    """The pipeline's PS settings: bsp, every worker's push of a clock applied, in worker
+    order, before any pull of the next is answered."""
     return pipeline_ps_config(PSConfig(dim=cfg.dim, optimizer=cfg.sparse_optimizer, lr=cfg.lr, seed=cfg.seed,
                                        tables=table_specs(cfg), init_std=cfg.init_std, mode=cfg.mode,
-                                       loop=cfg.loop, node_options=cfg.node_options), 1)
+                                       loop=cfg.loop, node_options=cfg.node_options), cfg.workers)
 
 
 def make_model(embeddings: torch.nn.Module, cfg: RunConfig) -> DLRM:
@@ -193,22 +203,33 @@ class ShardThread:
         self.loop.close()
 
 
-def run_ps(train: Any, held_out: Any | None, cfg: RunConfig, in_process: bool = False) -> Report:
-    """Train on ``train`` (``Columns``) over PS shard processes (or, ``in_process``, shards in
-    a thread of this one); this process is the worker."""
+def run_ps(train: Any, held_out: Any | None, cfg: RunConfig, in_process: bool = False,
+           train_dir: str | None = None) -> Report:
+    """Train on ``train`` (``Columns``) over PS shard processes, worker 0 in this process and
+    the other workers in processes of their own, which open ``train_dir`` (or, ``in_process``,
+    shards and workers in threads of this one). Worker 0's report."""
     register()
     ps = ps_config(cfg)
-    cluster = ps_cluster(cfg.shards, 1, WORKER_JOB, cfg.host)
-    names = [f"ps{s}" for s in range(cfg.shards)]
+    cluster = ps_cluster(cfg.shards, cfg.workers, WORKER_JOB, cfg.host)
+    names = [f"ps{s}" for s in range(cfg.shards)] + [f"worker{w}" for w in range(1, cfg.workers)]
     with contextlib.ExitStack() as stack:
         if in_process:
             shards: Any = stack.enter_context(ShardThread(cluster, ps))
+            pool = stack.enter_context(ThreadPoolExecutor(max(1, cfg.workers - 1)))
+            others = [pool.submit(train_worker, cluster, w, train, None, cfg, ps)
+                      for w in range(1, cfg.workers)]
         else:
+            if cfg.workers > 1 and train_dir is None:
+                raise ValueError("several worker processes need train_dir")
             shards = stack.enter_context(Processes())
-            for s, name in enumerate(names):
-                shards.start(name, shard_process, cluster, s, ps, False)
-        report = train_worker(cluster, train, held_out, cfg, ps)
+            for s in range(cfg.shards):
+                shards.start(f"ps{s}", shard_process, cluster, s, ps, False)
+            for w in range(1, cfg.workers):
+                shards.start(f"worker{w}", worker_process, cluster, w, train_dir, cfg, ps)
+        report = train_worker(cluster, 0, train, held_out, cfg, ps)
         if in_process:
+            for other in others:
+                other.result(cfg.timeout)
             summaries = shards.wait(cfg.timeout)
         else:
             shards.wait(cfg.timeout, names)
@@ -217,31 +238,52 @@ def run_ps(train: Any, held_out: Any | None, cfg: RunConfig, in_process: bool = 
     return report
 
 
-def train_worker(cluster: dict[str, Any], train: Any, held_out: Any | None, cfg: RunConfig,
+def worker_process(cluster: dict[str, Any], w: int, train_dir: str, cfg: RunConfig, ps: PSConfig,
+                   results: Any) -> None:
+    """Entry point of the process of worker ``w`` (> 0: worker 0 is the launcher)."""
+    child_signals()
+    torch.set_num_threads(1)
+    sys.setswitchinterval(SWITCH_INTERVAL)
+    report = train_worker(cluster, w, Columns.open(train_dir), None, cfg, ps)
+    results.put((WORKER_JOB, w, report.to_dict()))
+
+
+def train_worker(cluster: dict[str, Any], w: int, train: Any, held_out: Any | None, cfg: RunConfig,
                  ps: PSConfig) -> Report:
-    """Worker 0 of ``cluster``: train, evaluate, and tell the shards it is done."""
+    """Worker ``w`` of ``cluster``: train on its share of every batch, evaluate (if given
+    ``held_out``), and tell the shards it is done. With several workers each one's loss is
+    its share of the batch's mean loss, and the dense gradients and the losses are summed
+    over the workers before every dense update, so every worker's model stays the same."""
     report = Report()
-    service = EmbeddingService(cluster, 0, cfg.shards, ps.dims(), staleness=cfg.staleness,
-                               timeout=cfg.timeout, mode=cfg.mode, loop=cfg.loop,
+    service = EmbeddingService(cluster, w, cfg.shards, ps.dims(), staleness=cfg.staleness,
+                               workers=cfg.workers, timeout=cfg.timeout, mode=cfg.mode, loop=cfg.loop,
                                node_options={"connect_timeout": min(10.0, cfg.timeout), **cfg.node_options})
     try:
-        service.start(batches(train, cfg.batch_size, cfg.steps, cfg.keep_missing))
+        service.start(batches(train, cfg.batch_size, cfg.steps, cfg.keep_missing, worker=w,
+                              workers=cfg.workers))
         model = make_model(PSEmbeddingBagCollection(service, cfg.pooling), cfg)
-        optimizer = dense_optimizer(model.parameters(), cfg)
-        progress = Progress(cfg.progress_every, cfg.steps, "worker 0")
+        params = list(model.parameters())
+        optimizer = dense_optimizer(params, cfg)
+        progress = Progress(cfg.progress_every, cfg.steps, f"worker {w}")
         started = time.perf_counter()
         for batch in service.batches():
             loss = bce(model(batch), batch.labels)
+            if cfg.workers > 1:
+                loss = loss * (len(batch) / cfg.batch_size)
             optimizer.zero_grad()
             loss.backward()          # hands the rows' gradients to EG, which pushes them
+            value = loss.item()
+            if cfg.workers > 1:
+                value = sum_over_workers(service, batch.batch_id, params, loss)
             optimizer.step()
-            report.losses.append(loss.item())
+            report.losses.append(value)
             progress.step(len(report.losses), report.losses[-1])
         service.finish()             # the last push acknowledged
         report.seconds = time.perf_counter() - started
         t = service.timings
         report.waiting, report.handing, report.ps, report.loop_cpu = t.waiting, t.handing, t.ps, t.loop_cpu
-        report.compute = report.seconds - report.waiting - report.handing
+        report.allreduce = t.allreduce
+        report.compute = report.seconds - report.waiting - report.handing - report.allreduce
         if held_out is not None:
             started = time.perf_counter()
             report.auc, report.logloss = evaluate(model, held_out, cfg)
@@ -249,6 +291,19 @@ def train_worker(cluster: dict[str, Any], train: Any, held_out: Any | None, cfg:
     finally:
         service.close()
     return report
+
+
+def sum_over_workers(service: EmbeddingService, b: Any, params: list[torch.Tensor],
+                     loss: torch.Tensor) -> float:
+    """Replace every gradient of ``params`` by its sum over the workers; the summed loss."""
+    flat = torch.cat([*(p.grad.reshape(-1) for p in params), loss.detach().reshape(1)])  # type: ignore[union-attr]
+    total = torch.from_numpy(service.allreduce(b, flat.numpy()))
+    start = 0
+    for p in params:
+        assert p.grad is not None
+        p.grad.copy_(total[start:start + p.numel()].view_as(p.grad))
+        start += p.numel()
+    return float(total[-1])
 
 
 def initial_rows(cfg: RunConfig, vocab: list[np.ndarray]) -> list[np.ndarray]:
