@@ -138,9 +138,15 @@ class EmbeddingService:
         self._cpu_started = time.thread_time()
 
     def _call(self, coro: Any) -> Any:
-        """Run ``coro`` on the service's loop and wait for its result in this thread."""
+        """Run ``coro`` on the service's loop and wait for its result in this thread; if the
+        wait ends otherwise (a signal, say), ``coro`` is cancelled."""
         assert self.loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
 
     def finish(self) -> None:
         """Wait until every batch was pushed and acknowledged (EG done)."""
