@@ -293,7 +293,8 @@ def test_the_cli_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None
 
     for argv, message in ((["train", "--staleness", "-1"], "--staleness"),
                           (["train", "--data", "x.tsv"], "--eval-data"),
-                          (["parity", "--steps", "0"], "--steps")):
+                          (["parity", "--steps", "0"], "--steps"),
+                          (["train", "--batch-size", "10", "--workers", "3"], "3 equal shares")):
         with pytest.raises(SystemExit) as info:
             parse_args(argv)
         assert info.value.code == 2
