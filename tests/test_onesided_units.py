@@ -14,9 +14,11 @@ import pytest
 import rvz
 from rvz import _impl
 from rvz.onesided import decide
-from rvz.onesided.engine import MSG_HDR, Options
+from rvz.onesided.engine import Options
+from rvz.onesided.layout import MSG_HDR
 from rvz.onesided.pool import PAGE, Pool, align
 from rvz.onesided.provider import FAILED, RECV_MSG, RECV_WRITE, Region
+from rvz.onesided.regions import DEST, SLOT, PeerRegions, Target
 from rvz.onesided.shm import RECORD, ShmProvider
 
 HOST = {"boot": "b-1", "uid": 1000, "pidns": 42}
@@ -88,6 +90,22 @@ async def test_a_budgeted_pool_registers_within_its_limit_and_capacity_says_how_
     assert pool.capacity(nbytes, 1 << 30) == room and pool.empty_chunks() == len(pool.chunks)
     pool.trim()
     assert pool.registered == 0
+
+
+async def test_peer_regions_number_targets_and_describe_each_region_once() -> None:
+    regions = PeerRegions(Ledger(), 4 << 20, 4 << 20)
+    slot, dest = regions.arena.alloc(4096), regions.dest_arena.alloc(100)
+    imms = [regions.add(Target(SLOT, slot, "a")), regions.add(Target(DEST, dest, "b", request_id=7))]
+    assert imms == [1, 2] and regions.targets[2].request_id == 7
+    rkeys = [slot.region.rkey, dest.region.rkey]
+    assert [d["rk"] for d in regions.describe([slot, dest])] == rkeys
+    assert regions.describe([slot, dest]) == []   # the peer maps each region once
+    for imm in imms:
+        regions.free(regions.targets.pop(imm))
+    assert regions.trim_idle() == []               # carved from since the last look: kept
+    assert sorted(regions.trim_idle()) == rkeys    # idle and empty: unregistered
+    assert regions.arena.registered == 0
+    regions.close()
 
 
 @pytest.mark.loop_timeout(10)

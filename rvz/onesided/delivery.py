@@ -1,0 +1,192 @@
+"""What a channel receives, turned into values for the node: writes and inline messages.
+
+A write into a slot or a destination is copied out of the peer's region into our own pool
+before the application can see it, so the peer never reaches an array it delivered; a value
+larger than a slot arrives in pieces and is assembled here.  Everything goes to the node like
+TCP DATA frames (``deliver``), one batch per pass over a completion queue.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import _impl
+from ..errors import TransportError
+from .layout import (
+    DTYPES,
+    FIRST,
+    MSG_CREDIT,
+    MSG_HDR,
+    MSG_VALUE,
+    PIECE,
+    SEQ_TRAILER,
+    SHAPES,
+    SLOT_HDR,
+    WHOLE,
+    check_meta,
+    slot_header_size,
+)
+from .pool import Block
+from .regions import SLOT, PeerRegions
+
+if TYPE_CHECKING:
+    from .destinations import Destinations
+    from .engine import Channel
+    from .grants import SlotGrants
+
+_codec = _impl.codec
+_MAX_NDIM = _codec.MAX_NDIM
+
+
+class Delivery:
+    """The values one channel received and has not handed to the node yet."""
+
+    def __init__(self, channel: Channel, regions: PeerRegions, grants: SlotGrants,
+                 destinations: Destinations) -> None:
+        engine = channel.engine
+        self._conn = channel.conn
+        self._pool = channel.pool
+        self._node = engine.node
+        self._remember = engine.remember
+        self._regions = regions
+        self._grants = grants
+        self._destinations = destinations
+        self._partial: dict[str, list[Any]] = {}       # key -> a value arriving in pieces
+        self._events: list[tuple[Any, ...]] = []
+
+    def on_write(self, imm: int, nbytes: int) -> None:
+        """The peer's write of ``nbytes`` into the target numbered ``imm`` completed."""
+        target = self._regions.targets.pop(imm, None)
+        if target is None:
+            raise TransportError(f"write with unknown immediate {imm}")
+        block = target.block
+        key = target.key
+        if target.kind == SLOT:
+            self._grants.written(imm, key, block.size)
+            try:
+                event = self._on_slot(block, key, nbytes)
+            finally:
+                self._regions.arena.free(block)   # copied out (or refused): the slot is free
+            if event is None:
+                return
+        else:
+            try:
+                if nbytes != target.nbytes + SEQ_TRAILER.size:
+                    raise TransportError(f"write of {nbytes} bytes into a destination of "
+                                         f"{target.nbytes} for key {key}")
+                request_id = target.request_id
+                self._destinations.written(request_id)
+                code, shape, size = target.code, target.shape, target.nbytes
+                (seq,) = SEQ_TRAILER.unpack_from(block.view(size, SEQ_TRAILER.size))
+                event = (target.step, request_id, code, shape, size,
+                         self._copy_out(block, 0, code, shape, size), seq)
+            finally:
+                self._regions.dest_arena.free(block)
+        step, request_id, code, shape, size, value, seq = event
+        self._remember(key, code, shape, size)
+        self._events.append((_codec.DATA, step, request_id, key, value, seq))
+
+    def _on_slot(self, block: Block, key: str, nbytes: int) -> tuple[Any, ...] | None:
+        """A filled slot: the whole value, or one piece of a larger one (then ``None``
+        until its last piece)."""
+        view = block.view()
+        if nbytes > block.size:
+            raise TransportError(f"write of {nbytes} bytes into a slot of {block.size}")
+        step, size, code, ndim, flags, seq = SLOT_HDR.unpack_from(view, 0)
+        if ndim > _MAX_NDIM or flags > PIECE:
+            raise TransportError(f"slot of key {key} holds {ndim} dims, flags {flags}")
+        shape = SHAPES[ndim].unpack_from(view, SLOT_HDR.size)
+        start = slot_header_size(ndim)
+        part = self._partial.get(key)
+        if flags == PIECE:
+            if part is None or ndim != 0 or (step, code, size) != (part[1], part[2], part[4]):
+                raise TransportError(f"a piece of key {key} that continues no value")
+        elif part is not None:
+            raise TransportError(f"key {key}: a new value before the last piece of the previous one")
+        if flags != PIECE:
+            check_meta(key, code, shape, size, self._node.max_payload)
+        if flags == WHOLE:
+            if nbytes != start + size:
+                raise TransportError(f"write of {nbytes} bytes into a slot of {block.size} "
+                                     f"does not match its header ({size} bytes)")
+            return step, 0, code, shape, size, self._copy_out(block, start, code, shape, size), seq
+        n = nbytes - start
+        done = 0 if part is None else part[5]
+        if n <= 0 or done + n > size or (flags == FIRST and n >= size):
+            raise TransportError(f"a piece of {n} bytes of key {key} at {done} of {size}")
+        if part is None:
+            whole = self._pool.alloc(size)
+            part = self._partial[key] = [whole, step, code, shape, size, 0, seq]
+        whole = part[0]
+        whole.view(done, n)[:] = block.view(start, n)
+        part[5] = done + n
+        if part[5] < size:
+            return None
+        del self._partial[key]
+        _, step, code, shape, size, _, seq = part
+        return step, 0, code, shape, size, self._value(whole, code, shape, size), seq
+
+    def _copy_out(self, block: Block, start: int, code: int, shape: tuple[int, ...],
+                  nbytes: int) -> Any:
+        """The value a peer wrote into its region, moved into memory only we can reach."""
+        dtype = DTYPES[code]
+        if dtype is None:
+            return bytes(block.view(start, nbytes))
+        if nbytes == 0:
+            return np.empty(shape, dtype)
+        mine = self._pool.alloc(nbytes)
+        mine.view(0, nbytes)[:] = block.view(start, nbytes)
+        return self._pool.array(mine, dtype, shape)
+
+    def _value(self, block: Block, code: int, shape: tuple[int, ...], nbytes: int) -> Any:
+        """An array over a block of our pool (``bytes`` are copied out of it)."""
+        dtype = DTYPES[code]
+        if dtype is None:
+            data = bytes(block.view(0, nbytes))
+            self._pool.free(block)
+            return data
+        return self._pool.array(block, dtype, shape)
+
+    def on_message(self, data: bytes) -> None:
+        """An inline message: a value, or the node's push-window credit."""
+        kind, code, ndim, _, klen, step, request_id, nbytes, seq = MSG_HDR.unpack_from(data, 0)
+        if kind == MSG_CREDIT:
+            self._events.append((_codec.CREDIT, nbytes))
+            return
+        if kind != MSG_VALUE or ndim > _MAX_NDIM:
+            raise TransportError(f"unknown message kind {kind} or {ndim} dims")
+        shape = SHAPES[ndim].unpack_from(data, MSG_HDR.size)
+        kstart = MSG_HDR.size + 8 * ndim
+        key = data[kstart:kstart + klen].decode("utf-8")
+        check_meta(key, code, shape, nbytes, self._node.max_payload)
+        pstart = kstart + klen
+        if pstart + nbytes != len(data):
+            raise TransportError(f"message of {len(data)} bytes does not hold {nbytes} bytes of key {key}")
+        dtype = DTYPES[code]
+        value: Any
+        if dtype is None:
+            value = data[pstart:]
+        elif nbytes == 0:
+            value = np.empty(shape, dtype)
+        else:  # one copy out of the message, into an array the receiver owns
+            value = np.frombuffer(data, dtype, nbytes // dtype.itemsize, pstart).copy()
+            if len(shape) != 1:
+                value = value.reshape(shape)
+        if request_id:
+            self._destinations.forget(request_id)
+        self._remember(key, code, shape, nbytes)
+        self._events.append((_codec.DATA, step, request_id, key, value, seq))
+
+    def deliver(self) -> None:
+        """Hand what the completions produced to the node, like TCP DATA frames."""
+        events = self._events
+        if events:
+            self._events = []
+            self._conn.deliver(events)
+
+    def close(self) -> None:
+        for part in self._partial.values():
+            self._pool.free(part[0])
+        self._partial.clear()
