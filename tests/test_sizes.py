@@ -21,8 +21,6 @@ FUNCTION_MAX = 80
 OVER: dict[tuple[str, str], int] = {
     # The hot decode loop: one frame per pass, splitting it costs a call per frame.
     ("_fast/codec.py", "Decoder._parse"): 191,
-    ("onesided/engine.py", "Channel"): 915,
-    ("onesided/engine.py", "Channel._on_control"): 100,
 }
 
 

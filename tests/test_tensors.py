@@ -125,7 +125,7 @@ async def test_torch_tensors_of_every_dtype_round_trip(cluster, mode) -> None:  
             sent.append(tensor)
             await w.send(key(name), tensor)
         await w.send(key("slice"), sent[10][:, 1])  # a non-contiguous view of a float32 tensor
-        for name, tensor in zip(TORCH_DTYPES, sent):
+        for name, tensor in zip(TORCH_DTYPES, sent, strict=True):
             got = await p.recv(key(name), timeout=5)
             back = torch.from_numpy(got)  # the documented way back to torch: no copy
             assert back.dtype == tensor.dtype and back.shape == tensor.shape

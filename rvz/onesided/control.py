@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import _impl
+from .._fast.format import FIELD, KIND, REQUEST_ID
 from ..errors import TransportError
 
 if TYPE_CHECKING:
@@ -44,26 +45,26 @@ class ControlIn:
         channel = self._channel
         out = []
         for event in events:
-            kind = event[0]
+            kind = event[KIND]
             if kind == _codec.ONESIDED:
                 if channel.failed is None and not channel.closed:
                     try:
-                        self._on_control(event[1])
+                        self._on_control(event[FIELD])
                     except (TransportError, ValueError, TypeError, KeyError, IndexError) as exc:
                         channel.fail(self._error(exc))
                 continue
             if kind == _codec.CANCEL:
-                request_id = event[1]
+                request_id = event[FIELD]
                 if request_id in channel.conn.parked:
                     # Parked, it was not answered and never will be.
                     self._out.cancelled(request_id)
-            elif kind == _codec.DATA and event[2]:
+            elif kind == _codec.DATA and event[REQUEST_ID]:
                 # An answer that came over TCP (its key's values go that way): the
                 # destination offered for it will not be written.
-                self._destinations.forget(event[2])
+                self._destinations.forget(event[REQUEST_ID])
             elif kind == _codec.ERROR:
                 try:
-                    request_id = int(event[1].get("req", 0))
+                    request_id = int(event[FIELD].get("req", 0))
                 except (TypeError, ValueError, AttributeError):
                     request_id = 0
                 self._destinations.forget(request_id)
