@@ -63,6 +63,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,11 +112,18 @@ CONSISTENCY = ("asp", "ssp", "bsp")
 # shard logs it and tries again every ``REFUSED_RETRY`` seconds, for as long as it serves.
 REFUSED = (rvz.AuthError, rvz.ProtocolError)
 REFUSED_RETRY = 0.5
-# Rows a checkpoint or cut copies per loop pass: well under a pull's time (about 0.1 ms at
-# dim 16 with Adam), so a pull waits for at most one slice.
-COPY_ROWS = 4096
+# Rows a checkpoint or cut copies per loop pass: well under a pull's time (about 0.2 ms at
+# dim 16 with Adam, faulting in the copy's pages included); a pull waits for a slice or two.
+COPY_ROWS = 1024
 SKIP, STOP = object(), object()  # what ``_request`` returns instead of a request
 FINISHED = "FINISHED.json"  # in a shard's checkpoint directory: the workers that ended there
+
+
+async def _copy_out(copies: Iterable[RowCopy | PendingSave]) -> None:
+    """Take ``copies`` one slice per loop pass, so requests are answered in between."""
+    for copy in copies:
+        while not copy.step(COPY_ROWS):
+            await asyncio.sleep(0)
 
 
 @dataclass
@@ -687,9 +695,7 @@ class ShardServer:
     async def _write_cut(self, root: Path, clock: int, copies: dict[str, RowCopy]) -> None:
         started = time.perf_counter()
         try:
-            for copy in copies.values():
-                while not copy.step(COPY_ROWS):
-                    await asyncio.sleep(0)  # one slice per loop pass: requests go in between
+            await _copy_out(copies.values())
         except BaseException:
             for copy in copies.values():
                 copy.cancel()
@@ -700,6 +706,8 @@ class ShardServer:
             write_shard_part(root, clock, self.shard, snapshots, fsync=self.fsync)
             log.info("%s: its part of the cut at clock %d is written (%d rows, %.3f s)", self.who, clock,
                      sum(len(s.ids) for s in snapshots.values()), time.perf_counter() - started)
+            copies.clear()  # the copies are unmapped here, not on the event loop
+            snapshots.clear()
 
         await asyncio.get_running_loop().run_in_executor(None, write)
 
@@ -773,9 +781,7 @@ class ShardServer:
         root = self.checkpoint_dir
         assert root is not None
         try:
-            for save in pending.values():
-                while not save.step(COPY_ROWS):
-                    await asyncio.sleep(0)  # one slice per loop pass: requests go in between
+            await _copy_out(pending.values())
             if previous is not None:
                 await asyncio.gather(previous, return_exceptions=True)
 
