@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -26,7 +27,7 @@ from examples.param_server.launch import PSConfig, TableSpec, make_tables
 from examples.param_server.server import ShardServer
 from examples.param_server.sparse import sum_by_id
 
-from .conftest import free_ports
+from .conftest import eventually, free_ports
 from .procs import run_module, run_python
 
 # An example or a program, which the choice of hot paths does not change: scripts/test
@@ -448,9 +449,7 @@ def test_a_shard_killed_before_its_first_checkpoint_restarts_empty_and_saves_in_
     # Killed at clock 30, first checkpoint due at 50: the restart finds nothing on disk. It
     # must start empty, save a full checkpoint first (an increment has nothing to extend), and
     # in bsp go on although the workers rejoin one clock apart (whoever had its ack of the
-    # last clock before the kill does not push that clock again).  SSP, not ASP: under ASP
-    # one worker may finish all its steps before the slowest reaches clock 30, and the
-    # restarted shard then counts clocks from 0 until that worker's rejoin times out.
+    # last clock before the kill does not push that clock again).
     proc = demo_run("--consistency", consistency, "--steps", "120", "--batch", "32", "--vocab", "2000",
                     "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "50", "--restart",
                     "--kill-shard", "0", "--kill-at-step", "30", "--timeout", "50")
@@ -602,3 +601,52 @@ def test_a_shard_restarted_without_restore_is_named_in_the_workers_error(run) ->
                 await asyncio.gather(second, return_exceptions=True)
 
     run(main(), timeout=20)
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_restarted_after_a_worker_finished_does_not_wait_for_it(
+        run, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    # asp: worker 0 ends its run (END) while worker 1 goes on; the shard dies and comes back at
+    # epoch 1 from the same directory. It must not wait for worker 0's rejoin (up to an hour
+    # here, or until rvz gives up dialling the gone process): it greets only worker 1, serves
+    # it to its end and returns.
+    caplog.set_level(logging.INFO, logger="examples.param_server.server")
+    cfg = PSConfig(dim=4)
+    ports = free_ports(3)
+    cluster = {"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{p}" for p in ports[1:]]}
+    ids = np.arange(5)
+
+    async def shard(epoch: int) -> ShardServer:
+        async with rvz.Node(cluster, "ps", 0, linger=0.5) as node:
+            server = ShardServer(node, make_tables(cfg), 2, checkpoint_dir=tmp_path, epoch=epoch,
+                                 rejoin_timeout=3600.0, fsync=False)
+            await server.serve()
+            return server
+
+    async def steps(client: PSClient, clocks: range) -> None:
+        for clock in clocks:
+            rows = await client.lookup(ids, clock)
+            await client.push(ids, rows, clock)
+
+    async def main() -> None:
+        first = asyncio.ensure_future(shard(0))
+        async with rvz.Node(cluster, "worker", 1, linger=0.5) as node1:
+            late = PSClient(node1, 1, 4, timeout=10.0, restart_timeout=20.0)
+            async with rvz.Node(cluster, "worker", 0, linger=0.5) as node0:
+                early = PSClient(node0, 1, 4, timeout=10.0)
+                await steps(early, range(2))
+                await early.close()
+            await steps(late, range(3))
+            await eventually(lambda: (tmp_path / "FINISHED.json").exists(), "worker 0's end noted")
+            first.cancel()  # the shard dies
+            await asyncio.gather(first, return_exceptions=True)
+            second = asyncio.ensure_future(shard(1))
+            await steps(late, range(3, 6))  # rejoins the restarted shard, then goes on
+            await late.close()
+            server = await asyncio.wait_for(second, 30)
+        assert json.loads((tmp_path / "FINISHED.json").read_text()) == {"0": 2, "1": 6}
+        assert server.clock == [2, 6] and not server.active
+
+    run(main(), timeout=50)
+    assert "worker 0 finished at clock 2 before this restart" in caplog.text
+    assert "did not rejoin" not in caplog.text

@@ -8,13 +8,16 @@ import pytest
 
 from examples.param_server.optimizers import Adam
 from examples.param_server.stall import measure
-from examples.param_server.table import EmbeddingTable
+from examples.param_server.table import EmbeddingTable, RowCopy
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.parametrize("n", [300, 50_000])
-def test_a_row_copy_is_the_table_of_its_moment_through_updates_deletions_and_evictions(n: int) -> None:
+@pytest.mark.parametrize("n,pool_rows", [(300, None), (50_000, None), (50_000, 700)])
+def test_a_row_copy_is_the_table_of_its_moment_through_updates_deletions_and_evictions(
+        n: int, pool_rows: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    if pool_rows is not None:
+        monkeypatch.setattr(RowCopy, "POOL_ROWS", pool_rows)  # kept rows over many pool chunks
     rng = np.random.default_rng(1)
     t = EmbeddingTable(8, Adam(), "normal", ttl=3)
     ids = rng.integers(0, 1 << 40, n)
@@ -44,7 +47,7 @@ def test_a_row_copy_is_the_table_of_its_moment_through_updates_deletions_and_evi
 def test_pulls_are_answered_while_a_shard_writes_its_checkpoint(tmp_path) -> None:
     # Not a latency ratio (it moves with the machine's load): a shard that wrote the
     # checkpoint on its event loop would answer no pull between the push that starts it
-    # and its manifest; the copy goes a slice of 4096 rows per loop pass, so 60,000 rows
+    # and its manifest; the copy goes a slice of 1024 rows per loop pass, so 60,000 rows
     # leave room for many pulls even on a loaded machine.
     r = measure(60_000, dim=16, ids=256, warm=20, timeout=60, fsync=False, root=str(tmp_path))
     print(r)

@@ -47,3 +47,5 @@ def test_staleness_0_and_1_complete_over_a_shaped_link_with_close_aucs() -> None
     assert all(r["steps"] == 30 for r in runs), runs
     assert summary["link_gbit_s"] < 1.2  # the shaping is in place
     assert summary["auc"][0] > 0.6 and summary["auc_gap"] < 0.02, summary
+    bound = summary["bound"]  # per step: MG's compute, EG's PS calls and their wire time
+    assert bound["compute_ms"] > 0 and bound["ps_ms"] > 0 and bound["wire_ms"] > 0, bound

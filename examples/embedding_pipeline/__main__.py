@@ -467,7 +467,7 @@ def one_task(args: argparse.Namespace) -> int:
 
 # What --json keeps of a run.
 REPORT = ("auc", "logloss", "steps_per_s", "samples_per_s", "staleness", "workers", "history",
-          "steps", "samples", "seconds", "eval_seconds", "mg_waiting", "mg_compute", "eg_ps",
+          "steps", "samples", "seconds", "eval_seconds", "mg_waiting", "mg_compute", "eg_ps", "pulled_ids",
           "cpu_seconds", "loss_digest", "losses")
 
 

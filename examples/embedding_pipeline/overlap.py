@@ -2,11 +2,12 @@
 
 Every PS shard and every worker runs in a network namespace of its own (``examples/netns.py``),
 joined through a bridge by veth pairs; each worker's link is shaped to ``--rate`` (``tbf``,
-both ways), so a step's pulls and pushes take wire time that staleness 1 can hide behind MG's
-compute. Runs staleness 0 and 1 alternately ``--rounds`` times on the same data (one
-``train --cluster`` process per host and role), prints each run, the medians of steps/s,
-their ratio and the final AUCs, and removes every process and namespace it made, also when
-a run fails or the command is interrupted.
+both ways, a bucket of ``--burst``), so a step's pulls and pushes take wire time that
+staleness 1 can hide behind MG's compute. Runs staleness 0 and 1 alternately ``--rounds``
+times on the same data (one ``train --cluster`` process per host and role), prints each run
+(with its time per step in MG's compute, in EG's PS calls, and on the wire), the medians of
+steps/s, their ratio, the final AUCs and what a full overlap would give, and removes every
+process and namespace it made, also when a run fails or the command is interrupted.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3, help="alternations of staleness 0 and 1")
     p.add_argument("--rate", default="1gbit", help="each worker link's rate (tc tbf)")
+    p.add_argument("--burst", default="1mb",
+                   help="the tbf bucket: bytes that pass at the veth's speed once it has refilled "
+                        "(a step's 1-2 MB mostly do at 1mb; 32kb paces them at the rate)")
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--steps", type=int, default=60, help="steps per run")
@@ -160,7 +164,19 @@ def one_run(a: argparse.Namespace, hosts: dict[str, netns.Host], cache: str, k: 
     result = json.loads(Path(report).read_text())
     return {"staleness": k, "steps_per_s": result["steps_per_s"], "auc": result["auc"],
             "logloss": result["logloss"], "steps": result["steps"], "mg_compute": result.get("mg_compute"),
-            "mg_waiting": result.get("mg_waiting"), "seconds": result.get("seconds")}
+            "mg_waiting": result.get("mg_waiting"), "eg_ps": result.get("eg_ps"),
+            "pulled_ids": result.get("pulled_ids"), "seconds": result.get("seconds")}
+
+
+def per_step(r: dict[str, Any], dim: int, rate: float) -> dict[str, float]:
+    """Milliseconds per step of one run: the step, MG's compute, EG's PS calls, and the wire
+    time of the step's payload on worker 0's link at the measured ``rate`` (bytes/s), each
+    way: up, each unique id twice (pull, push) and its gradient; down, its row."""
+    steps = max(1, r["steps"])
+    ids = r["pulled_ids"] / steps
+    return {"step": 1e3 / r["steps_per_s"], "compute": 1e3 * r["mg_compute"] / steps,
+            "ps": 1e3 * r["eg_ps"] / steps, "wire_up": 1e3 * ids * (16 + 4 * dim) / rate,
+            "wire_down": 1e3 * ids * 4 * dim / rate}
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -177,10 +193,10 @@ def compare(a: argparse.Namespace, say: Any = print) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="rvz-wire-") as tmp:
         cache = os.path.join(tmp, "data")
         prepare_data(a, cache)
-        with netns.hosts(names, slow={f"w{w}": a.rate for w in range(a.workers)}) as hosts:
+        with netns.hosts(names, slow={f"w{w}": a.rate for w in range(a.workers)}, burst=a.burst) as hosts:
             rate = link_rate(hosts["ps0"], hosts["w0"])
-            say(f"link ps0 -> w0: {rate * 8 / 1e9:.2f} Gbit/s measured (shaped to {a.rate}); "
-                f"{a.shards} shards, {a.workers} worker(s), batch {a.batch_size}, dim {a.dim}, "
+            say(f"link ps0 -> w0: {rate * 8 / 1e9:.2f} Gbit/s measured (shaped to {a.rate}, burst "
+                f"{a.burst}); {a.shards} shards, {a.workers} worker(s), batch {a.batch_size}, dim {a.dim}, "
                 f"{a.steps} steps; load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
             runs = []
             port = 7100
@@ -188,15 +204,29 @@ def compare(a: argparse.Namespace, say: Any = print) -> dict[str, Any]:
                 for k in (0, 1):
                     port += 1  # a fresh port per run: nothing of the previous run's sockets in the way
                     r = one_run(a, hosts, cache, k, port, tmp)
+                    r["ms_per_step"] = ms = per_step(r, a.dim, rate)
                     runs.append(r)
                     say(f"round {i} staleness {k}: {r['steps_per_s']:.2f} steps/s, AUC {r['auc']:.4f}, "
-                        f"logloss {r['logloss']:.4f}")
+                        f"logloss {r['logloss']:.4f}; per step {ms['step']:.1f} ms: MG computes "
+                        f"{ms['compute']:.1f}, EG in PS calls {ms['ps']:.1f}, wire up "
+                        f"{ms['wire_up']:.1f} + down {ms['wire_down']:.1f}")
     summary = summarize(runs)
     summary["runs"] = runs
     summary["link_gbit_s"] = rate * 8 / 1e9
     m, auc = summary["median_steps_per_s"], summary["auc"]
     say(f"median steps/s: staleness 0 {m[0]:.2f}, staleness 1 {m[1]:.2f}: ratio {summary['ratio']:.2f}x; "
         f"AUC {auc[0]:.4f} vs {auc[1]:.4f} (gap {summary['auc_gap']:.4f})")
+    # What staleness 1 can hide at best: a step of staleness 0 is about compute + PS calls,
+    # one of staleness 1 about the larger of the two (when EG and MG each have a core).
+    zero = [r["ms_per_step"] for r in runs if r["staleness"] == 0]
+    compute = statistics.median(ms["compute"] for ms in zero)
+    ps = statistics.median(ms["ps"] for ms in zero)
+    wire = statistics.median(ms["wire_up"] + ms["wire_down"] for ms in zero)
+    summary["bound"] = {"compute_ms": compute, "ps_ms": ps, "wire_ms": wire,
+                        "ratio": (compute + ps) / max(compute, ps)}
+    say(f"staleness 0, median per step: MG computes {compute:.1f} ms, EG in PS calls {ps:.1f} ms "
+        f"(the payload's wire time at the measured rate, up and down: {wire:.1f} ms): overlapping "
+        f"them fully would give {summary['bound']['ratio']:.2f}x")
     return summary
 
 

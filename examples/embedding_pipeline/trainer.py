@@ -135,6 +135,7 @@ class RunResult:
     mg_waiting: float = 0.0      # seconds MG waited for embeddings (lookups not overlapped)
     mg_compute: float = 0.0      # seconds of MG's dense forward/backward and update
     eg_ps: float = 0.0           # seconds EG spent in PS pulls and pushes
+    pulled_ids: int = 0          # unique ids of every training pull (their rows cross the wire)
     freed: int = 0
     first_step: int = 0          # the step this process started at (> 0: resumed or rejoined)
 
@@ -305,6 +306,7 @@ class Worker:
         evaluation step the held-out rows, read without a clock right after that pull."""
         uniques = [self._index(b) for b in batch_ids]
         union = uniques[0] if len(uniques) == 1 else np.unique(np.concatenate(uniques))
+        self.result.pulled_ids += len(union)
         rows = await self._ps_call("lookup", self.ps.lookup_unique(union))
         for b, unique in zip(batch_ids, uniques, strict=True):
             await self._hand_over(b, rows if unique is union else rows[np.searchsorted(union, unique)])

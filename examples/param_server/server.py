@@ -33,7 +33,9 @@ and its clock, and reports that error.
 
 Every ``checkpoint_every`` clocks (of the slowest worker) the shard saves its tables to
 ``checkpoint_dir``, incrementally except every ``full_every``-th save; ``evict_every`` clocks
-it runs each table's eviction policy.
+it runs each table's eviction policy. A worker that ends its run (``END`` on its push
+channel) is noted there too (``FINISHED.json``): a shard restarted from that directory
+greets it no more and waits for no rejoin of it.
 
 A peer that cannot talk to the shard (a worker with the wrong secret or rvz version, or
 traffic that is not rvz at all) is logged and waited out: the shard retries that worker's
@@ -56,10 +58,12 @@ serves every worker from clock C.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,10 +112,18 @@ CONSISTENCY = ("asp", "ssp", "bsp")
 # shard logs it and tries again every ``REFUSED_RETRY`` seconds, for as long as it serves.
 REFUSED = (rvz.AuthError, rvz.ProtocolError)
 REFUSED_RETRY = 0.5
-# Rows a checkpoint or cut copies per loop pass: well under a pull's time (about 0.1 ms at
-# dim 16 with Adam), so a pull waits for at most one slice.
-COPY_ROWS = 4096
+# Rows a checkpoint or cut copies per loop pass: well under a pull's time (about 0.2 ms at
+# dim 16 with Adam, faulting in the copy's pages included); a pull waits for a slice or two.
+COPY_ROWS = 1024
 SKIP, STOP = object(), object()  # what ``_request`` returns instead of a request
+FINISHED = "FINISHED.json"  # in a shard's checkpoint directory: the workers that ended there
+
+
+async def _copy_out(copies: Iterable[RowCopy | PendingSave]) -> None:
+    """Take ``copies`` one slice per loop pass, so requests are answered in between."""
+    for copy in copies:
+        while not copy.step(COPY_ROWS):
+            await asyncio.sleep(0)
 
 
 @dataclass
@@ -193,6 +205,7 @@ class ShardServer:
         self._housekept = start_clock
         self._saves = 0
         self._rejoining = num_workers if epoch > 0 else 0
+        self._finished: dict[int, int] = {}  # worker -> the clock it ended at (its END)
         # Demo hook (``demo --kill-shard``): this process kills itself with SIGKILL once the
         # slowest worker reached this clock, a crash at a known point of the run.
         self.crash_at: int | None = None
@@ -220,6 +233,7 @@ class ShardServer:
     async def serve(self) -> ShardStats:
         """Greet every worker, then serve until each has left."""
         self._changed = asyncio.Event()
+        self._finished = self._load_finished()
         log.info("%s: serving %d workers, tables %s, %s", self.who, self.num_workers,
                  ", ".join(f"{n} (dim {t.dim}, {t.optimizer.name}, {len(t)} rows)"
                            for n, t in self.tables.items()), self.consistency)
@@ -253,7 +267,43 @@ class ShardServer:
                                 "shard", self.who, worker, clock, what, type(exc).__name__, exc, worker)
                 await asyncio.sleep(REFUSED_RETRY)
 
+    def _load_finished(self) -> dict[int, int]:
+        """The workers that ended their run before this shard restarted (none at epoch 0,
+        a new run: what an earlier run in the directory noted is dropped)."""
+        path = self.checkpoint_dir / FINISHED if self.checkpoint_dir is not None else None
+        if path is None or not path.exists():
+            return {}
+        if self.epoch == 0:
+            path.unlink()
+            return {}
+        try:
+            return {int(w): int(c) for w, c in json.loads(path.read_text()).items()}
+        except (ValueError, AttributeError) as exc:
+            log.warning("%s: %s is unreadable (%s); every worker is waited for", self.who, path, exc)
+            return {}
+
+    def _note_finished(self, worker: int, clock: int) -> None:
+        """Note next to the checkpoints that ``worker`` ended its run at ``clock``. Not
+        flushed to disk: a note lost in a crash only costs a restarted shard a wait of
+        ``rejoin_timeout`` for that worker."""
+        self._finished[worker] = clock
+        if self.checkpoint_dir is None:
+            return
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        path = self.checkpoint_dir / FINISHED
+        tmp = path.with_name(f".{FINISHED}-{os.getpid()}")
+        tmp.write_text(json.dumps({str(w): c for w, c in sorted(self._finished.items())}))
+        os.replace(tmp, path)
+
     async def _serve_worker(self, worker: int) -> None:
+        if worker in self._finished:
+            # It ended its run before this shard restarted: it will never rejoin.
+            log.info("%s: worker %d finished at clock %d before this restart; not waiting for it",
+                     self.who, worker, self._finished[worker])
+            self.clock[worker] = max(self.clock[worker], self._finished[worker])
+            self._leave(worker)
+            self._rejoined()
+            return
         hello = self._hello(worker)
         key = edge(HELLO, worker, self.shard, self.epoch, 0, self.worker_job)
         await self._patient(worker, 0, "greeting", lambda: self.node.send(key, hello))
@@ -549,6 +599,7 @@ class ShardServer:
                                           lambda: self.node.recv(ids_key, step=step))  # noqa: B023
                 if is_end(msg):
                     await _drop(grads_recv)
+                    self._note_finished(worker, clock)
                     self._leave(worker)
                     return
                 grads = await grads_recv
@@ -644,9 +695,7 @@ class ShardServer:
     async def _write_cut(self, root: Path, clock: int, copies: dict[str, RowCopy]) -> None:
         started = time.perf_counter()
         try:
-            for copy in copies.values():
-                while not copy.step(COPY_ROWS):
-                    await asyncio.sleep(0)  # one slice per loop pass: requests go in between
+            await _copy_out(copies.values())
         except BaseException:
             for copy in copies.values():
                 copy.cancel()
@@ -657,6 +706,8 @@ class ShardServer:
             write_shard_part(root, clock, self.shard, snapshots, fsync=self.fsync)
             log.info("%s: its part of the cut at clock %d is written (%d rows, %.3f s)", self.who, clock,
                      sum(len(s.ids) for s in snapshots.values()), time.perf_counter() - started)
+            copies.clear()  # the copies are unmapped here, not on the event loop
+            snapshots.clear()
 
         await asyncio.get_running_loop().run_in_executor(None, write)
 
@@ -730,9 +781,7 @@ class ShardServer:
         root = self.checkpoint_dir
         assert root is not None
         try:
-            for save in pending.values():
-                while not save.step(COPY_ROWS):
-                    await asyncio.sleep(0)  # one slice per loop pass: requests go in between
+            await _copy_out(pending.values())
             if previous is not None:
                 await asyncio.gather(previous, return_exceptions=True)
 

@@ -27,7 +27,9 @@ id holds the embedding and the optimizer's slots. This module adds what is polic
 from __future__ import annotations
 
 import hashlib
+import mmap
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -566,22 +568,46 @@ def rows_digest(tables: Iterable[tuple[str, np.ndarray, np.ndarray]]) -> str:
     return h.hexdigest()[:16]
 
 
+# Unmaps what a finished row copy used (its pool), so the shard's event loop does not.
+_RELEASE = ThreadPoolExecutor(1, thread_name_prefix="row-copy-release")
+
+
+def _unmapped(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised array in an anonymous mapping of its own, none of its pages in place
+    yet, with small (4 KiB) pages: numpy asks for 2 MiB pages for any large array, and
+    faulting one in may compact memory first (5-17 ms measured on a VM), too long for the
+    event loop; 4 KiB pages are faulted in a slice at a time (about 0.4 ms a slice)."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    if count == 0:
+        return np.empty(shape, dtype=dtype)
+    return np.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype=dtype).reshape(shape)
+
+
 class RowCopy:
     """A copy of every row of a table at one moment (``EmbeddingTable.copy_rows``): rows
     ``0 .. next_row`` are copied block slice by block slice (``step``), and a row about to
     change or go before its slice is copied is kept first (copy on write), so the copy is
     the table of that moment whatever changes meanwhile. Rows free at that moment are
-    marked dead (``live``); a row freed later was kept before it went."""
+    marked dead (``live``); a row freed later was kept before it went.
+
+    What runs on the caller's thread (a shard's event loop) stays short and even. Kept rows
+    are appended to a pool, and ``step`` puts them in their places when it copies their
+    slice: written straight into the copy they would land at random across it, and the
+    first pull after the copy started would fault most of it in (100s of ms at 1M rows).
+    The copy and the pool use 4 KiB pages, faulted in as they are written, in order."""
+
+    POOL_ROWS = 1 << 16   # rows per chunk of the pool
 
     def __init__(self, table: EmbeddingTable) -> None:
         core = table._core
         core.finish()
         self.table = table
         self.n = n = int(core.next_row)
-        self.values = np.empty((n, table.width), dtype=np.float32)
-        self.row_ids = np.empty(n, dtype=np.int64)
-        self.stamps = np.empty(n, dtype=np.uint32)
-        self.kept = np.zeros(n, dtype=bool)
+        self.width = table.width
+        self.values = _unmapped((n, table.width), np.float32)
+        self.row_ids = _unmapped(n, np.int64)
+        self.stamps = _unmapped(n, np.uint32)
         self.live = np.ones(n, dtype=bool)
         self.live[core.free_rows()] = False
         self.cand_ids, self.cand_counts = table._candidate_counts()
@@ -589,6 +615,12 @@ class RowCopy:
         self.size = len(table)
         self._arrays = core.row_arrays()   # views: rows changed meanwhile are kept first
         self._cursor = 0
+        # Each row's place in the pool, or -1; written whole now: ``keep`` writes it at random.
+        self._where = _unmapped(n, np.int32)
+        self._where.fill(-1)
+        self._pool: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._pooled = 0
+        self._pool_rows = max(1, min(self.POOL_ROWS, n))
         self.done = n == 0
         if self.done:
             self._finish()
@@ -599,16 +631,30 @@ class RowCopy:
         sel = np.flatnonzero((rows >= self._cursor) & (rows < self.n))
         if len(sel) == 0:
             return
-        sel = sel[~self.kept[rows[sel]]]
+        sel = sel[self._where[rows[sel]] < 0]
         if len(sel) == 0:
             return
+        # A row named twice is pooled twice, with the same content: cheaper than a sort.
         r = np.ascontiguousarray(rows[sel], dtype=np.int32)
-        out = np.empty((len(r), self.values.shape[1]), dtype=np.float32)
+        out = np.empty((len(r), self.width), dtype=np.float32)
         self.table._core.gather(r, out, 0)
-        self.values[r] = out
-        self.row_ids[r] = np.asarray(ids)[sel]
-        self.stamps[r] = self.table._meta(r, "stamp")
-        self.kept[r] = True
+        kept_ids = np.asarray(ids)[sel]
+        stamps = self.table._meta(r, "stamp")
+        done = 0
+        while done < len(r):
+            at = self._pooled % self._pool_rows
+            if at == 0:
+                size = self._pool_rows
+                self._pool.append((_unmapped((size, self.width), np.float32), _unmapped(size, np.int64),
+                                   _unmapped(size, np.uint32)))
+            values, pool_ids, pool_stamps = self._pool[-1]
+            k = min(len(r) - done, self._pool_rows - at)
+            values[at:at + k] = out[done:done + k]
+            pool_ids[at:at + k] = kept_ids[done:done + k]
+            pool_stamps[at:at + k] = stamps[done:done + k]
+            self._where[r[done:done + k]] = np.arange(self._pooled, self._pooled + k, dtype=np.int32)
+            self._pooled += k
+            done += k
 
     def step(self, rows: int = 4096) -> bool:
         """Copy the next ``rows`` rows (at most to the end of their block); True once every
@@ -620,11 +666,21 @@ class RowCopy:
         b, off = divmod(c, block_rows)
         data, ids, stamps = self._arrays[b]
         e = min(self.n, c + rows, b * block_rows + len(data))
-        take = ~self.kept[c:e]
         k = e - c
-        np.copyto(self.values[c:e], data[off:off + k], where=take[:, None])
-        np.copyto(self.row_ids[c:e], ids[off:off + k], where=take)
-        np.copyto(self.stamps[c:e], stamps[off:off + k], where=take)
+        self.values[c:e] = data[off:off + k]
+        self.row_ids[c:e] = ids[off:off + k]
+        self.stamps[c:e] = stamps[off:off + k]
+        where = self._where[c:e]
+        kept = np.flatnonzero(where >= 0)
+        if len(kept):
+            chunk, at = np.divmod(where[kept], self._pool_rows)
+            for ch in np.unique(chunk):
+                mine = chunk == ch
+                dest, src = c + kept[mine], at[mine]
+                values, pool_ids, pool_stamps = self._pool[ch]
+                self.values[dest] = values[src]
+                self.row_ids[dest] = pool_ids[src]
+                self.stamps[dest] = pool_stamps[src]
         self._cursor = e
         if e >= self.n:
             self._finish()
@@ -635,6 +691,10 @@ class RowCopy:
         if self in self.table._copies:
             self.table._copies.remove(self)
         self._arrays = []
+        # The pool and the index into it are unmapped by another thread (it takes a while).
+        garbage = [self._pool, self._where]
+        self._pool, self._where = [], np.full(0, -1, dtype=np.int32)
+        _RELEASE.submit(garbage.clear)
 
     def cancel(self) -> None:
         self._finish()
@@ -675,12 +735,13 @@ class PendingSave:
         writer = ckpt.EntryWriter(Path(path), "incr" if self.incremental else "full", fsync=fsync)
         if self.incremental and writer.manifest is None:
             raise ckpt.CheckpointError(f"no full checkpoint in {path} to add an increment to")
-        if self.copy is None:
+        if self.incremental:
             for name, array in self.arrays.items():
                 writer.array(name, array)
             return writer.commit(self.meta)
-        assert self.copy.done
-        return write_snapshot(self.copy.snapshot(), path, fsync=fsync, writer=writer)
+        assert self.copy is not None and self.copy.done
+        snapshot, self.copy = self.copy.snapshot(), None  # unmapped by this thread once written
+        return write_snapshot(snapshot, path, fsync=fsync, writer=writer)
 
 
 @dataclass
