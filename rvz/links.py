@@ -292,7 +292,9 @@ class Links(NodeState):
             err = PeerLost(f"could not connect to {peer.name} at {peer.address} within "
                            f"{self.connect_timeout}s: {last!r}")
         err.__cause__ = last
-        if after is not None and self._dialled_us(peer, result):
+        # A first dial too: while ours was refused, the peer (a restarted process, say) may
+        # have dialled us, and failing would fail that live connection and its recvs.
+        if self._dialled_us(peer, result):
             return
         if not result.done():
             result.set_exception(err)
@@ -316,7 +318,7 @@ class Links(NodeState):
         return dial
 
     def _dialled_us(self, peer: Any, result: asyncio.Future[Connection]) -> bool:
-        """``peer`` has a ready connection, which it dialled while we tried to connect again:
+        """``peer`` has a ready connection, which it dialled while we tried to connect (again):
         our dial ends with it (it may not fail what that connection now carries)."""
         for conn in peer.live_connections():
             if conn.ready:

@@ -24,6 +24,7 @@ import pytest
 import rvz
 from examples.param_server.client import PSClient
 from examples.param_server.launch import PSConfig, TableSpec, make_tables
+from examples.param_server.protocol import step_id
 from examples.param_server.server import ShardServer
 from examples.param_server.sparse import sum_by_id
 
@@ -650,3 +651,62 @@ def test_a_shard_restarted_after_a_worker_finished_does_not_wait_for_it(
     run(main(), timeout=50)
     assert "worker 0 finished at clock 2 before this restart" in caplog.text
     assert "did not rejoin" not in caplog.text
+
+
+@pytest.mark.parametrize("order", ["others_first", "replay_first"])
+def test_bsp_a_worker_killed_while_its_push_waits_at_the_barrier_is_replayed_once(run, order) -> None:  # type: ignore[no-untyped-def]
+    # Worker 1's push of clock 0 waits at the barrier for worker 0's when its process dies,
+    # and the shard cancels that process's loops. Worker 0's push then completes the clock,
+    # before or after the new process of worker 1 replays its push: both are acknowledged,
+    # and the clock is applied once, with worker 1's gradient once.
+    cfg = PSConfig(dim=4, optimizer="sgd", lr=0.5)
+    ports = free_ports(3)
+    cluster = {"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{p}" for p in ports[1:]]}
+    ids = np.arange(6)
+    grads = [np.full((6, 4), 1.0 + w, dtype=np.float32) for w in range(2)]
+    opts: dict[str, Any] = dict(mode="send", linger=0.5)
+
+    async def main() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            # The workers listen first: the shard's dials to them connect at once, and none is
+            # left retrying that would then wait for a dead worker 1 to come back.
+            w0, first = [await stack.enter_async_context(rvz.Node(cluster, "worker", w, **opts))
+                         for w in range(2)]
+            ps = await stack.enter_async_context(rvz.Node(cluster, "ps", 0, **opts))
+            server = ShardServer(ps, make_tables(cfg), 2, consistency="bsp", worker_rejoin=20.0)
+            serving = asyncio.ensure_future(server.serve())
+            stack.push_async_callback(lambda: asyncio.gather(serving, return_exceptions=True))
+            stack.callback(serving.cancel)
+            clients = [PSClient(n, 1, 4, timeout=10.0, replay=True) for n in (w0, first)]
+            before = [await c.lookup_unique(ids, 0) for c in clients]
+            stuck = asyncio.ensure_future(clients[1].push_unique(ids, grads[1], 0))
+            await eventually(lambda: 1 in server._bsp.get(0, {}), "worker 1's push at the barrier")
+            first.abort(RuntimeError("killed"))  # no BYE: the process just vanishes
+            await asyncio.gather(stuck, return_exceptions=True)
+            await eventually(lambda: server.generation[1] == 1, "the shard waiting for a new worker 1")
+            if order == "others_first":
+                pushed = asyncio.ensure_future(clients[0].push_unique(ids, grads[0], 0))
+                await eventually(lambda: 0 not in server._bsp, "clock 0 applied")
+            again = await stack.enter_async_context(rvz.Node(cluster, "worker", 1, **opts))
+            client = PSClient(again, 1, 4, timeout=10.0, replay=True)
+            await client.connect()
+            assert client.restarted
+            await client.join_at(0)
+            # (Its pull answered: the shard's push loop for it waits on the step already.)
+            assert np.array_equal(await client.lookup_unique(ids, 0), before[1])
+            replayed = asyncio.ensure_future(client.push_unique(ids, grads[1], 0))
+            if order == "replay_first":
+                # Sent ahead, the shard takes the replay's ids and gradients: nothing of the
+                # step is left waiting on it, and its push loop waits at the barrier.
+                await eventually(lambda: step_id(1, 0) not in ps.stats()["steps"], "the replay taken")
+                pushed = asyncio.ensure_future(clients[0].push_unique(ids, grads[0], 0))
+            await asyncio.gather(replayed, pushed)
+            table = server.store
+            assert table.global_step == 1  # one apply_gradients call for the clock
+            np.testing.assert_allclose(table.rows(ids), before[0] - 0.5 * (grads[0] + grads[1]))
+            assert server.clock == [1, 1]
+            for c in (clients[0], client):
+                await c.close()
+            await asyncio.wait_for(serving, 10)
+
+    run(main(), timeout=50)

@@ -18,7 +18,7 @@ import pytest
 import rvz
 from rvz import _impl
 
-from .conftest import eventually, key, pair, provider_or_skip
+from .conftest import PS, WORKER, eventually, key, pair, provider_or_skip
 
 SIZE = 4096  # bytes of each value: small values, packed into DATA_MANY frames
 # Every value through the one-sided channel: inline messages, slots, destinations.
@@ -184,3 +184,29 @@ async def test_a_region_its_owner_closed_before_its_offer_arrived_is_a_reset(  #
             await w.send(k, value(i, 300 << 10))
         got += [int((await p.recv(k, timeout=10))[0]) for _ in range(15)]
         assert got == list(range(20))
+
+
+@pytest.mark.loop_timeout(30)
+async def test_a_dial_that_gives_up_after_the_peer_dialled_us_fails_nothing_of_it() -> None:
+    """The worker's dial to the ps is refused until its ``connect_timeout`` (as when the ps
+    is a restarted process, not up yet); meanwhile the ps dials the worker.  That dial giving
+    up fails neither the ps's connection nor what the worker waits for from it."""
+    worker_port, ps_port, nobody = rvz.cluster.free_ports(3)
+    worker = f"127.0.0.1:{worker_port}"
+    seen_by_worker = {"worker": [worker], "ps": [f"127.0.0.1:{nobody}"]}  # every dial refused
+    async with rvz.Node(seen_by_worker, "worker", 0, "send", heartbeat=0.05, peer_timeout=5.0,
+                        connect_timeout=1.0) as w, \
+            rvz.Node({"worker": [worker], "ps": [f"127.0.0.1:{ps_port}"]}, "ps", 0, "send",
+                     heartbeat=0.05, peer_timeout=5.0) as p:
+        sending = asyncio.ensure_future(w.send(key("up"), value(1)))  # its dial starts
+        await eventually(lambda: ("ps", 0) in w._peers and w._dialling(w._peers[("ps", 0)]),
+                         "the worker dialling the ps")
+        await p.send(key("down", src=PS, dst=WORKER), value(2))  # the ps dials the worker
+        assert int((await w.recv(key("down", src=PS, dst=WORKER), timeout=5))[0]) == 2
+        waiting = asyncio.ensure_future(w.recv(key("later", src=PS, dst=WORKER), timeout=15))
+        await eventually(lambda: not w._dialling(w._peers[("ps", 0)]), "the worker's dial ended")
+        await sending
+        assert int((await p.recv(key("up"), timeout=5))[0]) == 1
+        await p.send(key("later", src=PS, dst=WORKER), value(3))
+        assert int((await waiting)[0]) == 3
+        assert w.stats()["peers"]["/job:ps/replica:0/task:0"]["state"] == "connected"

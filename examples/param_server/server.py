@@ -622,7 +622,7 @@ class ShardServer:
                 # A replayed push the shard already holds (applied, or in the barrier): the
                 # same bits again, so it is acknowledged once its clock is applied, not added.
                 if clock >= self.clock[worker]:
-                    await self._bsp_done[clock]
+                    await asyncio.shield(self._bsp_done[clock])
                 update = None
             elif self.consistency == "bsp":
                 await self._bsp_push(worker, clock, update)
@@ -653,7 +653,9 @@ class ShardServer:
         if done is None:
             done = self._bsp_done[clock] = asyncio.get_running_loop().create_future()
         self._bsp_maybe_apply(clock)
-        await done
+        # Shielded: the loop of a lost process is cancelled here, and cancelling the shared
+        # future would fail every other worker's push of this clock.
+        await asyncio.shield(done)
 
     def _bsp_maybe_apply(self, clock: int) -> None:
         pushes = self._bsp.get(clock, {})
@@ -678,6 +680,11 @@ class ShardServer:
             self.tables[name].apply_gradients(
                 np.concatenate([np.zeros(0, dtype=np.int64), *ids]),
                 np.concatenate([np.zeros((0, dim), dtype=np.float32), *grads]), create=False)
+        # Applied: each of these pushes is done, even one whose loop a lost process stopped
+        # first, so that its next process's replay of it is not applied again.
+        for w in pushes:
+            self.clock[w] = max(self.clock[w], clock + 1)
+        self._wake()
         if self.cut_every and (clock + 1) % self.cut_every == 0:
             self._cut(clock + 1)  # before the acknowledgements: no worker pulls past it
         done = self._bsp_done.pop(clock)
