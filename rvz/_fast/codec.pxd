@@ -87,6 +87,18 @@ cdef class Decoder:
                    code=Py_ssize_t, ftype=int, version=int, flags=int, handshake=bint,
                    payload_len="unsigned long long")
     cdef list _parse(self)
+    cdef _parsed(self, Py_ssize_t pos, Py_ssize_t need)
+    @cython.locals(kstart=Py_ssize_t, pstart=Py_ssize_t, pend=Py_ssize_t, avail=Py_ssize_t,
+                   klen=Py_ssize_t, ndim=Py_ssize_t, code=Py_ssize_t)
+    cdef Py_ssize_t _data(self, bytearray buf, Py_ssize_t mstart, Py_ssize_t meta_len,
+                          unsigned long long payload_len, Py_ssize_t end, list events) except -2
+    cdef _check_header(self, int version, int ftype, int flags, Py_ssize_t meta_len)
+    cdef _bad_data(self, Py_ssize_t meta_len, Py_ssize_t klen, Py_ssize_t ndim, Py_ssize_t code)
+    @cython.locals(buf=bytearray, end=Py_ssize_t)
+    cdef _direct(self, object step, object request_id, str key, Py_ssize_t code, tuple shape,
+                 unsigned long long payload_len, Py_ssize_t pstart, Py_ssize_t avail)
+    cdef bint _control(self, int ftype, bytearray buf, object view, Py_ssize_t mstart,
+                       Py_ssize_t meta_len, list events) except -1
     @cython.locals(_k=Py_ssize_t, pos=Py_ssize_t, kstart=Py_ssize_t, klen=Py_ssize_t, code=Py_ssize_t,
                    ndim=Py_ssize_t, nbytes=Py_ssize_t, count="unsigned long long",
                    keys=list, values=list)

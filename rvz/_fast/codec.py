@@ -494,104 +494,30 @@ class Decoder:
                 payload_len = _u64(buf, pos + 8)
             else:
                 version, ftype, flags, meta_len, payload_len = _HEADER.unpack_from(buf, pos)
-            if version != _C_VERSION:
-                self._fail(f"unsupported protocol version {version} (this side speaks {VERSION})")
-            if flags != 0:
-                self._fail(f"frame flags {flags:#x} are not defined in version {VERSION}")
-            if meta_len > _C_MAX_META:
-                self._fail(f"frame metadata of {meta_len} bytes exceeds the limit of {MAX_META}")
-            if self._state != _S_OPEN:
-                if self._state == _S_HELLO and ftype != _C_HELLO:
-                    self._fail(f"first frame is {FRAME_NAMES.get(ftype, ftype)}, expected HELLO")
-                if self._state == _S_BYE:
-                    self._fail(f"{FRAME_NAMES.get(ftype, ftype)} frame after BYE")
+            if (version != _C_VERSION or flags != 0 or meta_len > _C_MAX_META
+                    or self._state != _S_OPEN):
+                self._check_header(version, ftype, flags, meta_len)
             mstart = pos + _C_HEADER
             if end - mstart < meta_len:
                 need = _C_HEADER + meta_len
                 break
             if ftype == _C_DATA:
-                if meta_len < 20:
-                    self._fail(f"DATA metadata of {meta_len} bytes is too short")
-                if COMPILED:
-                    step = _u64(buf, mstart)
-                    request_id = _u64(buf, mstart + 8)
-                    klen = _u16(buf, mstart + 16)
-                    code = buf[mstart + 18]
-                    ndim = buf[mstart + 19]
-                else:
-                    step, request_id, klen, code, ndim = _DATA_FIXED.unpack_from(buf, mstart)
-                if ndim > _C_MAX_NDIM:
-                    self._fail(f"DATA frame has {ndim} dimensions, the limit is {MAX_NDIM}")
-                if klen > _C_MAX_KEY or meta_len != 20 + 8 * ndim + klen:
-                    self._fail(f"DATA metadata length {meta_len} does not match key length "
-                               f"{klen} and {ndim} dimensions")
-                if code >= _C_NCODES:
-                    self._fail(f"DATA frame has unknown dtype code {code}")
-                kstart = mstart + 20 + 8 * ndim
-                key = self._key(buf, kstart, klen)
-                value: Any
-                arr: Any
-                shape = self._shape(buf, mstart + 20, ndim, code, key, payload_len)
-                if payload_len > self._max_payload:
-                    self._fail(f"DATA frame for key {key}: payload of {payload_len} bytes exceeds "
-                               f"the limit of {self._max_payload}")
-                pstart = mstart + meta_len
-                avail = end - pstart
-                if payload_len <= avail:
-                    pend = pstart + payload_len
-                    # One copy out of the staging buffer into an array (or bytes) the
-                    # caller owns.
-                    if COMPILED:
-                        value = new_array_c(code, shape, buf, pstart, payload_len)  # type: ignore[name-defined]  # noqa: F821
-                    else:
-                        value = _new_array(code, shape, buf, pstart, payload_len)
-                    events.append((DATA, step, request_id, key, value))
-                    self.frames += 1
+                # the frame's end when it was whole; else -1 (its payload is staged, or
+                # received in place: see ``_direct``)
+                pend = self._data(buf, mstart, meta_len, payload_len, end, events)
+                if pend >= 0:
                     pos = pend
                     continue
                 if payload_len < self._direct_min:
                     need = HEADER_SIZE + meta_len + payload_len
-                    break
-                # Large payload: receive the rest straight into the destination array, once
-                # the owner agreed to the frame (its route, its window).
-                if self.admit is not None:
-                    self.admit(step, request_id, key, payload_len)
-                block = None
-                try:
-                    if code == BYTES_CODE:
-                        arr = np.empty(payload_len, _U8)
-                        value = None
-                    else:
-                        if self.pool is not None:
-                            block = self.pool.take(payload_len)
-                        if block is None:
-                            arr = np.empty(shape, DTYPES[code])
-                        elif COMPILED:  # the array on the block, what came with the header in it
-                            arr = block_array_c(code, shape, block, buf, pstart, avail)  # type: ignore[name-defined]  # noqa: F821
-                        else:
-                            arr = _block_array(code, shape, block, buf, pstart, avail)
-                        value = arr
-                except (MemoryError, ValueError) as exc:
-                    self._fail(f"DATA frame for key {key}: cannot allocate {payload_len} "
-                               f"bytes: {exc!r}")
-                if block is None:
-                    dest = payload_view(arr)
-                    if avail:
-                        dest[:avail] = view[pstart:end]
-                else:  # the block's bytes are the array's (a memoryview of one is its start)
-                    dest = block if type(block) is memoryview else memoryview(block)
-                self._dest = dest
-                self._dest_filled = avail
-                self._dest_len = payload_len
-                self._pending = (DATA, step, request_id, key, value)
-                pos = end
+                else:
+                    pos = end
                 break
             if ftype == _C_DATA_MANY:
-                if meta_len != 12:
-                    self._fail(f"DATA_MANY metadata must be 12 bytes, not {meta_len}")
-                if payload_len > _C_MANY_PAYLOAD:
-                    self._fail(f"DATA_MANY payload of {payload_len} bytes exceeds the limit "
-                               f"of {MANY_PAYLOAD}")
+                if meta_len != 12 or payload_len > _C_MANY_PAYLOAD:
+                    self._fail(f"DATA_MANY metadata must be 12 bytes, not {meta_len}"
+                               if meta_len != 12 else f"DATA_MANY payload of {payload_len} "
+                               f"bytes exceeds the limit of {MANY_PAYLOAD}")
                 pend = mstart + 12 + payload_len
                 if pend > end:
                     need = _C_HEADER + 12 + payload_len
@@ -613,52 +539,62 @@ class Decoder:
                 if klen > _C_MAX_KEY or meta_len != 18 + klen:
                     self._fail(f"REQUEST metadata length {meta_len} does not match key length {klen}")
                 events.append((REQUEST, step, request_id, self._key(buf, mstart + 18, klen)))
-            elif ftype == _C_REQUESTS:
-                self._requests(buf, view, mstart, meta_len, events)
-            elif (ftype == _C_CANCEL or ftype == _C_CREDIT or ftype == _C_SEQ
-                  or ftype == _C_ACK):
-                if meta_len != 8:
-                    self._fail(f"{FRAME_NAMES[ftype]} metadata must be 8 bytes, not {meta_len}")
-                events.append((ftype, _u64(buf, mstart) if COMPILED
-                               else _U64.unpack_from(buf, mstart)[0]))
-            elif ftype == PING:
-                if meta_len != 0:
-                    self._fail("PING frame carries metadata")
-                events.append((PING,))
-            elif ftype == ABORT_STEP:
-                if meta_len < 8:
-                    self._fail(f"ABORT_STEP metadata of {meta_len} bytes is too short")
-                step = _U64.unpack_from(buf, mstart)[0]
-                message = self._text(view, mstart + 8, meta_len - 8)
-                events.append((ABORT_STEP, step, message))
-            elif ftype == HELLO or ftype == ERROR:
-                fields = self._map(view, mstart, meta_len, ftype)
-                if ftype == HELLO:
-                    if self._state != _S_HELLO:
-                        self._fail("second HELLO on one connection")
-                    self._state = _S_OPEN
-                events.append((ftype, fields))
-                if ftype == HELLO:
-                    handshake = self.stop_at_handshake
-            elif ftype == AUTH:
-                events.append((AUTH, self._map(view, mstart, meta_len, ftype)))
+            elif self._control(ftype, buf, view, mstart, meta_len, events):
                 handshake = self.stop_at_handshake
-            elif ftype == ONESIDED:
-                events.append((ONESIDED, self._map(view, mstart, meta_len, ftype)))
-            elif ftype == BYE:
-                if meta_len != 0:
-                    self._fail("BYE frame carries metadata")
-                self._state = _S_BYE
-                events.append((BYE,))
-            else:
-                self._fail(f"unknown frame type {ftype}")
             self.frames += 1
             pos = mstart + meta_len
             if handshake:
                 # The owner acts on a handshake frame (who the peer is, whether it proved
                 # the secret) before the frames after it are even parsed: see more().
                 break
-        if pos == end:
+        self._parsed(pos, need)
+        return events
+
+    def _data(self, buf: bytearray, mstart: int, meta_len: int, payload_len: int, end: int,
+              events: list) -> int:
+        """A DATA frame at ``mstart``: its event appended and its end returned when it is
+        whole here; else -1."""
+        if meta_len < 20:
+            self._fail(f"DATA metadata of {meta_len} bytes is too short")
+        if COMPILED:
+            step = _u64(buf, mstart)
+            request_id = _u64(buf, mstart + 8)
+            klen = _u16(buf, mstart + 16)
+            code = buf[mstart + 18]
+            ndim = buf[mstart + 19]
+        else:
+            step, request_id, klen, code, ndim = _DATA_FIXED.unpack_from(buf, mstart)
+        if (ndim > _C_MAX_NDIM or klen > _C_MAX_KEY or meta_len != 20 + 8 * ndim + klen
+                or code >= _C_NCODES):
+            self._bad_data(meta_len, klen, ndim, code)
+        kstart = mstart + 20 + 8 * ndim
+        key = self._key(buf, kstart, klen)
+        value: Any
+        shape = self._shape(buf, mstart + 20, ndim, code, key, payload_len)
+        if payload_len > self._max_payload:
+            self._fail(f"DATA frame for key {key}: payload of {payload_len} bytes exceeds "
+                       f"the limit of {self._max_payload}")
+        pstart = mstart + meta_len
+        avail = end - pstart
+        if payload_len <= avail:
+            pend = pstart + payload_len
+            # One copy out of the staging buffer into an array (or bytes) the
+            # caller owns.
+            if COMPILED:
+                value = new_array_c(code, shape, buf, pstart, payload_len)  # type: ignore[name-defined]  # noqa: F821
+            else:
+                value = _new_array(code, shape, buf, pstart, payload_len)
+            events.append((DATA, step, request_id, key, value))
+            self.frames += 1
+            return pend
+        if payload_len >= self._direct_min:
+            self._direct(step, request_id, key, code, shape, payload_len, pstart, avail)
+        return -1
+
+    def _parsed(self, pos: int, need: int) -> None:
+        """The frames before ``pos`` were parsed, and the next needs ``need`` bytes: keep the
+        rest where a read can complete it."""
+        if pos == self._end:
             self._start = 0
             self._end = 0
         else:
@@ -667,7 +603,110 @@ class Decoder:
                 self._compact()
         if self._state != _S_HELLO and self._size < self._full_size and self._dest is None:
             self._grow()
-        return events
+
+    def _check_header(self, version: int, ftype: int, flags: int, meta_len: int) -> None:
+        """A frame header off the common case: refuse it, or let a handshake frame by."""
+        if version != _C_VERSION:
+            self._fail(f"unsupported protocol version {version} (this side speaks {VERSION})")
+        if flags != 0:
+            self._fail(f"frame flags {flags:#x} are not defined in version {VERSION}")
+        if meta_len > _C_MAX_META:
+            self._fail(f"frame metadata of {meta_len} bytes exceeds the limit of {MAX_META}")
+        if self._state == _S_HELLO and ftype != _C_HELLO:
+            self._fail(f"first frame is {FRAME_NAMES.get(ftype, ftype)}, expected HELLO")
+        if self._state == _S_BYE:
+            self._fail(f"{FRAME_NAMES.get(ftype, ftype)} frame after BYE")
+
+    def _bad_data(self, meta_len: int, klen: int, ndim: int, code: int) -> None:
+        """Refuse a DATA frame whose metadata does not add up."""
+        if ndim > _C_MAX_NDIM:
+            self._fail(f"DATA frame has {ndim} dimensions, the limit is {MAX_NDIM}")
+        if klen > _C_MAX_KEY or meta_len != 20 + 8 * ndim + klen:
+            self._fail(f"DATA metadata length {meta_len} does not match key length "
+                       f"{klen} and {ndim} dimensions")
+        self._fail(f"DATA frame has unknown dtype code {code}")
+
+    def _direct(self, step: Any, request_id: Any, key: str, code: int, shape: tuple,
+                payload_len: int, pstart: int, avail: int) -> None:
+        """A DATA frame too large to stage: the rest of its payload is received straight
+        into the array it becomes (``get_buffer``), what came with the header copied in."""
+        buf = self._buf
+        view = self._view
+        end = self._end
+        if self.admit is not None:  # the owner agrees to the frame first (its route, its window)
+            self.admit(step, request_id, key, payload_len)
+        block = None
+        try:
+            if code == BYTES_CODE:
+                arr = np.empty(payload_len, _U8)
+                value = None
+            else:
+                if self.pool is not None:
+                    block = self.pool.take(payload_len)
+                if block is None:
+                    arr = np.empty(shape, DTYPES[code])
+                elif COMPILED:  # the array on the block, what came with the header in it
+                    arr = block_array_c(code, shape, block, buf, pstart, avail)  # type: ignore[name-defined]  # noqa: F821
+                else:
+                    arr = _block_array(code, shape, block, buf, pstart, avail)
+                value = arr
+        except (MemoryError, ValueError) as exc:
+            self._fail(f"DATA frame for key {key}: cannot allocate {payload_len} "
+                       f"bytes: {exc!r}")
+        if block is None:
+            dest = payload_view(arr)
+            if avail:
+                dest[:avail] = view[pstart:end]
+        else:  # the block's bytes are the array's (a memoryview of one is its start)
+            dest = block if type(block) is memoryview else memoryview(block)
+        self._dest = dest
+        self._dest_filled = avail
+        self._dest_len = payload_len
+        self._pending = (DATA, step, request_id, key, value)
+
+    def _control(self, ftype: int, buf: bytearray, view: Any, mstart: int, meta_len: int,
+                 events: list) -> bool:
+        """A frame without a payload, other than REQUEST: its event appended.  True for a
+        handshake frame (HELLO, AUTH), on which the owner acts before the next is parsed."""
+        if ftype == _C_REQUESTS:
+            self._requests(buf, view, mstart, meta_len, events)
+        elif (ftype == _C_CANCEL or ftype == _C_CREDIT or ftype == _C_SEQ
+              or ftype == _C_ACK):
+            if meta_len != 8:
+                self._fail(f"{FRAME_NAMES[ftype]} metadata must be 8 bytes, not {meta_len}")
+            events.append((ftype, _u64(buf, mstart) if COMPILED
+                           else _U64.unpack_from(buf, mstart)[0]))
+        elif ftype == PING:
+            if meta_len != 0:
+                self._fail("PING frame carries metadata")
+            events.append((PING,))
+        elif ftype == ABORT_STEP:
+            if meta_len < 8:
+                self._fail(f"ABORT_STEP metadata of {meta_len} bytes is too short")
+            step = _U64.unpack_from(buf, mstart)[0]
+            message = self._text(view, mstart + 8, meta_len - 8)
+            events.append((ABORT_STEP, step, message))
+        elif ftype == HELLO or ftype == ERROR:
+            fields = self._map(view, mstart, meta_len, ftype)
+            if ftype == HELLO:
+                if self._state != _S_HELLO:
+                    self._fail("second HELLO on one connection")
+                self._state = _S_OPEN
+            events.append((ftype, fields))
+            return ftype == HELLO
+        elif ftype == AUTH:
+            events.append((AUTH, self._map(view, mstart, meta_len, ftype)))
+            return True
+        elif ftype == ONESIDED:
+            events.append((ONESIDED, self._map(view, mstart, meta_len, ftype)))
+        elif ftype == BYE:
+            if meta_len != 0:
+                self._fail("BYE frame carries metadata")
+            self._state = _S_BYE
+            events.append((BYE,))
+        else:
+            self._fail(f"unknown frame type {ftype}")
+        return False
 
     def _grow(self) -> None:
         """HELLO was read: the full staging buffer, with the unparsed bytes moved over."""
