@@ -3,6 +3,7 @@
 Public API::
 
     rvz.Key, rvz.Rendezvous, rvz.ClusterSpec, rvz.Node, rvz.Step, rvz.run,
+    rvz.BlockingNode, rvz.BlockingStep (the same calls for synchronous code),
     rvz.implementation(), the type aliases of ``rvz.types`` (Value, Mode, TransportName, ...)
 
 and the errors under ``rvz.RvzError``.  rvz logs to the ``rvz`` logger (and its children);
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from . import types as types  # rvz.types: the type aliases
 from ._impl import implementation
+from .blocking import BlockingNode, BlockingStep
 from .cluster import ClusterSpec
 from .errors import (
     Aborted,
@@ -53,7 +55,8 @@ logging.getLogger("rvz").addHandler(logging.NullHandler())
 __version__ = "0.2.0.dev0"
 
 __all__ = [
-    "Aborted", "AuthError", "ClusterSpec", "ConfigError", "Key", "KeyFormatError", "KeyLike",
+    "Aborted", "AuthError", "BlockingNode", "BlockingStep", "ClusterSpec", "ConfigError", "Key",
+    "KeyFormatError", "KeyLike",
     "LoopName", "Mode", "Node", "NodeClosed", "PeerLost", "ProtocolError", "RemoteError",
     "Rendezvous", "RvzError", "SendValue", "Step", "TransportError", "TransportName",
     "UnknownTask", "Value", "WrongEndpoint", "implementation", "loop_name", "new_event_loop",

@@ -50,6 +50,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("node",         ("rvz._fast.calls", "rvz.options", "rvz.node", "rvz.nodestate",
                       "rvz.links", "rvz.peering", "rvz.heartbeat", "rvz.waiting",
                       "rvz.closing")),
+    # the node for synchronous code: a loop thread and blocking calls (rvz exports it)
+    ("blocking",     ("rvz.blocking",)),
     ("public API",   ("rvz",)),
     # optional exporters of what the public API reports
     ("exporters",    ("rvz.metrics",)),
