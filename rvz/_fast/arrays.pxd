@@ -13,6 +13,7 @@ cdef tuple shape1_c(unsigned long long dim0)
 cdef int append_data_c(bytearray out, uint64_t step, uint64_t request_id, bytes key, int code,
                        tuple shape, Py_ssize_t nbytes, object value, bint with_payload) except -1
 cdef Py_ssize_t nbytes_c(object value) except -1
+cdef int append_frame_c(bytearray out, bytes frame) except -1
 cdef int append_request_c(bytearray out, uint64_t step, uint64_t request_id,
                           bytes key) except -1
 cdef int many_begin_c(bytearray out, uint64_t step) except -1

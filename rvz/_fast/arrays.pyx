@@ -18,6 +18,14 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
+cdef extern from "Python.h":
+    ctypedef struct PyByteArrayObject:
+        Py_ssize_t ob_alloc
+        char* ob_bytes
+        char* ob_start
+        Py_ssize_t ob_exports
+    void Py_SET_SIZE(object o, Py_ssize_t size)
+
 cnp.import_array()
 
 if sys.byteorder != "little":
@@ -95,6 +103,40 @@ cdef inline void _put64(char* p, uint64_t v) noexcept nogil:
     memcpy(p, &v, 8)
 
 
+# A write buffer's first allocation; it grows by half again after.
+cdef Py_ssize_t MIN_ROOM = 4096
+
+
+cdef char* _grow(bytearray out, Py_ssize_t add) except NULL:
+    """Room for ``add`` more bytes at the end of ``out``: where they go.  CPython grows a
+    bytearray by an eighth at a time, one realloc (often with a copy) every few frames of a
+    loop pass's buffer; this grows it by half, from MIN_ROOM, and moves only the logical
+    size while there is room."""
+    cdef PyByteArrayObject* o = <PyByteArrayObject*>out
+    cdef Py_ssize_t old = PyByteArray_GET_SIZE(out)
+    cdef Py_ssize_t size = old + add
+    cdef Py_ssize_t room
+    if o.ob_exports == 0 and size + (o.ob_start - o.ob_bytes) + 1 <= o.ob_alloc:
+        Py_SET_SIZE(out, size)
+    else:
+        room = size + (size >> 1)
+        if room < MIN_ROOM:
+            room = MIN_ROOM
+        if PyByteArray_Resize(out, room) < 0:  # (a BufferError while exported, as CPython's)
+            return NULL
+        Py_SET_SIZE(out, size)
+    o.ob_start[size] = 0  # a bytearray keeps a NUL after its bytes
+    return o.ob_start + old
+
+
+cdef int append_frame_c(bytearray out, bytes frame) except -1:
+    """Append a whole frame to a write buffer (``Wire.write_frame``), growing it as the
+    frames packed in place do: ``+=`` would shrink a buffer with room to spare."""
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(frame)
+    memcpy(_grow(out, n), PyBytes_AS_STRING(frame), n)
+    return 0
+
+
 def append_data(bytearray out, uint64_t step, uint64_t request_id, bytes key, int code,
                 tuple shape, Py_ssize_t nbytes, object value, bint with_payload):
     append_data_c(out, step, request_id, key, code, shape, nbytes, value, with_payload)
@@ -108,13 +150,11 @@ cdef int append_data_c(bytearray out, uint64_t step, uint64_t request_id, bytes 
     cdef Py_ssize_t klen = PyBytes_GET_SIZE(key)
     cdef Py_ssize_t meta = 20 + 8 * ndim + klen
     cdef Py_ssize_t add = 16 + meta
-    cdef Py_ssize_t old = PyByteArray_GET_SIZE(out)
     cdef Py_ssize_t i
     cdef char* p
     if with_payload:
         add += nbytes
-    PyByteArray_Resize(out, old + add)
-    p = PyByteArray_AS_STRING(out) + old
+    p = _grow(out, add)
     p[0] = <char>VERSION
     p[1] = <char>DATA
     _put16(p + 2, 0)
@@ -159,10 +199,8 @@ cdef int append_request_c(bytearray out, uint64_t step, uint64_t request_id,
                           bytes key) except -1:
     """append_request() for compiled callers: a REQUEST frame in a few stores."""
     cdef Py_ssize_t klen = PyBytes_GET_SIZE(key)
-    cdef Py_ssize_t old = PyByteArray_GET_SIZE(out)
     cdef char* p
-    PyByteArray_Resize(out, old + 34 + klen)
-    p = PyByteArray_AS_STRING(out) + old
+    p = _grow(out, 34 + klen)
     p[0] = <char>VERSION
     p[1] = <char>REQUEST
     _put16(p + 2, 0)
@@ -189,10 +227,8 @@ def many_end(bytearray out, Py_ssize_t start, Py_ssize_t count):
 
 cdef int many_begin_c(bytearray out, uint64_t step) except -1:
     """many_begin() for compiled callers."""
-    cdef Py_ssize_t old = PyByteArray_GET_SIZE(out)
     cdef char* p
-    PyByteArray_Resize(out, old + 28)
-    p = PyByteArray_AS_STRING(out) + old
+    p = _grow(out, 28)
     p[0] = <char>VERSION
     p[1] = <char>DATA_MANY
     _put16(p + 2, 0)
@@ -209,11 +245,9 @@ cdef int many_entry_c(bytearray out, bytes key, int code, tuple shape, Py_ssize_
     cdef Py_ssize_t ndim = len(shape)
     cdef Py_ssize_t klen = PyBytes_GET_SIZE(key)
     cdef Py_ssize_t head = 8 + 8 * ndim
-    cdef Py_ssize_t old = PyByteArray_GET_SIZE(out)
     cdef Py_ssize_t i
     cdef char* p
-    PyByteArray_Resize(out, old + head + klen + nbytes)
-    p = PyByteArray_AS_STRING(out) + old
+    p = _grow(out, head + klen + nbytes)
     _put16(p, <uint16_t>klen)
     p[2] = <char><uint8_t>code
     p[3] = <char><uint8_t>ndim

@@ -2,8 +2,8 @@ cimport cython
 from cpython.bytearray cimport PyByteArray_AS_STRING
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
-from rvz._fast.arrays cimport (append_data_c, append_request_c, many_begin_c, many_end_c,
-                               many_entry_c)
+from rvz._fast.arrays cimport (append_data_c, append_frame_c, append_request_c, many_begin_c,
+                               many_end_c, many_entry_c)
 from rvz._fast.codec cimport Decoder
 from rvz._fast.codec cimport payload_view as payload_view_c
 from rvz._fast.peers cimport Peer

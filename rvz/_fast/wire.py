@@ -298,7 +298,10 @@ class Wire:
         """Queue a small frame; it leaves with the others of this loop iteration."""
         if self.closed:
             return
-        self._out += frame
+        if COMPILED:
+            append_frame_c(self._out, frame)  # type: ignore[name-defined]  # noqa: F821
+        else:
+            self._out += frame
         self.frames_out += 1
         self._queued()
 
