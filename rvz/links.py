@@ -31,6 +31,24 @@ log = logging.getLogger("rvz.node")  # one logger for the node and its links
 _codec = _impl.codec
 
 
+# What stats() counts of the ways connections end ("errors"), and of lost peers.
+ERROR_KINDS = ("protocol", "auth", "timeout", "reset", "peer_lost")
+
+
+def _error_kind(reason: BaseException | None) -> str | None:
+    """How a connection that ``reason`` closed counts in ``stats()["errors"]``; None for an
+    end that is no error (ours, the peer's goodbye, a lost peer counted as such)."""
+    if isinstance(reason, AuthError):
+        return "auth"
+    if isinstance(reason, ProtocolError):
+        return "protocol"
+    if isinstance(reason, (TimeoutError, asyncio.TimeoutError)):  # (an OSError too)
+        return "timeout"
+    if isinstance(reason, OSError):
+        return "reset"
+    return None
+
+
 def _transient(reason: BaseException | None) -> bool:
     """A connection lost this way may come back to the same process: reset or closed
     without BYE (not a timeout, a protocol violation or a failed handshake)."""
@@ -132,6 +150,9 @@ class Links(NodeState):
     def connection_lost(self, conn: Connection) -> None:
         """A connection closed; fails what depended on it (``Connection`` calls this)."""
         self._conns.discard(conn)
+        kind = _error_kind(conn.close_reason)
+        if kind is not None:
+            self._errors[kind] += 1
         if isinstance(conn.close_reason, AuthError) and not conn.outbound:
             self._repeats.log("refused", logging.WARNING,
                               f"{self.name} refused a connection: {conn.close_reason}")
@@ -346,6 +367,8 @@ class Links(NodeState):
         them).  Recvs and pushes issued since may be served by the new process.
         """
         core = self._core
+        if not isinstance(err.__cause__, NodeClosed):
+            self._errors["peer_lost"] += 1
         if level is None:
             level = logging.INFO if isinstance(err.__cause__, NodeClosed) else logging.WARNING
         if isinstance(err.__cause__, AuthError):  # refused at each try: said in sum

@@ -105,6 +105,9 @@ class _Families:
         self.waits = CounterMetricFamily(
             "rvz_waits", "How often a send (role producer: for window credit or hold_limit) or a "
             "recv (role consumer: for its value) had to wait.", labels=["node", "role"])
+        self.errors = CounterMetricFamily(
+            "rvz_errors", "Connections ended by a protocol violation, a refused handshake, a "
+            "timeout or a reset (type), and peers lost (type peer_lost).", labels=["node", "type"])
         self.active_steps = GaugeMetricFamily(
             "rvz_active_steps", "Steps whose table holds a value or a waiting recv.", labels=node)
         self.steps = [(field, GaugeMetricFamily(name, text, labels=node))
@@ -141,16 +144,20 @@ class _Families:
         self.peer_messages = CounterMetricFamily(
             "rvz_peer_messages", "Frames (values and control) over the live connections to the "
             "peer (reset with them).", labels=["node", "peer", "direction"])
+        self.peer_credit_stalls = CounterMetricFamily(
+            "rvz_peer_credit_stalls", "Pushes to the peer that waited for its credit (its push "
+            "window full of values it had not taken).", labels=peer)
         self.peer_gauges = [(field, GaugeMetricFamily(name, text, labels=peer,
                                                       unit="bytes" if name.endswith("_bytes") else ""))
                             for field, name, text in _PEER_GAUGES]
 
     def all(self) -> list[Metric]:
         return [self.up, self.state, self.info, self.held_values, self.held_bytes, self.waits,
-                self.active_steps, *(f for _, f in self.steps), self.dead_steps, self.unidentified,
+                self.errors, self.active_steps, *(f for _, f in self.steps), self.dead_steps,
+                self.unidentified,
                 self.pool_blocks, self.pool_bytes, self.pool_target, self.poll_budget,
                 self.poll_spins, self.peer_state, self.peer_info, self.peer_bytes,
-                self.peer_messages, *(f for _, f in self.peer_gauges)]
+                self.peer_messages, self.peer_credit_stalls, *(f for _, f in self.peer_gauges)]
 
     def add(self, name: str, stats: NodeStats | None) -> None:
         """The samples of the node called ``name``; ``stats`` is None when it was not read."""
@@ -170,6 +177,8 @@ class _Families:
         self.held_bytes.add_metric([name], stats["held"]["bytes"])
         for role in ("producer", "consumer"):
             self.waits.add_metric([name, role], stats["waits"][role])
+        for kind, count in stats["errors"].items():
+            self.errors.add_metric([name, kind], count)
         steps = stats["steps"].values()
         self.active_steps.add_metric([name], len(steps))
         for field, family in self.steps:
@@ -211,6 +220,7 @@ class _Families:
         self.peer_bytes.add_metric([*labels, "out"], peer["bytes_out"])
         self.peer_messages.add_metric([*labels, "in"], peer["messages_in"])
         self.peer_messages.add_metric([*labels, "out"], peer["messages_out"])
+        self.peer_credit_stalls.add_metric(labels, peer["credit_stalls"])
         for field, family in self.peer_gauges:
             family.add_metric(labels, peer[field])  # type: ignore[literal-required]
 

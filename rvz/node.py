@@ -61,7 +61,7 @@ from .errors import (
 )
 from .handshake import Handshake
 from .heartbeat import Heartbeat, Repeats
-from .links import Links
+from .links import ERROR_KINDS, Links
 from .nodestate import TaskId, started
 from .options import MIN_RATE, Options
 from .peering import Peering
@@ -244,6 +244,7 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
         self._onesided_options = onesided
         self._onesided: Any = None
         self._closing_pushes: list[Any] = []
+        self._errors = dict.fromkeys(ERROR_KINDS, 0)  # connections ended badly, lost peers
         self._repeats = Repeats()  # events that may repeat many times a second, logged in sum
         self._said_bye = False  # close() said BYE: a connection made since says it at once
         # HELLO and AUTH: their verdicts, and the incarnations newer ones replaced.
@@ -508,6 +509,7 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
                 "held_back_requests": sum(1 for r in peer.held_back
                                           if core.requests.by_id.get(r.id) is r),
                 "held_values": held.get(peer, 0),
+                "credit_stalls": int(peer.credit_stalls),
             }
         steps: dict[int, StepStats] = {}
         for step, table in core.steps.tables.items():
@@ -524,6 +526,7 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
             "held": {"values": int(core.holding.held_count), "bytes": int(core.holding.held_bytes)},
             "waits": {"producer": int(core.waits_producer), "consumer": int(core.waits_consumer)},
             "dead_steps": len(core.steps.dead_steps),
+            "errors": dict(self._errors),
             "unidentified": self._unidentified(),
             "recv_pool": self._recv_pool.stats() if self._recv_pool is not None else None,
             "busy_poll": ({"budget": self.busy_poll, "spins": self._poll.spins}

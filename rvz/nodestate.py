@@ -70,6 +70,7 @@ class NodeState:
     _onesided: Any
     _recv_pool: Any
     _repeats: Repeats
+    _errors: dict[str, int]  # stats()["errors"] (rvz.links.ERROR_KINDS)
     _ssl_server: _ssl.SSLContext | None
     _ssl_client: _ssl.SSLContext | None
 

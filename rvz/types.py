@@ -116,6 +116,7 @@ class PeerStats(TypedDict):
     outstanding_requests: int
     held_back_requests: int
     held_values: int
+    credit_stalls: int  # pushes to it that waited for its credit, the link being up
 
 
 class StepStats(TypedDict):
@@ -162,6 +163,9 @@ class NodeStats(TypedDict):
     held: HeldStats
     waits: WaitStats
     dead_steps: int
+    # connections ended by a protocol violation, a refused handshake, a timeout or a reset,
+    # and peers lost: {"protocol", "auth", "timeout", "reset", "peer_lost"} -> count
+    errors: dict[str, int]
     unidentified: int
     recv_pool: dict[int, tuple[int, int, int]] | None
     busy_poll: BusyPollStats | None

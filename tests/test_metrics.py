@@ -99,6 +99,9 @@ def check_node(samples: Samples, stats: NodeStats) -> None:
     assert value(samples, "rvz_held_bytes", node=node) == stats["held"]["bytes"]
     for role in ("producer", "consumer"):
         assert value(samples, "rvz_waits_total", node=node, role=role) == stats["waits"][role]
+    assert set(stats["errors"]) == {"protocol", "auth", "timeout", "reset", "peer_lost"}
+    for kind, count in stats["errors"].items():
+        assert value(samples, "rvz_errors_total", node=node, type=kind) == count
     assert value(samples, "rvz_active_steps", node=node) == len(stats["steps"])
     for name, field in STEP_SUMS.items():
         total = sum(step[field] for step in stats["steps"].values())  # type: ignore[literal-required]
@@ -128,6 +131,7 @@ def check_node(samples: Samples, stats: NodeStats) -> None:
                 ps[f"messages_{direction}"]  # type: ignore[literal-required]
         for name, field in PEER_FIELDS.items():
             assert value(samples, name, **labels) == ps[field], name  # type: ignore[literal-required]
+        assert value(samples, "rvz_peer_credit_stalls_total", **labels) == ps["credit_stalls"]
 
 
 @pytest.mark.parametrize("mode", ["recv", "send"])

@@ -955,3 +955,31 @@ def test_a_loop_closed_under_a_waiting_recv_leaves_no_error_from_rvz(loop_name, 
     assert done.stdout.split() == [rvz.implementation(), "collected"], done.stdout
     assert "Exception ignored" not in done.stderr, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.loop_timeout(20)
+async def test_stats_count_credit_stalls_and_errors_by_type(cluster) -> None:  # type: ignore[no-untyped-def]
+    # A consumer that takes nothing fills its producer's push window: the next pushes wait
+    # for credit, and its peer entry counts each.  A connection the consumer then fails for
+    # a protocol violation counts once under "protocol" at both ends.
+    async with pair(cluster, "send", worker={"push_window": 4096}) as (w, p):
+        assert w.stats()["errors"] == dict.fromkeys(("protocol", "auth", "timeout", "reset",
+                                                     "peer_lost"), 0)
+        value = np.zeros(1024, np.uint8)
+        await w.send(key(), value)  # the link is up: from now on only credit holds pushes back
+        await p.recv(key(), timeout=5)
+        sends = [asyncio.ensure_future(w.send(key(), value)) for _ in range(6)]
+
+        def stalls() -> int:
+            peer = w.stats()["peers"].get("/job:ps/replica:0/task:0")
+            return 0 if peer is None else peer["credit_stalls"]
+
+        await eventually(lambda: stalls() >= 3, "credit stalls")
+        for _ in range(6):
+            await p.recv(key(), timeout=5)
+        await asyncio.gather(*sends)
+        assert 3 <= stalls() <= 6, stalls()
+        conn = next(c for c in p._conns if c.ready)
+        conn.fail(rvz.ProtocolError("a test's violation"))
+        await eventually(lambda: p.stats()["errors"]["protocol"] == 1, "counted here")
+        await eventually(lambda: w.stats()["errors"]["protocol"] == 1, "counted by the peer")

@@ -372,6 +372,8 @@ class Core(Dispatcher):
         if self.credit.push(peer, step, route, value, code, shape, nbytes):
             return None
         self.waits_producer += 1
+        if peer.credit < nbytes + MESSAGE_COST and peer.link is not None and peer.link.ready:
+            peer.credit_stalls += 1  # the link is up: the consumer's window is full
         return self.credit.queue_push(self.future(), peer, step, route, value, code, shape,
                                       nbytes)
 

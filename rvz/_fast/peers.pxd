@@ -45,6 +45,7 @@ cdef class Peer:
     cdef public bint lost
     cdef public Py_ssize_t held_bytes
     cdef public Py_ssize_t held_count
+    cdef public Py_ssize_t credit_stalls
     cdef public Py_ssize_t hold_reserved
     cdef public Py_ssize_t tx_seq
     cdef public list unacked

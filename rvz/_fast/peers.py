@@ -55,8 +55,9 @@ class Peer:
                  "link", "credit", "asked", "queue", "owed", "owed_scheduled", "owe_now",
                  "stuck", "pushes_on", "joined_step", "steps_opened", "window", "unreturned", "answered",
                  "parks", "asking", "held_back", "held_back_mark", "lost", "held_bytes",
-                 "held_count", "hold_reserved", "arriving", "tx_seq", "unacked", "unacked_head", "credit_in",
-                 "credited", "rx_floor", "rx_above", "acked_sent", "__weakref__")
+                 "held_count", "credit_stalls", "hold_reserved", "arriving", "tx_seq", "unacked",
+                 "unacked_head", "credit_in", "credited", "rx_floor", "rx_above", "acked_sent",
+                 "__weakref__")
 
     def __init__(self, task_id: tuple, address: str, window: int) -> None:
         self.id = task_id
@@ -119,6 +120,7 @@ class Peer:
         self.lost = True
         self.held_bytes = 0
         self.held_count = 0
+        self.credit_stalls = 0             # pushes that waited for its credit (stats)
         self.hold_reserved = 0
         # Exactly-once delivery across reconnects of one incarnation (``Credit.resend``).
         # As its producer: the number of the last value we sent it, and the values it has
