@@ -17,18 +17,30 @@ from typing import Any
 import rvz
 
 
+class ChildCancelled(RuntimeError):
+    """A coroutine of ``run_together`` ended cancelled although nobody cancelled the call."""
+
+
 async def run_together(*coros: Coroutine[Any, Any, Any]) -> list[Any]:
     """Run ``coros`` concurrently; the first failure cancels the others and is raised.
 
     ``asyncio.gather`` would let the siblings of a failed task run on (and hang on keys the
-    failed one will never send); ``TaskGroup`` would do this but needs Python 3.11.
+    failed one will never send); ``TaskGroup`` would do this but needs Python 3.11.  A child
+    that ends cancelled while this call runs is a failure too (``ChildCancelled``): nothing
+    here cancels one, so something it awaited was cancelled under it, and its siblings could
+    wait for it for ever.
     """
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in done:
-            if not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.cancelled():
+                    raise ChildCancelled(f"{task.get_coro().__qualname__} ended cancelled "
+                                         "while its siblings ran")
+                if task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
         return [task.result() for task in tasks]
     finally:
         for task in tasks:

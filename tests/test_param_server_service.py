@@ -710,3 +710,32 @@ def test_bsp_a_worker_killed_while_its_push_waits_at_the_barrier_is_replayed_onc
             await asyncio.wait_for(serving, 10)
 
     run(main(), timeout=50)
+
+
+def test_run_together_fails_on_a_child_cancelled_under_it(run) -> None:  # type: ignore[no-untyped-def]
+    # A child whose awaited future is cancelled by someone else ends cancelled: the call
+    # fails at once, naming it, instead of waiting for ever on the siblings.
+    from examples.common import ChildCancelled, run_together
+
+    async def main() -> None:
+        shared: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        sibling_done = asyncio.Event()
+
+        async def waits_on_shared() -> None:
+            await shared
+
+        async def runs_on() -> None:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                sibling_done.set()
+
+        together = asyncio.ensure_future(run_together(waits_on_shared(), runs_on()))
+        await asyncio.sleep(0)
+        shared.cancel()
+        with pytest.raises(ChildCancelled, match="waits_on_shared"):
+            await asyncio.wait_for(together, 5)
+        assert sibling_done.is_set()  # the sibling was cancelled and awaited, not left running
+        assert await run_together(asyncio.sleep(0, "a"), asyncio.sleep(0, "b")) == ["a", "b"]
+
+    run(main(), timeout=10)
