@@ -121,7 +121,7 @@ class Heartbeat(NodeState):
                 conn.idle_ticks = 0
             if self.min_rate and conn.payload_too_slow(self.heartbeat, self.peer_timeout,
                                                        self.min_rate):
-                conn.fail(ProtocolError(f"a payload from {self._peer_name(conn)} has taken over "
+                conn.fail(ProtocolError(f"a payload from {conn.peer_name()} has taken over "
                                         f"{self.peer_timeout}s and comes at less than "
                                         f"{self.min_rate} bytes/s (min_rate)"))
                 continue

@@ -35,9 +35,6 @@ class Peering(NodeState):
             return False
         return True
 
-    def _peer_name(self, conn: Connection) -> str:
-        return conn.peer.name if conn.peer is not None else "an unidentified peer"
-
     def _on_hello(self, conn: Connection, fields: dict[str, Any]) -> None:
         """The peer's HELLO: accepted now, or answered with our AUTH (rvz.handshake)."""
         self._handshake.hello_on(self._core, conn, fields, self._accept_peer)
@@ -138,19 +135,19 @@ class Peering(NodeState):
             # listener refused us (without a secret each side takes the other's HELLO as it
             # comes, so a dialler may already have taken the connection).
             if fields.get("code") == "auth":
-                raise AuthError(f"{self._peer_name(conn)} refused this node: "
+                raise AuthError(f"{conn.peer_name()} refused this node: "
                                 f"{str(fields.get('msg', ''))[:500]}")
-            raise ProtocolError(f"{self._peer_name(conn)} sent an ERROR frame before "
+            raise ProtocolError(f"{conn.peer_name()} sent an ERROR frame before "
                                 "completing its handshake")
         request_id = fields.get("req", 0)
         if not isinstance(request_id, int):  # int("x") would raise into the event loop
-            raise ProtocolError(f"{self._peer_name(conn)} sent an ERROR frame whose request id "
+            raise ProtocolError(f"{conn.peer_name()} sent an ERROR frame whose request id "
                                 f"is not a number: {fields!r}")
         if request_id == 0 and fields.get("code") == "protocol":
             # It closes this connection for something we sent: not a broken link.  What it
             # did not acknowledge is not sent again (it would be refused again).
             core.credit.drop_unacked(conn.peer)
-            conn.close_because(ProtocolError(f"{self._peer_name(conn)} closed the connection: "
+            conn.close_because(ProtocolError(f"{conn.peer_name()} closed the connection: "
                                              f"{str(fields.get('msg', ''))[:500]}"))
             return
         core.requests.asked_no_more(conn.peer, request_id)
@@ -163,7 +160,7 @@ class Peering(NodeState):
         if request.peer is not conn.peer:
             return  # about a request we did not send to this peer
         core.requests.drop(request_id)
-        peer_name = self._peer_name(conn)
+        peer_name = conn.peer_name()
         message = str(fields.get("msg", ""))
         code = str(fields.get("code", ""))
         cause = RemoteError(message, peer_name, code)
@@ -183,7 +180,7 @@ class Peering(NodeState):
         table.fail_waiters(request.key, error)
 
     def _on_abort_step(self, conn: Connection, step: int, message: str) -> None:
-        name = self._peer_name(conn)
+        name = conn.peer_name()
         if step == 0:  # no node sends it (cleanup_step(0) is refused): a broken peer
             raise ProtocolError(f"{name} tried to abort step 0, the step of plain send/recv")
         # Kept for every dead step (up to Steps.dead_max of them): a peer's text is cut to a

@@ -527,7 +527,7 @@ class Core(Dispatcher):
             kind = event[KIND]
             try:
                 if not conn.ready and kind != HELLO and kind != AUTH and kind != ERROR:
-                    raise ProtocolError(f"{_peer_name(conn)} sent a frame of type {kind} before "
+                    raise ProtocolError(f"{conn.peer_name()} sent a frame of type {kind} before "
                                         "completing its handshake")
                 if kind == DATA:
                     self.on_data(conn, event[STEP], event[REQUEST_ID], event[KEY], event[VALUE])
@@ -782,7 +782,3 @@ class Core(Dispatcher):
             # request answered already needs no word: its answer is on its way.
             conn.check_backlog()
             conn.write_frame(encode_error(request_id, parked.step, "", "cancelled", ""))
-
-
-def _peer_name(conn: Any) -> str:
-    return conn.peer.name if conn.peer is not None else "an unidentified peer"

@@ -92,6 +92,7 @@ cdef class Wire:
     cdef _feed(self, Py_ssize_t nbytes)
     cpdef deliver(self, list events)
     cpdef write_frame(self, bytes frame)
+    cdef _append(self, bytes frame)
     # cdef, not cpdef: the engine's own calls on a connection, which is a Python subclass
     # (rvz.connection), where a cpdef call first looks the method up on the instance in
     # case Python overrides it (a bound method made and dropped, per message).

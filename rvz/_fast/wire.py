@@ -298,12 +298,17 @@ class Wire:
         """Queue a small frame; it leaves with the others of this loop iteration."""
         if self.closed:
             return
+        self._append(frame)
+        self.frames_out += 1
+        self._queued()
+
+    def _append(self, frame: bytes) -> None:
+        """Add a whole frame to the coalescing buffer (compiled: grown as the frames packed
+        in place grow it; ``+=`` would shrink a buffer with room to spare)."""
         if COMPILED:
             append_frame_c(self._out, frame)  # type: ignore[name-defined]  # noqa: F821
         else:
             self._out += frame
-        self.frames_out += 1
-        self._queued()
 
     def write_request(self, step: Any, request_id: Any, key: bytes) -> None:
         """Queue a REQUEST frame, built in the coalescing buffer (``key``: a route's bytes,
@@ -339,7 +344,7 @@ class Wire:
                 self.dataplane.answered_here(request_id)
         peer.tx_seq = seq
         if seq != self.tx_next:
-            self._out += encode_seq(seq)
+            self._append(encode_seq(seq))
         self.tx_next = seq + 1
         peer.unacked.append((step, request_id, key, value, code, shape, nbytes))
         self._write_stream(step, request_id, key, value, code, shape, nbytes)
@@ -348,7 +353,7 @@ class Wire:
         """Write values sent before, numbered from ``first``, on this connection's stream
         (a reconnect: the consumer drops those it has).  Their keys stay on the stream
         here, so a later value of one cannot overtake them through a one-sided channel."""
-        self._out += encode_seq(first)
+        self._append(encode_seq(first))
         ways = self.key_ways
         for entry in entries:
             if self.closed:
@@ -578,6 +583,10 @@ class Wire:
     def close(self) -> None:
         raise NotImplementedError  # the transport's: close after what is queued
 
+    def peer_name(self) -> str:
+        """The peer as messages name it ("an unidentified peer" before its HELLO)."""
+        return self.peer.name if self.peer is not None else "an unidentified peer"
+
     def check_backlog(self) -> None:
         """A peer whose requests get only error replies, and that does not read them, is
         closed at ``answer_backlog`` bytes unsent: they would pile up here unbounded."""
@@ -602,7 +611,7 @@ class Wire:
         if not isinstance(exc, (ProtocolError, TransportError)):
             # A peer-supplied value that breaks a conversion (task=inf, a huge shape) or a
             # key that does not route: that peer's protocol violation.
-            name = self.peer.name if self.peer is not None else "an unidentified peer"
+            name = self.peer_name()
             err = ProtocolError(f"{name} sent a key we cannot route: {exc}"
                                 if isinstance(exc, WrongEndpoint)
                                 else f"{name} sent a frame we cannot use: {exc!r}")
@@ -634,7 +643,7 @@ class Wire:
         self.closed_here = True
 
     def lost_error(self, key: Any = None) -> PeerLost:
-        name = self.peer.name if self.peer is not None else "an unidentified peer"
+        name = self.peer_name()
         where = f" (key {key})" if key else ""
         err = PeerLost(f"connection to {name} is closed{where}: {self.close_reason}")
         err.__cause__ = self.close_reason
