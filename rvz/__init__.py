@@ -22,6 +22,7 @@ from .cluster import ClusterSpec
 from .errors import (
     Aborted,
     AuthError,
+    BufferMismatch,
     ConfigError,
     KeyFormatError,
     NodeClosed,
@@ -55,7 +56,8 @@ logging.getLogger("rvz").addHandler(logging.NullHandler())
 __version__ = "0.2.0.dev0"
 
 __all__ = [
-    "Aborted", "AuthError", "BlockingNode", "BlockingStep", "ClusterSpec", "ConfigError", "Key",
+    "Aborted", "AuthError", "BlockingNode", "BlockingStep", "BufferMismatch", "ClusterSpec",
+    "ConfigError", "Key",
     "KeyFormatError", "KeyLike",
     "LoopName", "Mode", "Node", "NodeClosed", "PeerLost", "ProtocolError", "RemoteError",
     "Rendezvous", "RvzError", "SendValue", "Step", "TransportError", "TransportName",

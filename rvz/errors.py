@@ -62,6 +62,11 @@ class PeerLost(RvzError):
     """The peer an operation depends on closed, stopped answering, or cannot be reached."""
 
 
+class BufferMismatch(RvzError, ValueError):
+    """A recv's ``into=`` buffer cannot hold the value it got (its dtype, shape or byte
+    size differ; the message names both).  The value stays first in its key's queue."""
+
+
 class ProtocolError(RvzError):
     """A peer sent bytes that are not a valid rvz frame; that connection is closed."""
 

@@ -43,9 +43,9 @@ import logging
 import os
 import ssl as _ssl
 import warnings
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from threading import get_ident
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from . import _impl
 from .closing import Closing
@@ -76,6 +76,7 @@ _keys = _impl.keys
 _table = _impl.table
 _engine = _impl.engine
 _batches = _impl.batches
+_Buffer = TypeVar("_Buffer")  # an into= buffer: recv returns the caller's own object
 if TYPE_CHECKING:  # the annotated source; at run time, the variant _impl loaded
     from typing_extensions import Unpack
 
@@ -525,6 +526,7 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
             "peers": peers, "steps": steps,
             "held": {"values": int(core.holding.held_count), "bytes": int(core.holding.held_bytes)},
             "waits": {"producer": int(core.waits_producer), "consumer": int(core.waits_consumer)},
+            "into": {"landed_bytes": core.into.landed, "copied_bytes": core.into.copied},
             "dead_steps": len(core.steps.dead_steps),
             "errors": dict(self._errors),
             "unidentified": self._unidentified(),
@@ -538,7 +540,19 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
     # send and recv, the per-message calls, are compiled (rvz/_fast/calls.py); named here so
     # that they are documented as Node's own.
     send = _NodeCalls.send
-    recv = _NodeCalls.recv
+    if TYPE_CHECKING:  # what recv returns depends on into= (a buffer comes back as it went)
+        @overload
+        async def recv(self, key: KeyLike, *, mode: Mode | None = None, step: int = 0,
+                       timeout: float | None = None, into: None = None) -> Value: ...
+        @overload
+        async def recv(self, key: KeyLike, *, mode: Mode | None = None, step: int = 0,
+                       timeout: float | None = None, into: _Buffer) -> _Buffer: ...
+        async def recv(self, key: KeyLike, *, mode: Mode | None = None, step: int = 0,
+                       timeout: float | None = None, into: Any = None) -> Any:
+            return await _NodeCalls.recv(self, key, mode=mode, step=step, timeout=timeout,
+                                         into=into)
+    else:
+        recv = _NodeCalls.recv
 
     async def send_many(self, items: Iterable[tuple[KeyLike, SendValue]], *,
                         mode: Mode | None = None, step: int = 0, timeout: float | None = None) -> None:
@@ -569,18 +583,31 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
 
     # -- recv ----------------------------------------------------------------------------------
 
+    @overload
     async def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None, step: int = 0,
-                        timeout: float | None = None) -> list[Value]:
+                        timeout: float | None = None, into: None = None) -> list[Value]: ...
+    @overload
+    async def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None, step: int = 0,
+                        timeout: float | None = None,
+                        into: Sequence[Any | None]) -> list[Any]: ...
+    async def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None, step: int = 0,
+                        timeout: float | None = None,
+                        into: Sequence[Any | None] | None = None) -> list[Any]:
         """Receive the next value of each key, in the order of ``keys`` (a key may repeat).
 
         All or nothing: on a timeout, a cancellation or an error, every value the batch had
         already taken goes back to the head of its key's queue, in order, and nothing is
         lost.  Every key is checked first (``WrongEndpoint`` before anything is taken).
         Recv-Driven, one request frame goes to each producer for all of its keys.
+
+        ``into``: one buffer per key (None: a new value), as ``recv``'s; each value is
+        copied into its buffer, and a value that fits none fails the whole batch.
         """
         self._entry(timeout)
         core = self._core
         routes = _batches.check_routes(core, list(keys), False)
+        if into is not None:
+            return await self._recv_many_into(routes, into, mode, step, timeout)
         if not routes:
             self._check_empty_batch(step)
             return []
@@ -703,20 +730,35 @@ class Step:
         """``node.send`` on this step."""
         await self.node.send(key, value, mode=mode, step=self.id, timeout=timeout)
 
+    @overload
     async def recv(self, key: KeyLike, *, mode: Mode | None = None,
-                   timeout: float | None = None) -> Value:
+                   timeout: float | None = None, into: None = None) -> Value: ...
+    @overload
+    async def recv(self, key: KeyLike, *, mode: Mode | None = None,
+                   timeout: float | None = None, into: _Buffer) -> _Buffer: ...
+    async def recv(self, key: KeyLike, *, mode: Mode | None = None,
+                   timeout: float | None = None, into: Any = None) -> Any:
         """``node.recv`` on this step."""
-        return await self.node.recv(key, mode=mode, step=self.id, timeout=timeout)
+        return await self.node.recv(key, mode=mode, step=self.id, timeout=timeout, into=into)
 
     async def send_many(self, items: Iterable[tuple[KeyLike, SendValue]], *,
                         mode: Mode | None = None, timeout: float | None = None) -> None:
         """``node.send_many`` on this step."""
         await self.node.send_many(items, mode=mode, step=self.id, timeout=timeout)
 
+    @overload
     async def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None,
-                        timeout: float | None = None) -> list[Value]:
+                        timeout: float | None = None, into: None = None) -> list[Value]: ...
+    @overload
+    async def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None,
+                        timeout: float | None = None,
+                        into: Sequence[Any | None]) -> list[Any]: ...
+    async def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None,
+                        timeout: float | None = None,
+                        into: Sequence[Any | None] | None = None) -> list[Any]:
         """``node.recv_many`` on this step."""
-        return await self.node.recv_many(keys, mode=mode, step=self.id, timeout=timeout)
+        return await self.node.recv_many(keys, mode=mode, step=self.id, timeout=timeout,
+                                         into=into)
 
     async def cleanup(self, message: str | None = None) -> None:
         """Abort this step here and on every node that took part in it."""

@@ -142,6 +142,14 @@ class WaitStats(TypedDict):
     consumer: int
 
 
+class IntoStats(TypedDict):
+    """``Node.stats()["into"]``: the bytes of values that ``recv(..., into=buf)`` received
+    straight from the socket into ``buf``, and those it copied into one."""
+
+    landed_bytes: int
+    copied_bytes: int
+
+
 class BusyPollStats(TypedDict):
     """``Node.stats()["busy_poll"]``: the budget in seconds, the loop passes kept awake."""
 
@@ -162,6 +170,7 @@ class NodeStats(TypedDict):
     steps: dict[int, StepStats]
     held: HeldStats
     waits: WaitStats
+    into: IntoStats
     dead_steps: int
     # connections ended by a protocol violation, a refused handshake, a timeout or a reset,
     # and peers lost: {"protocol", "auth", "timeout", "reset", "peer_lost"} -> count
@@ -171,6 +180,6 @@ class NodeStats(TypedDict):
     busy_poll: BusyPollStats | None
 
 
-__all__ = ["ArrayInterface", "BusyPollStats", "DLPackTensor", "HeldStats", "KeyLike", "LoopName",
+__all__ = ["ArrayInterface", "BusyPollStats", "DLPackTensor", "HeldStats", "IntoStats", "KeyLike", "LoopName",
            "Mode", "NodeOptions", "NodeStats", "PeerStats", "SendValue", "StepStats", "TransportName",
            "Value", "WaitStats"]

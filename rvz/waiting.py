@@ -10,9 +10,12 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from . import _impl
+from ._fast.into import Target
+from .errors import BufferMismatch
 from .nodestate import NodeState
 from .runner import wait_for
 
@@ -153,6 +156,26 @@ class Waiting(NodeState):
                 table = batch.table
                 for text in {routes[i].text for i in waiting}:
                     core.requests.rebalance(step, text, table)
+
+    async def _recv_many_into(self, routes: list[Any], into: Sequence[Any], mode: str | None,
+                              step: int, timeout: float | None) -> list[Any]:
+        """``recv_many`` with ``into=``: the batch's values copied into their buffers, or
+        all of them back in their queues if one does not fit."""
+        targets = [None if buf is None else Target(buf, self._core.into) for buf in into]
+        if len(targets) != len(routes):
+            raise ValueError(f"recv_many got {len(routes)} keys and {len(targets)} into= "
+                             "buffers: give one per key (None for a new value)")
+        if not routes:
+            self._check_empty_batch(step)
+            return []
+        batch = _impl.batches.take_many(self._core, routes, step, True)
+        values = await self._recv_many_wait(batch, routes, mode, step, timeout)
+        try:
+            return [value if target is None else target.fill(value, route.text)
+                    for target, value, route in zip(targets, values, routes, strict=True)]
+        except BufferMismatch:
+            self._undo_batch(batch)
+            raise
 
     def _batch_where(self, step: int, keys: list[str]) -> str:
         """What a recv_many's timeout adds to name where it waited: the step and the

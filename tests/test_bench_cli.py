@@ -9,6 +9,7 @@ hot paths as the rest of the suite.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -56,12 +57,14 @@ PINGPONG_ROW = {"variant", "mode", "size", "loop", "impl", "concurrency", "label
 RENDEZVOUS_ROW = {"order", "mode", "size", "rounds", "warmup_rounds", "loop", "impl",
                   "producer_waited", "consumer_waited", "recv_call_p50_us", "clock", "count",
                   "p50_us", "p90_us", "p99_us", "max_us", "samples_us"}
+TORCH = importlib.util.find_spec("torch") is not None
 TARGET = {"id", "target", "required", "figure", "met", "detail", "kind"}
 TARGET_IDS = {"stream-send-64B-vs-pyzmq", "batch-send-64B-vs-pyzmq", "compiled-vs-python-64B",
               "one-in-flight-4K", "holds-previous-send", "holds-previous-recv",
               "pingpong-recv-64B", "pingpong-send-64B", "rendezvous-consumer-first",
               "stream-send-4M", "stream-send-64M", "stream-send-4K", "rendezvous-producer-first",
-              "memory-64M"}
+              "memory-64M", "into-64M-send", "into-64M-recv", "into-memory-64M-send",
+              "into-memory-64M-recv"}
 
 
 def bench(*args: str, timeout: float = 40.0,
@@ -515,7 +518,8 @@ def test_stream_rows_of_each_call_pattern(tmp_path: Path) -> None:
     rows = r["stream"]
     expected = {(v, None, s) for s in (64, 4096, 262144) for v in BASE_VARIANTS}
     expected |= {("rvz", "send", s) for s in (64, 4096, 262144)}
-    expected |= {("rvz-one", "send", 4096), ("rvz-hold", "send", 262144)}
+    expected |= {("rvz-one", "send", 4096), ("rvz-hold", "send", 262144),
+                 ("rvz-into", "send", 262144)}
     if BATCH:
         expected |= {("rvz-batch", "send", 64), ("rvz-batch", "send", 4096)}
     else:
@@ -524,6 +528,7 @@ def test_stream_rows_of_each_call_pattern(tmp_path: Path) -> None:
     labels = {row["variant"]: row["label"] for row in rows}
     assert labels["rvz-one"] == "rvz send-driven 1 in flight"
     assert labels["rvz-hold"] == "rvz send-driven holds previous"
+    assert labels["rvz-into"] == "rvz send-driven into=" + (" torch" if TORCH else "")
     for row in rows:
         assert STREAM_ROW <= set(row), STREAM_ROW - set(row)
         assert row["messages"] == 64, row
@@ -538,7 +543,8 @@ def test_stream_rows_of_each_call_pattern(tmp_path: Path) -> None:
             assert row["baseline_pyzmq_msgs"] == base["zmq"]["msgs_per_s"]
         else:
             assert row["ratio_pyzmq"] is None
-        expect_in_flight = {"rvz-batch": 8, "rvz": 4, "rvz-hold": 4}.get(row["variant"], 1)
+        expect_in_flight = {"rvz-batch": 8, "rvz": 4, "rvz-hold": 4,
+                            "rvz-into": 4}.get(row["variant"], 1)
         assert row["in_flight"] == expect_in_flight
     targets = {t["id"]: t for t in r["targets"]}
     hold = next(row for row in rows if row["variant"] == "rvz-hold")
@@ -616,6 +622,9 @@ def test_targets_use_the_rows_they_name() -> None:
         stream.append(srow("socket", None, size, 4.0))
         for mode, x in zip(("send", "recv"), ratios, strict=True):
             stream.append(srow("rvz-hold", mode, size, 4.0 * x))
+    mem = {"idle_rss": 0, "peak_rss": 0, "peak_above_idle": 32 << 20, "peak_was_reset": True}
+    stream.append(srow("rvz-into", "send", 64 << 20, 4.0 * 1.2 * 0.97, memory=mem))
+    stream.append(srow("rvz-into", "recv", 64 << 20, 4.0 * 0.9, memory={**mem, "peak_above_idle": 80 << 20}))
     for row in stream:  # as Bench.stream computes them
         base = {b["variant"]: b for b in stream if b["size"] == row["size"]}
         for name, key in (("socket", "socket"), ("zmq", "pyzmq")):
@@ -645,6 +654,11 @@ def test_targets_use_the_rows_they_name() -> None:
     assert reply in t["holds-previous-recv"]["detail"]
     assert t["pingpong-recv-64B"]["met"] is False and t["pingpong-send-64B"]["met"] is True
     assert t["rendezvous-consumer-first"]["met"] is None
+    # into= against the holds-previous row of its mode and size; its memory in tensors
+    assert t["into-64M-send"]["figure"] == pytest.approx(0.97) and t["into-64M-send"]["met"]
+    assert t["into-64M-recv"]["figure"] == pytest.approx(0.9) and not t["into-64M-recv"]["met"]
+    assert t["into-memory-64M-send"]["figure"] == pytest.approx(0.5)
+    assert t["into-memory-64M-send"]["met"] and not t["into-memory-64M-recv"]["met"]
 
 
 @pytest.mark.timeout(60)

@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine",       ("rvz._fast.engine", "rvz._fast.host", "rvz._fast.peers",
                       "rvz._fast.holding", "rvz._fast.steps", "rvz._fast.wire",
                       "rvz._fast.requests", "rvz._fast.credit", "rvz._fast.routes",
-                      "rvz._fast.batches")),
+                      "rvz._fast.batches", "rvz._fast.into")),
     # picks the compiled or the pure-Python variant of the two layers above
     ("impl switch",  ("rvz._impl",)),
     # usable by every layer above _fast

@@ -443,13 +443,14 @@ def test_send_and_recv_are_the_active_variant_s_and_behave_as_coroutines() -> No
     C coroutine function when compiled) and keep Node's signature and documentation."""
     assert rvz.Node.__mro__[1] is _impl.calls.NodeCalls
     assert _impl.calls.__file__.endswith(".py") == (rvz.implementation() == "python")
-    for name, positional in (("send", ["self", "key", "value"]), ("recv", ["self", "key"])):
+    for name, positional, keywords in (
+            ("send", ["self", "key", "value"], ["mode", "step", "timeout"]),
+            ("recv", ["self", "key"], ["mode", "step", "timeout", "into"])):
         method = getattr(rvz.Node, name)
         assert inspect.iscoroutinefunction(method), name
         params = inspect.signature(method).parameters
         assert [p for p in params if params[p].kind is not params[p].KEYWORD_ONLY] == positional
-        assert [p for p in params if params[p].kind is params[p].KEYWORD_ONLY] == \
-            ["mode", "step", "timeout"]
+        assert [p for p in params if params[p].kind is params[p].KEYWORD_ONLY] == keywords
         assert "the key's " in (method.__doc__ or ""), name
 
 

@@ -90,7 +90,7 @@ class Grad(Exporter):
 async def test_a_tensor_that_cannot_be_sent_fails_before_anything_leaves(cluster, mode) -> None:  # type: ignore[no-untyped-def]
     ok = np.arange(3, dtype=np.int64)
     refused = [
-        (Exporter(ok, device=(2, 0)), "on a CUDA device (0): copy it to the CPU first"),
+        (Exporter(ok, device=(2, 0)), "on a CUDA device (0): use a CPU copy"),
         (Grad(ok), "requires grad: send value.detach()"),
         (object(), "not builtins.object"),
     ]

@@ -114,9 +114,10 @@ def ask_many(core: Core, waiting: list, routes: list, mode: Any, step: Any) -> t
     return asks, dial
 
 
-def take_many(core: Core, routes: list, step: Any) -> Any:
+def take_many(core: Core, routes: list, step: Any, whole: bool = False) -> Any:
     """Take what is queued for a ``recv_many``: the list of values when every key had
-    one, else a ``Batch`` (its missing slots are not registered yet)."""
+    one, else a ``Batch`` (its missing slots are not registered yet).  ``whole``: a
+    ``Batch`` in any case (one that misses nothing can still be undone)."""
     table = core.steps.table(step)
     n = len(routes)
     values = [EMPTY] * n
@@ -136,8 +137,9 @@ def take_many(core: Core, routes: list, step: Any) -> Any:
                 else:
                     nbytes = nbytes_of(value)
                 core.credit.consumed_from(route.peer, nbytes)
-    if not missing:
+    if not missing and not whole:
         return values
-    core.waits_consumer += 1
+    if missing:
+        core.waits_consumer += 1
     return Batch(table, [r.text for r in routes], values, stamps, missing,
                  core.future())

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .into import Target, fill_taken
 from .table import arm_timeout, give_back
 
 if TYPE_CHECKING:
-    from ..types import KeyLike, Mode, SendValue, Value
+    from ..types import KeyLike, Mode, SendValue
     from .engine import Core
 
 
@@ -40,17 +41,23 @@ class NodeCalls:
             await self._send_wait(pending, step, timeout)  # type: ignore[attr-defined]
 
     async def recv(self, key: KeyLike, *, mode: Mode | None = None, step: int = 0,
-                   timeout: float | None = None) -> Value:
+                   timeout: float | None = None, into: Any = None) -> Any:
         """Receive the next value of ``key`` (FIFO); the key's dst must be this node.
 
         A value already queued is returned without suspending.  ``timeout`` raises
         ``TimeoutError``; cancelling the awaiting task cancels just this recv.  Remote
         failures raise ``PeerLost`` or ``Aborted`` with the original cause.
+
+        ``into``: a writable CPU array, tensor or buffer the value is written into, and
+        which is returned (see rvz/_fast/into.py, and README's "Receiving into a buffer").
         """
         core = self._core
+        target = None if into is None else Target(into, core.into)
         got = core.recv(key, step, mode, timeout)
         if type(got) is not tuple:
-            return got
+            if target is None:
+                return got
+            return fill_taken(core, target, key, step, got)
         # Nothing queued: wait here (one coroutine per recv, no nested one).
         waiter, route, table, peer, dial, stamp = got
         if dial:
@@ -61,9 +68,15 @@ class NodeCalls:
         poll = self._poll if peer is not None else None  # (a local value needs no polling)
         if poll is not None:
             poll.begin()
+        if target is not None:
+            core.into.expect(target, waiter, step, text, table, peer)
         try:
-            return await waiter
+            if target is None:
+                return await waiter
+            return target.fill(await waiter, text)
         except BaseException:
+            if target is not None:
+                target.stop()
             if self._loop.is_closed():
                 # Collected after its loop was closed under it (its task left pending):
                 # nothing can run or be written any more, so nothing is given back and no
@@ -73,7 +86,7 @@ class NodeCalls:
             # The value may have been delivered just before the failure: it goes back to the
             # queue, where it is unconsumed again (its credit is returned when it is taken),
             # or to the next waiter, which consumed it (the credit already counted stands).
-            if give_back(table, text, waiter, stamp) and peer is not None:
+            if give_back(table, text, waiter, stamp, target) and peer is not None:
                 core.unconsumed(route.src, waiter.result())
             raise
         finally:
@@ -81,5 +94,7 @@ class NodeCalls:
                 handle.cancel()
             if poll is not None:
                 poll.end()
+            if target is not None:
+                del core.into.waiting[waiter]
             if peer is not None and core.requests.by_id:  # (nothing to rebalance otherwise)
                 core.requests.rebalance(step, text, table)

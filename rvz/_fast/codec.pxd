@@ -48,6 +48,9 @@ cpdef bytes encode_data(unsigned long long step, unsigned long long request_id, 
 cpdef object payload_view(object value)
 cpdef bytes encode_request(unsigned long long step, unsigned long long request_id, bytes key)
 
+cdef tuple own_memory(RecvPool pool, bytearray buf, str key, Py_ssize_t code, tuple shape,
+                      unsigned long long payload_len, Py_ssize_t pstart, Py_ssize_t avail)
+
 cdef class Decoder:
     cdef bytearray _buf
     cdef object _view
@@ -67,6 +70,8 @@ cdef class Decoder:
     cdef Py_ssize_t _full_size
     cdef bint _peek
     cdef public object admit
+    cdef public object land
+    cdef object _landing
     cdef public bint stop_at_handshake
     cdef public Py_ssize_t frames
     cdef public long long bytes_in  # a C counter: no int object made per read
@@ -94,7 +99,6 @@ cdef class Decoder:
                           unsigned long long payload_len, Py_ssize_t end, list events) except -2
     cdef _check_header(self, int version, int ftype, int flags, Py_ssize_t meta_len)
     cdef _bad_data(self, Py_ssize_t meta_len, Py_ssize_t klen, Py_ssize_t ndim, Py_ssize_t code)
-    @cython.locals(buf=bytearray, end=Py_ssize_t)
     cdef _direct(self, object step, object request_id, str key, Py_ssize_t code, tuple shape,
                  unsigned long long payload_len, Py_ssize_t pstart, Py_ssize_t avail)
     cdef bint _control(self, int ftype, bytearray buf, object view, Py_ssize_t mstart,

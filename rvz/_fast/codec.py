@@ -331,6 +331,39 @@ def encode_onesided(fields: dict) -> bytes:
     return _encode_map(ONESIDED, fields)
 
 
+def own_memory(pool: Any, buf: bytearray, key: str, code: int, shape: tuple, payload_len: int,
+               pstart: int, avail: int) -> tuple:
+    """Memory of the decoder's own for a large payload (from ``pool``, a ``RecvPool``, when
+    it has a block), the ``avail`` bytes at ``pstart`` of the staging buffer ``buf`` copied
+    in: ``(the view it is received into, the event's value)``; the value is None for
+    ``bytes`` (made when the payload is whole)."""
+    block = None
+    try:
+        if code == BYTES_CODE:
+            arr = np.empty(payload_len, _U8)
+            value = None
+        else:
+            if pool is not None:
+                block = pool.take(payload_len)
+            if block is None:
+                arr = np.empty(shape, DTYPES[code])
+            elif COMPILED:  # the array on the block, what came with the header in it
+                arr = block_array_c(code, shape, block, buf, pstart, avail)  # type: ignore[name-defined]  # noqa: F821
+            else:
+                arr = _block_array(code, shape, block, buf, pstart, avail)
+            value = arr
+    except (MemoryError, ValueError) as exc:
+        raise ProtocolError(f"DATA frame for key {key}: cannot allocate {payload_len} "
+                            f"bytes: {exc!r}") from None
+    if block is None:
+        dest = payload_view(arr)
+        if avail:
+            dest[:avail] = memoryview(buf)[pstart:pstart + avail]
+    else:  # the block's bytes are the array's (a memoryview of one is its start)
+        dest = block if type(block) is memoryview else memoryview(block)
+    return dest, value
+
+
 class Decoder:
     """Turns received bytes into frame events, never copying a large payload twice.
 
@@ -346,7 +379,7 @@ class Decoder:
 
     __slots__ = ("_buf", "_view", "_head", "_size", "_start", "_end", "_direct_min", "_max_payload",
                  "_dest", "_dest_filled", "_dest_len", "_pending", "_state", "_failed",
-                 "pool", "frames", "bytes_in", "_full_size", "admit",
+                 "pool", "frames", "bytes_in", "_full_size", "admit", "land", "_landing",
                  "stop_at_handshake", "_peek", "_keys")
 
     def __init__(self, buffer_size: int = 262144, direct_min: int = 65536,
@@ -377,6 +410,11 @@ class Decoder:
         # Called with (step, request_id, key, payload_len) at a large DATA frame's header,
         # before memory is allocated for it; raises ProtocolError to refuse the frame.
         self.admit: Any = None
+        # Called with (step, request_id, key, code, shape, payload_len) at a large DATA
+        # frame's header, after ``admit``: the ``into=`` buffer of the recv the value will go
+        # to, when it waits and the value fits it (see rvz/_fast/into.py), else None.
+        self.land: Any = None
+        self._landing: Any = None  # that buffer's target while the payload lands in it
         # Stop parsing after HELLO and AUTH, so the owner learns who the peer is before the
         # frames that follow are parsed (and admitted); more() goes on from there.
         self.stop_at_handshake = False
@@ -412,7 +450,11 @@ class Decoder:
         dest = self._dest
         self._dest = None
         self._pending = None
-        if dest is not None and self.pool is not None:
+        landing = self._landing
+        if landing is not None:  # a recv's buffer, not ours: nothing more is written into it
+            self._landing = None
+            landing.decoder = None
+        elif dest is not None and self.pool is not None:
             self.pool.release(dest)
 
     def payload_left(self) -> int:
@@ -430,7 +472,11 @@ class Decoder:
             if self._dest_filled < self._dest_len:
                 return _EMPTY_LIST
             event = self._pending
-            if event[VALUE] is None:  # a large bytes value was received into a uint8 array
+            if self._landing is not None:  # into a recv's buffer: the value is a view of it
+                landing = self._landing
+                self._landing = None
+                event = (DATA, event[STEP], event[REQUEST_ID], event[KEY], landing.landed())
+            elif event[VALUE] is None:  # a large bytes value was received into a uint8 array
                 event = (DATA, event[STEP], event[REQUEST_ID], event[KEY], self._dest.tobytes())
             self._dest = None
             self._pending = None
@@ -629,40 +675,74 @@ class Decoder:
     def _direct(self, step: Any, request_id: Any, key: str, code: int, shape: tuple,
                 payload_len: int, pstart: int, avail: int) -> None:
         """A DATA frame too large to stage: the rest of its payload is received straight
-        into the array it becomes (``get_buffer``), what came with the header copied in."""
-        buf = self._buf
-        view = self._view
-        end = self._end
+        into the memory it ends in (``get_buffer``), what came with the header copied in:
+        the buffer of a recv waiting for it with ``into=`` (``land``), else a new array."""
         if self.admit is not None:  # the owner agrees to the frame first (its route, its window)
             self.admit(step, request_id, key, payload_len)
-        block = None
-        try:
-            if code == BYTES_CODE:
-                arr = np.empty(payload_len, _U8)
-                value = None
-            else:
-                if self.pool is not None:
-                    block = self.pool.take(payload_len)
-                if block is None:
-                    arr = np.empty(shape, DTYPES[code])
-                elif COMPILED:  # the array on the block, what came with the header in it
-                    arr = block_array_c(code, shape, block, buf, pstart, avail)  # type: ignore[name-defined]  # noqa: F821
-                else:
-                    arr = _block_array(code, shape, block, buf, pstart, avail)
-                value = arr
-        except (MemoryError, ValueError) as exc:
-            self._fail(f"DATA frame for key {key}: cannot allocate {payload_len} "
-                       f"bytes: {exc!r}")
-        if block is None:
-            dest = payload_view(arr)
+        target = None
+        if self.land is not None:
+            target = self.land(step, request_id, key, code, shape, payload_len)
+        if target is None:
+            dest, value = own_memory(self.pool, self._buf, key, code, shape, payload_len, pstart,
+                                     avail)
+        else:
+            dest = target.dest
             if avail:
-                dest[:avail] = view[pstart:end]
-        else:  # the block's bytes are the array's (a memoryview of one is its start)
-            dest = block if type(block) is memoryview else memoryview(block)
+                dest[:avail] = self._view[pstart:self._end]
+            target.decoder = self
+            target.prefix = avail
+            self._landing = target
+            value = None
         self._dest = dest
         self._dest_filled = avail
         self._dest_len = payload_len
         self._pending = (DATA, step, request_id, key, value)
+
+    # -- receiving into a recv's buffer (``into=``) ----------------------------------------
+
+    def arriving(self, step: Any, key: str) -> bool:
+        """Whether a large payload of ``key`` in ``step`` is being received into memory of
+        our own (a recv with ``into=`` may ``adopt`` it)."""
+        pending = self._pending
+        return (self._dest is not None and self._landing is None
+                and pending[STEP] == step and pending[KEY] == key)
+
+    def adopt(self, target: Any) -> bool:
+        """Receive the rest of the payload ``arriving`` into ``target`` (a recv's ``into=``
+        buffer, which it fits), what came already copied over.  False if it does not fit."""
+        pending = self._pending
+        value = pending[VALUE]
+        if value is None:
+            code, shape = BYTES_CODE, (self._dest_len,)
+        else:
+            code, shape = dtype_code(value.dtype), value.shape
+        if not target.takes(code, shape, self._dest_len):
+            return False
+        filled = self._dest_filled
+        target.dest[:filled] = self._dest[:filled]
+        target.decoder = self
+        target.prefix = filled
+        self._landing = target
+        self._dest = target.dest  # our memory goes (a pool block, back to the pool)
+        self._pending = (DATA, pending[STEP], pending[REQUEST_ID], pending[KEY], None)
+        return True
+
+    def unland(self) -> None:
+        """The recv the payload lands for stopped waiting for it, and its buffer is the
+        caller's again: the rest goes to memory of our own, what came already copied over."""
+        target = self._landing
+        if target is None:
+            return
+        self._landing = None
+        target.decoder = None
+        pending = self._pending
+        filled = self._dest_filled
+        code, shape = target.meta
+        dest, value = own_memory(self.pool, self._buf, pending[KEY], code, shape, self._dest_len,
+                                 0, 0)
+        dest[:filled] = self._dest[:filled]
+        self._dest = dest
+        self._pending = (DATA, pending[STEP], pending[REQUEST_ID], pending[KEY], value)
 
     def _control(self, ftype: int, buf: bytearray, view: Any, mstart: int, meta_len: int,
                  events: list) -> bool:

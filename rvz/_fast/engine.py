@@ -40,6 +40,7 @@ from . import codec as _codec
 from .credit import Credit
 from .format import FIELD, KEY, KEYS, KIND, MESSAGE, REQUEST_ID, STEP, VALUE, VALUES
 from .holding import Holding
+from .into import Landings
 from .peers import MESSAGE_COST, Peer, Route
 from .requests import Requests
 from .routes import Routes
@@ -213,6 +214,7 @@ class Core(Dispatcher):
         self.answer_backlog = answer_backlog  # unsent output beyond which answers wait
         self.waits_producer = 0            # how often a send had to wait (window, hold limit)
         self.waits_consumer = 0            # how often a recv had to wait for its value
+        self.into = Landings(self.steps.tables)  # the recvs waiting with an into= buffer
         self.attach(loop, 0)
 
     # -- keys and tables ----------------------------------------------------------------

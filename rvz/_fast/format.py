@@ -94,28 +94,29 @@ def _kind(value: Any) -> str:
     return f"{type(value).__module__}.{type(value).__qualname__}"
 
 
-def foreign_array(value: Any) -> np.ndarray | None:
+def foreign_array(value: Any, use: str = "send") -> np.ndarray | None:
     """An ndarray over the memory of a tensor of another framework (torch, JAX, TensorFlow,
     CuPy on the host) or of any object that exports DLPack, ``__array_interface__`` or the
     buffer protocol: no copy.  None for an object that exports none of them; a tensor
-    that cannot be sent as it is raises ``TypeError`` naming why and the fix."""
+    that cannot be used as it is raises ``TypeError`` naming why and the fix.  ``use`` says
+    what for, in those messages: ``"send"``, or ``"receive into"`` (``into=``)."""
     kind = _kind(value)
     if getattr(value, "requires_grad", False) is True:  # torch: its DLPack refuses it too
-        raise TypeError(f"rvz does not send a {kind} that requires grad: send "
-                        "value.detach(), its values without the autograd graph")
+        raise TypeError(f"rvz does not {use} a {kind} that requires grad: {use} "
+                        "value.detach(), the same memory without the autograd graph")
     if hasattr(value, "__dlpack__"):
         device = value.__dlpack_device__() if hasattr(value, "__dlpack_device__") else (1, 0)
         if int(device[0]) != _DL_CPU:
             where = _DL_DEVICES.get(int(device[0]), f"type {int(device[0])}")
-            raise TypeError(f"rvz sends CPU memory, and this {kind} is on a {where} device "
-                            f"({int(device[1])}): copy it to the CPU first (torch: "
-                            "value.cpu(); JAX: jax.device_get(value))")
+            raise TypeError(f"rvz can {use} CPU memory, and this {kind} is on a {where} "
+                            f"device ({int(device[1])}): use a CPU copy (torch: value.cpu(); "
+                            "JAX: jax.device_get(value))")
         try:
             return np.from_dlpack(value)
         except (BufferError, RuntimeError, TypeError, ValueError) as exc:
             # numpy has no bfloat16 (or float8): the framework must convert it.
-            raise TypeError(f"rvz cannot send this {kind} of dtype "
-                            f"{getattr(value, 'dtype', '?')}: {str(exc).rstrip('.')}; send it as a dtype "
+            raise TypeError(f"rvz cannot {use} this {kind} of dtype "
+                            f"{getattr(value, 'dtype', '?')}: {str(exc).rstrip('.')}; use a dtype "
                             "numpy has (torch: value.float(), or value.view(torch.int16) to "
                             "keep the bits)") from exc
     if hasattr(value, "__array_interface__"):

@@ -33,6 +33,7 @@ cdef class Table:
     cpdef object take(self, str key)
     cpdef object take_or_wait(self, str key, object waiter)
     cpdef wait(self, str key, object waiter)
+    cpdef object head_waiter(self, str key)
     cpdef bint remove_waiter(self, str key, object waiter) except -1
     cpdef Py_ssize_t waiting(self, str key) except -1
     cpdef Py_ssize_t queued_waiters(self, str key) except -1

@@ -278,6 +278,16 @@ class Table:
             queue.append(waiter)
             self._waiters[key] = queue
 
+    def head_waiter(self, key: str) -> Any:
+        """The oldest waiter of ``key`` still waiting (the next value goes to it), or None."""
+        waiters = self._waiters.get(key)
+        if waiters is None:
+            return None
+        for waiter in _each(waiters):
+            if not waiter.done():
+                return waiter
+        return None
+
     def remove_waiter(self, key: str, waiter: object) -> bool:
         """Drop one waiter (a cancelled or timed-out recv); later values skip it."""
         waiters = self._waiters.get(key)
@@ -500,15 +510,17 @@ def arm_timeout(loop: Any, timeout: Any, table: Table, key: str, waiter: Any,
     return loop.call_later(timeout, _expire, table, key, waiter, timeout, source, step)
 
 
-def give_back(table: Table, key: str, waiter: Any, stamp: int) -> bool:
+def give_back(table: Table, key: str, waiter: Any, stamp: int, target: Any = None) -> bool:
     """The recv awaiting ``waiter`` (queued under ``stamp``) failed or was cancelled: drop
     the waiter, or, if a value had already been delivered to it, return the value to the
     next waiter or to its place in the queue.  A cancel after delivery changes nothing for
-    the other receivers.  True if the value went back to the queue."""
+    the other receivers.  True if the value went back to the queue.  ``target`` is the
+    recv's ``into=`` buffer (``rvz._fast.into``): a value landed in it goes back as a copy."""
     if waiter.done() and not waiter.cancelled():
         if waiter.exception() is None:
             stamp = table.handed(waiter, stamp)
-            return not table.put_back(key, waiter.result(), stamp) and not table.aborted
+            value = waiter.result() if target is None else target.own(waiter.result())
+            return not table.put_back(key, value, stamp) and not table.aborted
         return False
     table.remove_waiter(key, waiter)
     return False

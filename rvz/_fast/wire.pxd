@@ -32,6 +32,7 @@ cdef class Dispatcher:
     cdef public object loop
     cdef public str name
     cdef public Py_ssize_t answer_backlog
+    cdef public object into
 
     cpdef dispatch(self, Wire conn, list events)
     cpdef admit(self, Wire conn, object step, object request_id, str key, object nbytes)

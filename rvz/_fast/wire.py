@@ -103,6 +103,7 @@ class Dispatcher:
     loop: Any  # the event loop the connection's flushes are scheduled on
     name: str  # the node's name, for what the connection logs
     answer_backlog: int  # unsent output beyond which answers wait (the writer pauses below it)
+    into: Any  # the recvs waiting with an into= buffer (``rvz._fast.into.Landings``)
 
     def dispatch(self, conn: Wire, events: list) -> None:
         """Handle every frame decoded from one read (or one batch of completions)."""
@@ -195,6 +196,7 @@ class Wire:
         self.arriving = 0
         if decoder is not None:
             decoder.admit = self.admit
+            decoder.land = core.into.land
             decoder.stop_at_handshake = True
 
     # -- reading --------------------------------------------------------------------------

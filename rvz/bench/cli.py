@@ -33,7 +33,7 @@ from rvz.poll import check_budget
 
 from . import control, report
 from .control import LocalWorker, RemoteWorker, WorkerError, WorkerLink
-from .report import rate_label, ratio_label, size_label
+from .report import MEMORY_SIZE, rate_label, ratio_label, size_label
 from .worker import calibrate, machine, versions, zmq_available
 
 COMMANDS = ("stream", "pingpong", "rendezvous", "all")
@@ -58,8 +58,11 @@ BASELINES = ("socket", "streams", "zmq", SOCKET_REPLY)
 BATCH_MAX_SIZE = 4 << 10    # batch rows up to this size (the small-message regime)
 ONE_IN_FLIGHT_SIZE = 4 << 10
 HOLD_MIN_SIZE = 256 << 10   # "holds previous" rows from this size (the receive pool's range)
+# "into" rows: the consumer receives into= one preallocated buffer per lane, torch tensors
+# both ways where torch is installed (compared with the holds-previous numpy stream).
+TORCH = importlib.util.find_spec("torch") is not None
 PATTERNS = {"rvz": "lanes", "rvz-batch": "batch", "rvz-one": "one-in-flight",
-            "rvz-hold": "holds-previous"}
+            "rvz-hold": "holds-previous", "rvz-into": "into"}
 
 
 class UsageError(Exception):
@@ -387,8 +390,8 @@ class Bench:
         opts = self.opts
         pattern = PATTERNS.get(variant)
         # The request/reply replica keeps as many requests out as rvz's Recv-Driven lanes.
-        concurrency = (opts.stream_concurrency(size) if variant in ("rvz", "rvz-hold", SOCKET_REPLY)
-                       else 1)
+        concurrency = (opts.stream_concurrency(size)
+                       if variant in ("rvz", "rvz-hold", "rvz-into", SOCKET_REPLY) else 1)
         batch = opts.batch if variant == "rvz-batch" else None
         impl_of = "socket" if variant == SOCKET_REPLY else variant
         case = {"kind": "stream", "impl": "rvz" if pattern else impl_of, "mode": mode, "size": size,
@@ -406,6 +409,8 @@ class Bench:
             case["producer_yield"] = False  # a plain ``await send`` loop, nothing else
         if variant == "rvz-hold":
             case["hold_previous"] = True
+        if variant == "rvz-into":  # torch tensors both ways where torch is installed
+            case["into"] = "torch" if TORCH else "numpy"
         ra, rb = self.run_case(case, impl)
         row: dict[str, Any] = {"variant": variant, "mode": mode if pattern else None,
                                "size": size, "loop": opts.loop, "impl": impl or opts.impl,
@@ -480,6 +485,8 @@ class Bench:
             out += [("rvz-one", mode) for mode in modes if not (lean and mode != "send")]
         if size >= HOLD_MIN_SIZE:
             out += [("rvz-hold", mode) for mode in modes]
+            if not lean or size == MEMORY_SIZE:
+                out += [("rvz-into", mode) for mode in modes]
         return out
 
     def impl_compare(self) -> dict[str, Any] | None:
@@ -719,7 +726,8 @@ def label(variant: str, mode: str, loop: str, kind: str = "stream") -> str:
         return f"{loop} streams"
     if variant == "zmq":
         return "pyzmq PUSH/PULL" if kind == "stream" else "pyzmq REQ/REP"
-    suffix = {"rvz-batch": " batch", "rvz-one": " 1 in flight", "rvz-hold": " holds previous"}
+    suffix = {"rvz-batch": " batch", "rvz-one": " 1 in flight", "rvz-hold": " holds previous",
+              "rvz-into": " into=" + (" torch" if TORCH else "")}
     return f"rvz {mode}-driven{suffix.get(variant, '')}"
 
 

@@ -126,6 +126,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     stream = results.get("stream", [])
     _message_rates(v, stream, results.get("impl_compare"))
     _throughputs(v, stream)
+    _into(v, stream)
     _latencies(v, results.get("pingpong", []), results.get("rendezvous_summary", []))
     _kept_levels(v, stream, results.get("rendezvous_summary", []))
     _memory(v, stream)
@@ -193,6 +194,30 @@ def _throughputs(v: _Verdicts, stream: list[dict[str, Any]]) -> None:
                            f"({reply / worst['baseline_socket_gbps']:.2f}x the socket)")
         v.add(f"holds-previous-{mode}", f"256K..64M {mode}-driven holds previous vs socket",
             ">= 0.9x", r, at_least(r, 0.9), detail)
+
+
+def _into(v: _Verdicts, stream: list[dict[str, Any]]) -> None:
+    """recv(..., into=) at 64M: its rate against the holds-previous stream of the same mode,
+    and the consumer's memory beyond its buffers."""
+    for mode in ("send", "recv"):
+        row = _find(stream, variant="rvz-into", mode=mode, size=MEMORY_SIZE)
+        base = _find(stream, variant="rvz-hold", mode=mode, size=MEMORY_SIZE)
+        r = _ratio_of(row, base)
+        detail = (f"{row['gbytes_per_s']:.2f} GB/s vs numpy holds previous "
+                  f"{base['gbytes_per_s']:.2f} GB/s" if row and base and r is not None
+                  else "not measured")
+        v.add(f"into-64M-{mode}", f"64M {mode}-driven into= vs numpy holds previous", ">= 0.95x",
+              r, at_least(r, 0.95), detail)
+        tensors = row["memory"]["peak_above_idle"] / MEMORY_SIZE if row and row.get("memory") else None
+        v.add(f"into-memory-64M-{mode}", f"64M {mode}-driven into=: consumer peak RSS above idle",
+              "< 1 tensor", tensors, None if tensors is None else tensors < 1.0,
+              "not measured" if tensors is None else f"{tensors:.2f} tensors")
+
+
+def _ratio_of(row: dict[str, Any] | None, base: dict[str, Any] | None) -> float | None:
+    if not row or not base or not base.get("gbytes_per_s"):
+        return None
+    return float(row["gbytes_per_s"]) / float(base["gbytes_per_s"])
 
 
 def _latencies(v: _Verdicts, pingpong: list[dict[str, Any]],

@@ -265,9 +265,15 @@ async def rvz_stream(case: dict[str, Any], addrs: dict[str, str], role: str) -> 
     keys = [lane_key("s", lane) for lane in range(lanes)]
     probe = MemoryProbe()
     result: dict[str, Any] = {}
+    into = case.get("into")  # None, "numpy" or "torch": the consumer receives into= buffers
+    torch: Any = None
+    if into == "torch":
+        import torch  # (only here: it costs the worker a second and its RSS)
     async with make_node(case, addrs, A_JOB if role == "a" else B_JOB) as node:
         if role == "a":
             body, last = payloads(size)
+            if torch is not None:  # the producer sends torch tensors (as DLPack, in place)
+                body, last = torch.from_numpy(body), torch.from_numpy(last)
             send = node.send
             yield_each = bool(case.get("producer_yield", True))
             sleep = asyncio.sleep
@@ -288,14 +294,16 @@ async def rvz_stream(case: dict[str, Any], addrs: dict[str, str], role: str) -> 
             start: int | None = None
             end: int | None = None
             hold = bool(case.get("hold_previous", False))
-            probe.start()
+            buffers = {key: into_buffer(size, torch) for key in keys} if into else {}
+            probe.start()  # (after the buffers were written once: they are part of idle)
 
             async def lane_b(key: str) -> None:
                 nonlocal received, start, end
+                receive = functools.partial(recv, into=buffers[key]) if into else recv
                 while True:
                     # hold: the previous array stays alive until this await returns, as in
                     # an application's ``v = await node.recv(k)`` loop
-                    value = await recv(key)
+                    value = await receive(key)
                     received += 1
                     if received == warm:
                         start = time.perf_counter_ns()
@@ -310,6 +318,13 @@ async def rvz_stream(case: dict[str, Any], addrs: dict[str, str], role: str) -> 
             result["memory"] = probe.result()
             await finish(node, role)
     return result
+
+
+def into_buffer(size: int, torch: Any) -> Any:
+    """A consumer's preallocated buffer, written once so that its pages are resident."""
+    if torch is not None:
+        return torch.zeros(size, dtype=torch.uint8)
+    return np.zeros(size, np.uint8)
 
 
 async def rvz_batch_stream(case: dict[str, Any], addrs: dict[str, str], role: str) -> dict[str, Any]:
