@@ -33,6 +33,7 @@ try:  # Cython's own module; a compiled build sees the constant True
 except ImportError:  # pure Python without Cython installed
     COMPILED = False
 
+describe = _arrays.describe  # a value sent before: its description, made again
 append_data = _arrays.append_data  # checks ndim; a route's key length is checked once
 many_begin = _arrays.many_begin
 append_request = _arrays.append_request
@@ -339,7 +340,7 @@ class Wire:
                 self.dataplane.write_value(step, request_id, key, value, code, shape, nbytes,
                                            seq)
                 peer.tx_seq = seq
-                peer.unacked.append((step, request_id, key, value, code, shape, nbytes))
+                peer.unacked.append((step, request_id, key, value))
                 return
             self.tcp_values += 1
             if request_id != 0:  # the destination the consumer offered stays unused
@@ -348,7 +349,8 @@ class Wire:
         if seq != self.tx_next:
             self._append(encode_seq(seq))
         self.tx_next = seq + 1
-        peer.unacked.append((step, request_id, key, value, code, shape, nbytes))
+        # Kept as sent; its description is made again if it is sent again (``resend``).
+        peer.unacked.append((step, request_id, key, value))
         self._write_stream(step, request_id, key, value, code, shape, nbytes)
 
     def resend(self, first: int, entries: list) -> None:
@@ -362,8 +364,8 @@ class Wire:
                 return
             if self.dataplane is not None and entry[2] not in ways:
                 ways[entry[2]] = False
-            self._write_stream(entry[0], entry[1], entry[2], entry[3], entry[4], entry[5],
-                               entry[6])
+            value, code, shape, nbytes = describe(entry[3])
+            self._write_stream(entry[0], entry[1], entry[2], value, code, shape, nbytes)
         self.tx_next = first + len(entries)
 
     def _write_stream(self, step: Any, request_id: Any, key: bytes, value: Any, code: int,
