@@ -18,6 +18,7 @@ async def main() -> None:
     count: int = await node.recv(KEY)  # E: assignment
     counts: list[int] = await node.recv_many([KEY])  # E: assignment
     local: int = await rvz.Rendezvous().recv(KEY)  # E: assignment
+    filled: int = await node.recv(KEY, into=bytearray(4))  # E: arg-type
     rvz.run(main(), loop="uv")  # E: arg-type
     print(node.stats()["wiats"])  # E: typeddict-item
-    print(count, counts, local)
+    print(count, counts, local, filled)

@@ -77,12 +77,19 @@ async def consumer(cluster: rvz.ClusterSpec, key: rvz.Key) -> float:
         if TYPE_CHECKING:
             assert_type(got, rvz.Value)
         more: list[rvz.Value] = await node.recv_many([key, key], mode="recv")
+        buf: npt.NDArray[np.float32] = np.zeros(4, np.float32)
+        into = await node.recv(key, into=buf)  # the caller's own buffer comes back as it went
+        if TYPE_CHECKING:
+            assert_type(into, npt.NDArray[np.float32])
+        filled: list[object] = await node.recv_many([key, key], into=[buf, None])
         step = node.step(7)
         in_step: rvz.Value = await step.recv(key)
+        in_buffer: bytearray = await step.recv(key, into=bytearray(8))
         both: list[rvz.Value] = await step.recv_many([key])
         await step.cleanup("finished")
         await node.cleanup_step(8)
-        return float(as_array(got).sum()) + len(more) + as_array(in_step).size + len(both)
+        return (float(as_array(got).sum()) + len(more) + as_array(in_step).size + len(both)
+                + into.size + len(filled) + len(in_buffer))
     except (rvz.Aborted, rvz.PeerLost, rvz.RemoteError) as exc:
         log.warning("failed: %s", exc)
         raise
