@@ -48,6 +48,7 @@ _MAX_NDIM = _codec.MAX_NDIM
 # so an application that keeps every array it receives costs a copy per value from there
 # on, never a stalled producer; a value of more than half the budget is always copied.
 LEND_SHARE = 2
+_LENT = 6   # the item of a write's event that says its value is the block itself
 
 
 class Delivery:
@@ -80,7 +81,7 @@ class Delivery:
             try:
                 event = self._on_slot(block, key, nbytes)
             finally:
-                if event is None or not event[6]:   # copied out (or refused): free at once
+                if event is None or not event[_LENT]:   # copied out (or refused): free at once
                     self._regions.arena.free(block)
             if event is None:
                 return
@@ -96,7 +97,7 @@ class Delivery:
                 event = (target.step, request_id, code, shape, size,
                          *self._take(self._regions.dest_arena, block, 0, code, shape, size), seq)
             finally:
-                if event is None or not event[6]:
+                if event is None or not event[_LENT]:
                     self._regions.dest_arena.free(block)
         step, request_id, code, shape, size, value, _, seq = event
         self._remember(key, code, shape, size)
