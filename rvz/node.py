@@ -183,6 +183,9 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
     small round trip no longer pays the wake-up of an idle one (see ``rvz.poll``).
     A large payload that has been arriving for more than ``peer_timeout`` must keep up
     ``min_rate`` bytes/s on average, or its connection is closed (0: no such bound).
+    Over ``shm`` and ``verbs`` a received array is the memory the peer wrote it into, lent
+    until the array dies; ``shm_copy`` copies it out first, so that a peer writing where it
+    should not cannot change it (docs/security.md).
     """
 
     def __init__(self, cluster: ClusterSpec | dict[str, Any], job: str, task: int,
@@ -193,7 +196,8 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
                  lost_hold_limit: int | None = None, claim_timeout: float | None = 2.0,
                  incarnation: int | None = None,
                  max_payload: int = _codec.DEFAULT_MAX_PAYLOAD, recv_pool: int = 256 << 20,
-                 onesided: dict[str, Any] | None = None, secret: str | bytes | None = None,
+                 onesided: dict[str, Any] | None = None, shm_copy: bool = False,
+                 secret: str | bytes | None = None,
                  ssl: _ssl.SSLContext | tuple[_ssl.SSLContext, _ssl.SSLContext] | None = None,
                  max_parked: int = 65536, max_steps: int = 65536, step_idle: float | None = 600.0,
                  hello_timeout: float = 10.0, max_unidentified: int = 64,
@@ -204,7 +208,7 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
                     push_window=push_window, hold_limit=hold_limit,
                     lost_hold_limit=lost_hold_limit, claim_timeout=claim_timeout,
                     incarnation=incarnation, max_payload=max_payload, recv_pool=recv_pool,
-                    onesided=onesided, secret=secret, ssl=ssl, max_parked=max_parked,
+                    onesided=onesided, shm_copy=shm_copy, secret=secret, ssl=ssl, max_parked=max_parked,
                     max_steps=max_steps, step_idle=step_idle, hello_timeout=hello_timeout,
                     max_unidentified=max_unidentified, answer_backlog=answer_backlog,
                     busy_poll=busy_poll, min_rate=min_rate, tls_identity=tls_identity)
@@ -280,6 +284,7 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
         self.claim_timeout = o.claim_timeout
         self.max_payload = o.max_payload
         self.busy_poll = o.busy_poll
+        self.shm_copy = o.shm_copy
 
     # the engine's state, read by the one-sided hub and by tests
     @property

@@ -72,6 +72,7 @@ class Options:
     max_payload: int
     recv_pool: int
     onesided: dict[str, Any] | None
+    shm_copy: bool
     secret: Any = field(repr=False)  # the HMAC key: never printed
     ssl: Any
     max_parked: int
@@ -100,6 +101,8 @@ class Options:
             check_budget(self.busy_poll)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if not isinstance(self.shm_copy, bool):
+            raise ConfigError(f"shm_copy must be True or False, not {self.shm_copy!r}")
         if self.onesided is not None:
             # Checked here, as every other option is, so that an unknown name or a bad value
             # fails the constructor, whatever the transport.

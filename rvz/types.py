@@ -81,6 +81,7 @@ class NodeOptions(TypedDict, total=False):
     max_payload: int
     recv_pool: int
     onesided: dict[str, Any] | None
+    shm_copy: bool
     secret: str | bytes | None
     ssl: _ssl.SSLContext | tuple[_ssl.SSLContext, _ssl.SSLContext] | None
     max_parked: int

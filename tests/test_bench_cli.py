@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 import rvz
+import rvz.onesided
 from rvz.bench import report
 from rvz.bench.worker import zmq_available
 
@@ -65,6 +66,8 @@ TARGET_IDS = {"stream-send-64B-vs-pyzmq", "batch-send-64B-vs-pyzmq", "compiled-v
               "stream-send-4M", "stream-send-64M", "stream-send-4K", "rendezvous-producer-first",
               "memory-64M", "into-64M-send", "into-64M-recv", "into-memory-64M-send",
               "into-memory-64M-recv"}
+ONESIDED_TARGET_IDS = {f"onesided-hold-{mode}-{size}-vs-{base}" for mode in ("send", "recv")
+                       for size in ("4M", "64M") for base in ("tcp", "memcpy")}
 
 
 def bench(*args: str, timeout: float = 40.0,
@@ -88,7 +91,9 @@ def run_json(tmp_path: Path, *args: str, timeout: float = 40.0,
     assert set(cal) == {"python_step_ns", "syscall_ns", "copy_gb_per_s"}, cal
     assert all(v > 0 for v in cal.values()), cal
     assert f"getppid() {cal['syscall_ns'] / 1000:.2f} us" in proc.stdout
-    assert {t["id"] for t in results["targets"]} == TARGET_IDS
+    # a one-sided run adds the targets of its holds-previous rows against tcp and memcpy
+    extra = ONESIDED_TARGET_IDS if "--transport" in args else set()
+    assert {t["id"] for t in results["targets"]} == TARGET_IDS | extra
     for target in results["targets"]:
         assert TARGET <= set(target)
         assert target["met"] in (True, False, None)
@@ -464,7 +469,7 @@ def test_plot_draws_only_panels_with_data() -> None:
 def test_each_subcommand_lists_only_its_options() -> None:
     every = {"--transport", "--mode", "--sizes", "--iters", "--duration", "--warmup", "--loop",
              "--impl", "--json", "--plot", "--profile", "--quiet", "--targets", "--client",
-             "--addr", "--busy-poll"}
+             "--addr", "--busy-poll", "--shm-copy"}
     measured = {"--repeat", "--concurrency", "--no-baselines"}
     expected = {
         "stream": every | measured | {"--batch", "--compare-impl"},
@@ -584,6 +589,27 @@ def test_recv_driven_rows_have_a_socket_request_reply_baseline(tmp_path: Path) -
     assert rows3["socket-reply"]["in_flight"] == rows3["rvz"]["in_flight"] == 3
     assert rows3["socket-reply"]["messages"] == 16
     assert target["figure"] is not None and "socket request/reply, same size" in target["detail"]
+
+
+@pytest.mark.timeout(60)
+def test_one_sided_holds_previous_rows_have_tcp_and_memcpy_baselines(tmp_path: Path) -> None:
+    why = rvz.onesided.available().get("shm")
+    if why:
+        pytest.skip(f"shm not available here: {why}")
+    r = run_json(tmp_path, "stream", "--transport", "shm", "--sizes", "4M", "--iters", "8",
+                 "--mode", "send", "--targets", *TINY, timeout=55)
+    rows = {(row["variant"], row["mode"]): row for row in r["stream"]}
+    memcpy, tcp, hold = rows[("memcpy", None)], rows[("rvz-hold-tcp", "send")], rows[("rvz-hold", "send")]
+    assert memcpy["label"] == "numpy copy (memcpy)" and memcpy["messages"] == 8
+    assert tcp["label"] == "rvz send-driven holds previous, tcp"
+    assert _close(hold["ratio_memcpy"], hold["gbytes_per_s"] / memcpy["gbytes_per_s"])
+    assert _close(hold["ratio_tcp"], hold["gbytes_per_s"] / tcp["gbytes_per_s"])
+    assert "ratio_tcp" not in rows[("rvz", "send")]      # only the holds-previous rows
+    assert "vs memcpy" in r["_stdout"]
+    targets = {t["id"]: t for t in r["targets"]}
+    assert targets["onesided-hold-send-4M-vs-tcp"]["figure"] == hold["ratio_tcp"]
+    assert targets["onesided-hold-send-4M-vs-memcpy"]["figure"] == hold["ratio_memcpy"]
+    assert targets["onesided-hold-send-64M-vs-tcp"]["figure"] is None    # not measured
 
 
 @pytest.mark.timeout(40)

@@ -386,6 +386,25 @@ async def test_verbs_slots_register_within_the_slot_budget(cluster: rvz.ClusterS
 
 
 @pytest.mark.loop_timeout(30)
+async def test_verbs_lends_the_registered_slot_and_deregisters_it_once_released(
+        cluster: rvz.ClusterSpec, fabric: Fabric) -> None:
+    """A value arrives as an array over the slot the peer wrote (memory registered with the
+    device); its region stays registered while the array lives, past the node's close."""
+    async with pair(cluster, "send", transport="verbs", onesided=OPTS) as (w, p):
+        await w.send(key("zc"), np.full(70000, 3.0))
+        got = await p.recv(key("zc"), timeout=10)
+        (ch,) = p._onesided.engines["verbs"].channels.values()
+        arena = ch.arena
+        region = arena.lookup(int(got.__array_interface__["data"][0]), got.nbytes)
+        assert region is not None and fabric.mrs[region.rkey][0] == region.addr
+    assert arena.closed and arena.registered == region.length
+    assert bool((got == 3.0).all())
+    del got
+    await eventually(lambda: arena.registered == 0, "the released slot's region was dropped")
+    assert region.rkey not in fabric.mrs
+
+
+@pytest.mark.loop_timeout(30)
 async def test_a_failed_completion_fails_the_peer_not_the_process(cluster: rvz.ClusterSpec,
                                                                   fabric: Fabric,
                                                                   caplog: pytest.LogCaptureFixture) -> None:

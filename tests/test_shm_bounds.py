@@ -114,13 +114,15 @@ def cluster() -> rvz.ClusterSpec:
     return rvz.ClusterSpec.loopback({"worker": 2, "ps": 1})
 
 
-def nodes(spec: rvz.ClusterSpec, ps_opts: dict[str, Any]) -> tuple[rvz.Node, rvz.Node, rvz.Node]:
+def nodes(spec: rvz.ClusterSpec, ps_opts: dict[str, Any],
+          shm_copy: bool = False) -> tuple[rvz.Node, rvz.Node, rvz.Node]:
     # tcp_max -1: every push goes through the shm channel, whose bounds these attacks test
     # (by default a push of at most 256 KiB would stay on the TCP connection).
     opts = {"chunk_size": 4 * MiB, "tcp_max": -1}
     return (rvz.Node(spec, "worker", 0, "send", transport="shm", onesided=opts, **FAST),
             rvz.Node(spec, "worker", 1, "send", transport="shm", onesided=opts, **FAST),
-            rvz.Node(spec, "ps", 0, "send", transport="shm", onesided={**opts, **ps_opts}, **FAST))
+            rvz.Node(spec, "ps", 0, "send", transport="shm", onesided={**opts, **ps_opts},
+                     shm_copy=shm_copy, **FAST))
 
 
 async def legit_traffic_flows(good: rvz.Node, victim: rvz.Node, rounds: int = 5) -> None:
@@ -135,10 +137,10 @@ async def legit_traffic_flows(good: rvz.Node, victim: rvz.Node, rounds: int = 5)
 # -- the attacks ----------------------------------------------------------------------------
 
 
-async def attack_scribble() -> dict[str, Any]:
+async def attack_scribble(shm_copy: bool = True) -> dict[str, Any]:
     """A producer given a ~1 MiB slot writes 0xFF over every byte of ours it has mapped."""
     spec = cluster()
-    bad, good, victim = nodes(spec, {"chunk_size": 64 * MiB, "max_slots": 1})
+    bad, good, victim = nodes(spec, {"chunk_size": 64 * MiB, "max_slots": 1}, shm_copy)
     async with victim, bad, good:
         first = np.arange(MiB // 4, dtype=np.float32) - 1         # 1 MiB, Send-Driven
         await bad.send(key("a"), first)
@@ -215,9 +217,19 @@ def shm_or_skip() -> None:
 
 def test_a_peer_maps_only_its_region_and_cannot_touch_delivered_arrays(run: Any) -> None:
     shm_or_skip()
-    out = run(attack_scribble(), timeout=40)
+    out = run(attack_scribble(shm_copy=True), timeout=40)
     assert out["array_intact"], out
     # one slot of ~1 MiB: the peer's region is that slot rounded to 1 MiB, not a 64 MiB chunk
+    assert 0 < out["mapped_by_peer"] <= 2 * MiB, out
+
+
+def test_without_shm_copy_a_delivered_array_is_the_peers_slot(run: Any) -> None:
+    """The default lends the slot itself (no copy): a peer that writes over all it mapped
+    reaches the array it delivered, which is what ``shm_copy=True`` is for; the victim
+    still survives and legitimate traffic flows."""
+    shm_or_skip()
+    out = run(attack_scribble(shm_copy=False), timeout=40)
+    assert not out["array_intact"], out
     assert 0 < out["mapped_by_peer"] <= 2 * MiB, out
 
 

@@ -124,11 +124,10 @@ class Peer:
         self.hold_reserved = 0
         # Exactly-once delivery across reconnects of one incarnation (``Credit.resend``).
         # As its producer: the number of the last value we sent it, and the values it has
-        # not acknowledged yet, ``unacked[unacked_head:]`` (numbers up to ``tx_seq``; each
-        # ``(step, request_id, key, value)``), kept to be sent again after a reconnect (a
-        # list and an index: appending is a C call);
-        # the credit it returned, as its running total (a CREDIT lost with a connection is
-        # made up by the next one).
+        # not acknowledged yet, ``unacked[unacked_head:]`` (up to ``tx_seq``, each ``(step,
+        # request_id, key, value)``), kept to be sent again after a reconnect (a list and an
+        # index: appending is a C call); the credit it returned, as its running total (a
+        # CREDIT lost with a connection is made up by the next one).
         self.tx_seq = 0
         self.unacked: list = []
         self.unacked_head = 0

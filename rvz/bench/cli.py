@@ -7,6 +7,9 @@ pair: plain blocking sockets, raw asyncio/uvloop streams and, when pyzmq imports
 PUSH/PULL and REQ/REP; rvz's figure is a ratio of each.  Besides one call per message on
 ``--concurrency`` lanes, ``stream`` measures the batch API (``send_many``/``recv_many``),
 one message in flight (4K) and a consumer that holds its previous array (256K and up).
+With ``--transport shm`` or ``verbs`` the holds-previous rows get two more same-run
+baselines: the same rows over TCP, and a numpy copy of the same size (``memcpy``: a
+one-sided write costs one such copy, made by the writer, the reader copying nothing).
 The development machine is shared and noisy, so only the ratios mean much.
 
 Two hosts: run ``rvz-bench --server --addr 0.0.0.0:7300`` on one (it plays side ``a``) and
@@ -54,7 +57,11 @@ RDV_WIRE = {"send": "push", "recv": "request+reply"}  # each mode's bytes, in th
 # asked for with a request first, as many requests out as rvz has lanes at that size
 # (``socket_stream``'s ``reply``).
 SOCKET_REPLY = "socket-reply"
-BASELINES = ("socket", "streams", "zmq", SOCKET_REPLY)
+MEMCPY = "memcpy"
+BASELINES = ("socket", "streams", "zmq", SOCKET_REPLY, MEMCPY)
+# A one-sided run's holds-previous rows, again over TCP: their "vs tcp" baseline.
+HOLD_TCP = "rvz-hold-tcp"
+ONESIDED = ("shm", "verbs")
 BATCH_MAX_SIZE = 4 << 10    # batch rows up to this size (the small-message regime)
 ONE_IN_FLIGHT_SIZE = 4 << 10
 HOLD_MIN_SIZE = 256 << 10   # "holds previous" rows from this size (the receive pool's range)
@@ -62,7 +69,15 @@ HOLD_MIN_SIZE = 256 << 10   # "holds previous" rows from this size (the receive 
 # both ways where torch is installed (compared with the holds-previous numpy stream).
 TORCH = importlib.util.find_spec("torch") is not None
 PATTERNS = {"rvz": "lanes", "rvz-batch": "batch", "rvz-one": "one-in-flight",
-            "rvz-hold": "holds-previous", "rvz-into": "into"}
+            "rvz-hold": "holds-previous", HOLD_TCP: "holds-previous",
+            "rvz-into": "into"}
+
+
+def slot_budget(size: int) -> int:
+    """The consumer's slot budget in a one-sided run: the default, or four values' worth.
+    A consumer holding its previous array keeps two values lent (that one and the one
+    arriving), and lent arrays may take half the budget before values are copied."""
+    return max(64 << 20, 4 * (size + 4096))
 
 
 class UsageError(Exception):
@@ -84,6 +99,9 @@ def _add_options(parser: argparse.ArgumentParser, groups: tuple[str, ...]) -> No
     g.add_argument("--transport", default="tcp", choices=("tcp", "shm", "verbs", "auto"),
                    help="rvz transport (default tcp; shm/verbs fail with the reason when this "
                    "host or build lacks them; the baselines stay on TCP)")
+    g.add_argument("--shm-copy", action="store_true",
+                   help="shm/verbs: rvz nodes copy every value out of the peer's memory "
+                   "instead of lending it (Node(shm_copy=True)): what that protection costs")
     g.add_argument("--mode", default="both", choices=tuple(MODES),
                    help="Recv-Driven, Send-Driven or both (default both)")
     g.add_argument("--sizes", help="tensor sizes, e.g. 64,4K,256K,4M,64M (K/M/G are binary; "
@@ -355,8 +373,11 @@ class Bench:
         self.case_no += 1
         sides = {}
         for role, link in (("a", a), ("b", b)):
-            side = dict(case, role=role, bind_host=link.host, transport=self.opts.transport,
+            side = dict(case, role=role, bind_host=link.host,
+                        transport=case.get("transport", self.opts.transport),
                         loop=self.opts.loop, busy_poll=self.opts.busy_poll)
+            if self.opts.args.shm_copy:
+                side["node_options"] = {**(case.get("node_options") or {}), "shm_copy": True}
             if self.opts.args.profile:  # (Options made the directory)
                 name = f"{self.case_no:02d}-{case['kind']}-{case['impl']}-{case.get('mode', '')}-" \
                        f"{size_label(int(case.get('size', 0)))}-{role}.prof"
@@ -391,7 +412,8 @@ class Bench:
         pattern = PATTERNS.get(variant)
         # The request/reply replica keeps as many requests out as rvz's Recv-Driven lanes.
         concurrency = (opts.stream_concurrency(size)
-                       if variant in ("rvz", "rvz-hold", "rvz-into", SOCKET_REPLY) else 1)
+                       if variant in ("rvz", "rvz-hold", HOLD_TCP, "rvz-into", SOCKET_REPLY)
+                       else 1)
         batch = opts.batch if variant == "rvz-batch" else None
         impl_of = "socket" if variant == SOCKET_REPLY else variant
         case = {"kind": "stream", "impl": "rvz" if pattern else impl_of, "mode": mode, "size": size,
@@ -407,10 +429,14 @@ class Bench:
             case["reply"] = True
         if variant == "rvz-one":
             case["producer_yield"] = False  # a plain ``await send`` loop, nothing else
-        if variant == "rvz-hold":
+        if variant in ("rvz-hold", HOLD_TCP):
             case["hold_previous"] = True
         if variant == "rvz-into":  # torch tensors both ways where torch is installed
             case["into"] = "torch" if TORCH else "numpy"
+        if variant == HOLD_TCP:
+            case["transport"] = "tcp"
+        elif pattern and opts.transport in ONESIDED:
+            case["node_options"] = {"onesided": {"slot_budget": slot_budget(size)}}
         ra, rb = self.run_case(case, impl)
         row: dict[str, Any] = {"variant": variant, "mode": mode if pattern else None,
                                "size": size, "loop": opts.loop, "impl": impl or opts.impl,
@@ -456,6 +482,13 @@ class Bench:
             if reply is not None and row["mode"] == "recv":
                 row["baseline_socket_reply_gbps"] = reply["gbytes_per_s"]
                 row["ratio_socket_reply"] = _ratio(row["gbytes_per_s"], reply["gbytes_per_s"])
+            memcpy = base.get(MEMCPY)
+            tcp = _find_row(rows, variant=HOLD_TCP, mode=row["mode"], size=row["size"])
+            if memcpy is not None and row["variant"] == "rvz-hold":
+                row["baseline_memcpy_gbps"] = memcpy["gbytes_per_s"]
+                row["ratio_memcpy"] = _ratio(row["gbytes_per_s"], memcpy["gbytes_per_s"])
+                row["baseline_tcp_gbps"] = tcp["gbytes_per_s"] if tcp else None
+                row["ratio_tcp"] = _ratio(row["gbytes_per_s"], tcp["gbytes_per_s"] if tcp else None)
         return rows
 
     def baseline_variants(self) -> list[tuple[str, str]]:
@@ -487,6 +520,8 @@ class Bench:
             out += [("rvz-hold", mode) for mode in modes]
             if not lean or size == MEMORY_SIZE:
                 out += [("rvz-into", mode) for mode in modes]
+            if self.opts.transport in ONESIDED and self.opts.baselines:
+                out += [(MEMCPY, "")] + [(HOLD_TCP, mode) for mode in modes]
         return out
 
     def impl_compare(self) -> dict[str, Any] | None:
@@ -726,8 +761,10 @@ def label(variant: str, mode: str, loop: str, kind: str = "stream") -> str:
         return f"{loop} streams"
     if variant == "zmq":
         return "pyzmq PUSH/PULL" if kind == "stream" else "pyzmq REQ/REP"
+    if variant == MEMCPY:
+        return "numpy copy (memcpy)"
     suffix = {"rvz-batch": " batch", "rvz-one": " 1 in flight", "rvz-hold": " holds previous",
-              "rvz-into": " into=" + (" torch" if TORCH else "")}
+              HOLD_TCP: " holds previous, tcp", "rvz-into": " into=" + (" torch" if TORCH else "")}
     return f"rvz {mode}-driven{suffix.get(variant, '')}"
 
 
@@ -758,27 +795,15 @@ def render(results: dict[str, Any], targets: bool = False) -> str:
     if poll_us:  # (absent from the JSON of runs before it existed)
         parts.append(f"busy-poll {poll_us:g} us: rvz nodes and pingpong's streams echo keep their "
                      "loop polling while they wait (a CPU spins a side); other baselines sleep")
+    if (results.get("options") or {}).get("shm_copy"):
+        parts.append("shm-copy: rvz nodes copy every one-sided value out of the peer's memory")
     cal = m.get("calibration")
     if cal:  # (absent from the JSON of runs before it was measured)
         parts.append(f"machine speed (same run): Python loop step {cal['python_step_ns']:.0f} ns, "
                      f"getppid() {cal['syscall_ns'] / 1000:.2f} us, "
                      f"64 MiB copy {cal['copy_gb_per_s']:.1f} GB/s")
     if results["stream"]:
-        rows = []
-        for r in results["stream"]:
-            mem = r.get("memory") or {}
-            peak = mem.get("peak_above_idle")
-            rows.append([size_label(r["size"]), r["label"], f"{r['gbytes_per_s']:.3f}",
-                         rate_label(r["msgs_per_s"]), ratio_label(r.get("ratio_socket")),
-                         ratio_label(r.get("ratio_streams")), ratio_label(r.get("ratio_pyzmq")),
-                         r.get("in_flight", r["concurrency"]),
-                         "-" if peak is None else f"{max(peak, 0) / 2**20:.0f}"])
-        parts.append("\nstream: one-way throughput (GB/s = 1e9 B/s; msg/s counts messages, also in "
-                     "batches; ratios of GB/s to the same-run baselines; peak = consumer RSS "
-                     "high-water above idle)")
-        parts.append(report.table(["size", "variant", "GB/s", "msg/s", "vs socket", "vs streams",
-                                   "vs pyzmq", "in flight", "peak MiB"], rows,
-                                  right=[True, False, True, True, True, True, True, True, True]))
+        parts += _stream_table(results["stream"])
     comp = results.get("impl_compare")
     if comp and comp.get("ratio") is not None:
         parts.append(f"\n  compiled vs pure Python, 64B {comp['mode']}-driven stream: "
@@ -822,6 +847,30 @@ def render(results: dict[str, Any], targets: bool = False) -> str:
         parts.append("")
         parts.append(report.targets_table(results["targets"]))
     return "\n".join(parts)
+
+
+def _stream_table(stream: list[dict[str, Any]]) -> list[str]:
+    """The stream section of the printed report: its heading and its table."""
+    rows = []
+    onesided = any(r["variant"] == MEMCPY for r in stream)
+    for r in stream:
+        mem = r.get("memory") or {}
+        peak = mem.get("peak_above_idle")
+        rows.append([size_label(r["size"]), r["label"], f"{r['gbytes_per_s']:.3f}",
+                     rate_label(r["msgs_per_s"]), ratio_label(r.get("ratio_socket")),
+                     ratio_label(r.get("ratio_streams")), ratio_label(r.get("ratio_pyzmq")),
+                     r.get("in_flight", r["concurrency"]),
+                     "-" if peak is None else f"{max(peak, 0) / 2**20:.0f}"])
+        if onesided:
+            rows[-1][5:5] = [ratio_label(r.get("ratio_tcp")), ratio_label(r.get("ratio_memcpy"))]
+    heading = ("\nstream: one-way throughput (GB/s = 1e9 B/s; msg/s counts messages, also in "
+               "batches; ratios of GB/s to the same-run baselines; peak = consumer RSS "
+               "high-water above idle)")
+    head = ["size", "variant", "GB/s", "msg/s", "vs socket", "vs streams", "vs pyzmq",
+            "in flight", "peak MiB"]
+    if onesided:  # the holds-previous rows against the same rows over TCP, and memcpy
+        head[5:5] = ["vs tcp", "vs memcpy"]
+    return [heading, report.table(head, rows, right=[h != "variant" for h in head])]
 
 
 def _auto_loop_name() -> str:

@@ -130,6 +130,8 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     _latencies(v, results.get("pingpong", []), results.get("rendezvous_summary", []))
     _kept_levels(v, stream, results.get("rendezvous_summary", []))
     _memory(v, stream)
+    if any(row.get("variant") == "memcpy" for row in stream):
+        _onesided(v, stream)
     return v.out
 
 
@@ -282,6 +284,24 @@ def _memory(v: _Verdicts, stream: list[dict[str, Any]]) -> None:
                                                           else " (peak not resettable)"))
         v.add("memory-64M", "consumer peak RSS above idle, streaming 64M", "< 3 tensors", tensors,
             tensors < 3.0, detail, kind="keep")
+
+
+# The one-sided holds-previous rows against the same rows over TCP and a same-size copy.
+ONESIDED_FLOORS = ((4 << 20, 1.5, 0.5), (64 << 20, 2.0, 0.7))
+
+
+def _onesided(v: _Verdicts, stream: list[dict[str, Any]]) -> None:
+    for mode in ("send", "recv"):
+        for size, tcp_floor, copy_floor in ONESIDED_FLOORS:
+            row = _find(stream, variant="rvz-hold", mode=mode, size=size)
+            name = f"{size_label(size)} {mode}-driven holds previous, one-sided"
+            for base, floor in (("tcp", tcp_floor), ("memcpy", copy_floor)):
+                r = row.get(f"ratio_{base}") if row else None
+                detail = (f"{row['gbytes_per_s']:.2f} GB/s vs {base} "
+                          f"{row[f'baseline_{base}_gbps']:.2f} GB/s"
+                          if row and r is not None else "not measured")
+                v.add(f"onesided-hold-{mode}-{size_label(size)}-vs-{base}", f"{name} vs {base}",
+                      f">= {floor}x", r, at_least(r, floor), detail)
 
 
 def targets_table(targets: list[dict[str, Any]]) -> str:

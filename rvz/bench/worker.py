@@ -16,7 +16,8 @@ is the consumer or the pinging side, which takes the measurements.
 
 A case's ``impl`` says what moves the bytes: ``rvz`` (its ``pattern``: ``lanes``, ``batch``,
 ``one`` in flight, ``hold`` the previous array), or a baseline: ``socket``, ``streams``,
-``zmq`` (pyzmq, imported only when a case asks for it).
+``zmq`` (pyzmq, imported only when a case asks for it), ``memcpy`` (side ``b`` copies an
+array of the case's size into another, the cost of one copy per message).
 
 The protocol runs over the process's stdin and its *original* stdout; file descriptor 1 is
 pointed at stderr at start-up, so a stray ``print`` in the library cannot corrupt it.
@@ -230,6 +231,34 @@ def stream_figures(count: int, size: int, start: int | None, end: int | None) ->
 def check_every(size: int) -> int:
     """How many messages between two clock reads in --duration mode."""
     return max(1, min(256, (1 << 20) // max(size, 1)))
+
+
+def memcpy_stream(case: dict[str, Any], role: str) -> dict[str, Any]:
+    """The memcpy baseline: side ``b`` copies a resident array of ``size`` bytes into another
+    resident one (``np.copyto``), as many times as a stream case moves messages; side ``a``
+    has nothing to do.  What a one-sided transport costs at least: its writer copies once."""
+    if role == "a":
+        return {}
+    size = int(case["size"])
+    plan = Plan(case, 1)
+    src = np.ones(size, np.uint8)
+    dst = np.zeros(size, np.uint8)
+    for _ in range(plan.warmup):
+        np.copyto(dst, src)
+    clock = time.perf_counter_ns
+    count = 0
+    start = clock()
+    if plan.iters is not None:
+        for _ in range(plan.iters):
+            np.copyto(dst, src)
+        count = plan.iters
+    else:
+        assert plan.duration is not None
+        deadline = start + int(plan.duration * 1e9)
+        while clock() < deadline or count < plan.min_messages:
+            np.copyto(dst, src)
+            count += 1
+    return stream_figures(count, size, start, clock())
 
 
 # -- rvz ----------------------------------------------------------------------------------------
@@ -1211,6 +1240,8 @@ class Worker:
         if impl == "streams":
             sbody = {"stream": streams_stream, "pingpong": streams_pingpong}[kind]
             return self._on_loop(case, sbody(case, addrs, role, listener))
+        if impl == "memcpy":
+            return memcpy_stream(case, role)
         if impl == "zmq":
             why = zmq_available()
             if why:

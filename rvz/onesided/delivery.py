@@ -1,9 +1,14 @@
 """What a channel receives, turned into values for the node: writes and inline messages.
 
-A write into a slot or a destination is copied out of the peer's region into our own pool
-before the application can see it, so the peer never reaches an array it delivered; a value
-larger than a slot arrives in pieces and is assembled here.  Everything goes to the node like
-TCP DATA frames (``deliver``), one batch per pass over a completion queue.
+A write into a slot or a destination is handed to the application in place: the array is a
+view of the peer's region, and the slot or destination stays taken (``Pool.array``) until
+that array and every view of it are gone; then a slot returns to the producer's budget
+(``SlotGrants.returned``).  Arrays lent that way hold at most half of their region's budget
+(``LEND_SHARE``); past it, and always with ``Node(shm_copy=True)``, the value is copied out
+into our own pool and its memory freed at once, so the peer never reaches an array it
+delivered.  A value larger than a slot arrives in pieces and is assembled here; inline
+messages and ``bytes`` are copies.  Everything goes to the node like TCP DATA frames
+(``deliver``), one batch per pass over a completion queue.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from .layout import (
     check_meta,
     slot_header_size,
 )
-from .pool import Block
+from .pool import Block, Pool
 from .regions import SLOT, PeerRegions
 
 if TYPE_CHECKING:
@@ -38,6 +43,12 @@ if TYPE_CHECKING:
 
 _codec = _impl.codec
 _MAX_NDIM = _codec.MAX_NDIM
+# The share of a region's budget that arrays lent to the application may hold.  The rest is
+# what the producer writes into meanwhile: at least one slot as large as any value lent,
+# so an application that keeps every array it receives costs a copy per value from there
+# on, never a stalled producer; a value of more than half the budget is always copied.
+LEND_SHARE = 2
+_LENT = 6   # the item of a write's event that says its value is the block itself
 
 
 class Delivery:
@@ -53,6 +64,7 @@ class Delivery:
         self._regions = regions
         self._grants = grants
         self._destinations = destinations
+        self._copy = engine.copy_out     # Node(shm_copy=True): never lend a peer's memory
         self._partial: dict[str, list[Any]] = {}       # key -> a value arriving in pieces
         self._events: list[tuple[Any, ...]] = []
 
@@ -63,12 +75,14 @@ class Delivery:
             raise TransportError(f"write with unknown immediate {imm}")
         block = target.block
         key = target.key
+        event: tuple[Any, ...] | None = None
         if target.kind == SLOT:
             self._grants.written(imm, key, block.size)
             try:
                 event = self._on_slot(block, key, nbytes)
             finally:
-                self._regions.arena.free(block)   # copied out (or refused): the slot is free
+                if event is None or not event[_LENT]:   # copied out (or refused): free at once
+                    self._regions.arena.free(block)
             if event is None:
                 return
         else:
@@ -81,16 +95,18 @@ class Delivery:
                 code, shape, size = target.code, target.shape, target.nbytes
                 (seq,) = SEQ_TRAILER.unpack_from(block.view(size, SEQ_TRAILER.size))
                 event = (target.step, request_id, code, shape, size,
-                         self._copy_out(block, 0, code, shape, size), seq)
+                         *self._take(self._regions.dest_arena, block, 0, code, shape, size), seq)
             finally:
-                self._regions.dest_arena.free(block)
-        step, request_id, code, shape, size, value, seq = event
+                if event is None or not event[_LENT]:
+                    self._regions.dest_arena.free(block)
+        step, request_id, code, shape, size, value, _, seq = event
         self._remember(key, code, shape, size)
         self._events.append((_codec.DATA, step, request_id, key, value, seq))
 
     def _on_slot(self, block: Block, key: str, nbytes: int) -> tuple[Any, ...] | None:
         """A filled slot: the whole value, or one piece of a larger one (then ``None``
-        until its last piece)."""
+        until its last piece); ``(step, 0, code, shape, size, value, lent, seq)``, ``lent``
+        when the value is the slot itself."""
         view = block.view()
         if nbytes > block.size:
             raise TransportError(f"write of {nbytes} bytes into a slot of {block.size}")
@@ -111,7 +127,8 @@ class Delivery:
             if nbytes != start + size:
                 raise TransportError(f"write of {nbytes} bytes into a slot of {block.size} "
                                      f"does not match its header ({size} bytes)")
-            return step, 0, code, shape, size, self._copy_out(block, start, code, shape, size), seq
+            return (step, 0, code, shape, size,
+                    *self._take(self._regions.arena, block, start, code, shape, size), seq)
         n = nbytes - start
         done = 0 if part is None else part[5]
         if n <= 0 or done + n > size or (flags == FIRST and n >= size):
@@ -126,7 +143,18 @@ class Delivery:
             return None
         del self._partial[key]
         _, step, code, shape, size, _, seq = part
-        return step, 0, code, shape, size, self._value(whole, code, shape, size), seq
+        return step, 0, code, shape, size, self._value(whole, code, shape, size), False, seq
+
+    def _take(self, arena: Pool, block: Block, start: int, code: int, shape: tuple[int, ...],
+              nbytes: int) -> tuple[Any, bool]:
+        """The value a peer wrote into ``block`` of ``arena``, and whether it is lent: an
+        array over the block itself while the arrays lent from ``arena`` leave the producer
+        its share of the budget (``LEND_SHARE``), else a copy in our pool."""
+        dtype = DTYPES[code]
+        if (dtype is not None and nbytes and not self._copy
+                and arena.lent + block.size <= arena.limit // LEND_SHARE):
+            return arena.array(block, dtype, shape, start), True
+        return self._copy_out(block, start, code, shape, nbytes), False
 
     def _copy_out(self, block: Block, start: int, code: int, shape: tuple[int, ...],
                   nbytes: int) -> Any:

@@ -27,6 +27,8 @@ class Destinations:
         self._engine = channel.engine
         self._dests: dict[int, int] = {}               # request id -> imm of its destination
         self.asks: dict[int, tuple[int, str]] = {}     # request id -> (step, key)
+        # Destinations lent to the application as arrays are freed on the loop when those die.
+        regions.dest_arena.watch(self._engine.loop)
 
     def on_request(self, step: int, request_id: int, key: str) -> None:
         """Before REQUEST ``request_id`` leaves: offer a destination if we know the shape."""

@@ -16,16 +16,20 @@ offered for our requests), ``delivery`` (what arrives), ``outbound`` (what we wr
 
 Isolation: the memory a peer may write is a *region per peer*, carved only into that peer's
 slots (``PeerRegions.arena``) and destinations (``PeerRegions.dest_arena``); the consumer's
-own pool (``Engine.pool``), which holds the arrays handed to the application, is never
-described to any peer.  A completed write is copied out of the peer's region into the pool
-before the application sees it, so a peer can never touch an array it already delivered.
-Regions left empty are unregistered and the peer is told to unmap them (``unmap``).
+own pool (``Engine.pool``), which holds copied and assembled values, is never described to
+any peer.  A completed write is handed to the application in place, as an array over the
+slot or destination, which stays taken until that array dies (``Delivery``): a peer that
+keeps writing where it was never granted could change it.  ``Node(shm_copy=True)`` copies
+every value out of the peer's region into the pool first, so a peer can never touch an
+array it already delivered.  Regions left empty are unregistered and the peer is told to
+unmap them (``unmap``).
 
 Send-Driven (``request_id == 0``): the consumer grants the producer *slots* per key
 (``want`` -> ``slots``); the producer caches them per (peer, key) and writes header and
 tensor into one slot with the slot's id as the immediate.  The consumer's completion
-handler copies the slot into the array it hands to the table and grants a fresh slot of
-the same size: slots are the credits, so a producer never overruns.  Values without a slot
+handler hands the slot to the table as an array (or a copy of it) and grants a fresh slot
+of the same size: slots are the credits, so a producer never overruns; a slot lent as an
+array counts against the budget until the array dies.  Values without a slot
 wait in the producer's per-key queue, in order.  The memory registered for a channel's
 slots (``PeerRegions.arena``, its chunks rounded to a page) never exceeds ``slot_budget``: a
 ``want`` that does not fit waits until slots come back (empty regions are then unregistered
@@ -90,6 +94,7 @@ class Host(Protocol):
     transport: str
     peer_timeout: float
     max_payload: int
+    shm_copy: bool
 
     @property
     def _peers(self) -> dict[Any, Any]: ...
@@ -142,6 +147,9 @@ class Engine:
         self.loop: asyncio.AbstractEventLoop = asyncio.get_running_loop()
         self.pool = Pool(provider, options.chunk_size, options.pool_limit)
         self.needs_registered_source = provider.needs_registered_source
+        # Node(shm_copy=True): every value written into our memory is copied out of it
+        # before the application sees it, instead of being lent in place (``Delivery``).
+        self.copy_out = bool(node.shm_copy)
         limit = provider.max_message
         if options.inline_max is not None:
             limit = min(limit, int(options.inline_max))

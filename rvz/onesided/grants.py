@@ -44,6 +44,8 @@ class SlotGrants:
         # their writes are on their way, so they are not asked for again (``revoke``).
         self._filled: set[int] = set()
         self.count = 0                                 # slots granted, for the stats
+        # Slots lent to the application as arrays come back when those die (``returned``).
+        regions.arena.watch(self._loop, self.returned)
 
     # -- control messages from the producer ---------------------------------------------------
 
@@ -191,6 +193,17 @@ class SlotGrants:
         del self.slot_imms[key]
         self.last_use.pop(key, None)
         return True
+
+    def returned(self) -> None:
+        """Slots lent to the application came back (their arrays died): the budget they
+        free goes to the keys that wait for it."""
+        channel = self._channel
+        if channel.closed or channel.failed is not None:
+            return
+        try:
+            self._serve()
+        except TransportError as exc:
+            channel.fail(exc)
 
     # -- waiting for budget -------------------------------------------------------------------
 

@@ -10,14 +10,17 @@ registered never exceeds ``limit``: near it a chunk is only as large as what is 
 A block handed to the application as a numpy array stays allocated as long as that array
 (or any view of it) lives: the array's ``base`` is a small owner object whose finaliser
 returns the block.  Finalisers may run on any thread, so they only append to a deque that
-the event loop's thread drains on the next allocation.
+the event loop's thread drains on the next allocation, or at once when the pool is watched
+(``watch``: a peer's slots, which a producer may be waiting for).
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import mmap
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -64,10 +67,8 @@ class _Owner:
 
     def __del__(self) -> None:
         pool = self._pool
-        if pool.closed:
-            pool.free(self._block)  # nobody drains the deque any more
-        else:
-            pool._released.append(self._block)
+        pool._released.append(self._block)
+        pool._returned()
 
 
 class _Chunk:
@@ -96,6 +97,10 @@ class Pool:
         self._released: deque[Block] = deque()
         self._by_addr: list[int] = []        # sorted chunk base addresses, for lookup()
         self._addr_chunks: list[_Chunk] = []
+        self.lent = 0   # bytes of the blocks under live arrays (``array``)
+        self._loop: asyncio.AbstractEventLoop | None = None   # ``watch``
+        self._on_return: Callable[[], None] | None = None
+        self._waking = False
         self.closed = False
 
     # -- allocation --------------------------------------------------------------------------
@@ -208,9 +213,44 @@ class Pool:
         n = 0
         released = self._released
         while released:
-            self.free(released.popleft())
+            block = released.popleft()
+            self.lent -= block.size
+            self.free(block)
             n += 1
         return n
+
+    def watch(self, loop: asyncio.AbstractEventLoop,
+              on_return: Callable[[], None] | None = None) -> None:
+        """Free the blocks of dead arrays on ``loop`` as soon as they die, then call
+        ``on_return`` (unless the pool is closed by then)."""
+        self._loop = loop
+        self._on_return = on_return
+
+    def _returned(self) -> None:
+        """An array over a block died, on any thread: its block is in ``_released``."""
+        loop = self._loop
+        if loop is None:
+            if self.closed:
+                self.reclaim()  # nobody drains the deque any more
+            return
+        if self._waking and not loop.is_closed():
+            return   # a drain is scheduled and has not started: it takes this block too
+        self._waking = True
+        try:
+            if asyncio._get_running_loop() is loop:
+                loop.call_soon(self._drain)
+            else:
+                loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:   # the loop is closed: nothing waits for the block any more
+            self._waking = False
+            if self.closed:
+                self.reclaim()
+
+    def _drain(self) -> None:
+        self._waking = False   # before reclaiming: a block released meanwhile schedules again
+        self.reclaim()
+        if not self.closed and self._on_return is not None:
+            self._on_return()
 
     # -- numpy views -------------------------------------------------------------------------
 
@@ -221,6 +261,7 @@ class Pool:
                                      "data": (block.addr + start, False), "version": 3}
         owner._pool = self
         owner._block = block
+        self.lent += block.size
         return np.asarray(owner)
 
     def lookup(self, addr: int, length: int) -> Region | None:
@@ -241,6 +282,7 @@ class Pool:
             return
         self.reclaim()
         self.closed = True
+        self._on_return = None   # an array kept past close need not keep its channel alive
         for chunk in list(self.chunks):
             if chunk.live == 0:
                 self._drop(chunk)
