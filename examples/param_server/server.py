@@ -112,18 +112,39 @@ CONSISTENCY = ("asp", "ssp", "bsp")
 # shard logs it and tries again every ``REFUSED_RETRY`` seconds, for as long as it serves.
 REFUSED = (rvz.AuthError, rvz.ProtocolError)
 REFUSED_RETRY = 0.5
-# Rows a checkpoint or cut copies per loop pass: well under a pull's time (about 0.2 ms at
-# dim 16 with Adam, faulting in the copy's pages included); a pull waits for a slice or two.
-COPY_ROWS = 1024
+# Rows a checkpoint or cut copies per loop pass: a small part of a pull's time (about 0.06 ms
+# at dim 16 with Adam, faulting in the copy's pages included).
+COPY_ROWS = 256
+# A loop pass longer than this ran something besides the copy (a request, most likely): the
+# copy waits for a pass that ran nothing else, but never more than ``COPY_WAIT`` seconds.
+COPY_IDLE = 1e-4
+COPY_WAIT = 0.002  # under constant load: 1M rows in about 8 s, 3% of the loop
+# After ``COPY_BURST`` seconds of copying the loop sleeps ``COPY_PAUSE``: on a busy machine
+# the scheduler preempts a thread that never sleeps, for several ms, whatever it serves.
+COPY_BURST, COPY_PAUSE = 1e-3, 2e-4
 SKIP, STOP = object(), object()  # what ``_request`` returns instead of a request
 FINISHED = "FINISHED.json"  # in a shard's checkpoint directory: the workers that ended there
 
 
 async def _copy_out(copies: Iterable[RowCopy | PendingSave]) -> None:
-    """Take ``copies`` one slice per loop pass, so requests are answered in between."""
+    """Take ``copies`` a slice per loop pass, and only in a pass with nothing else to run
+    (as far as a pass's length tells): requests go first, a slice waits for them; with a
+    short sleep every ``COPY_BURST`` seconds."""
+    loop = asyncio.get_running_loop()
     for copy in copies:
-        while not copy.step(COPY_ROWS):
+        last = burst = loop.time()
+        while True:
+            started = loop.time()
             await asyncio.sleep(0)
+            now = loop.time()
+            if now - started > COPY_IDLE and now - last < COPY_WAIT:
+                continue
+            if copy.step(COPY_ROWS):
+                break
+            last = loop.time()
+            if last - burst > COPY_BURST:
+                await asyncio.sleep(COPY_PAUSE)
+                burst = loop.time()
 
 
 @dataclass
@@ -769,8 +790,9 @@ class ShardServer:
 
     def checkpoint(self) -> asyncio.Future[list[str]]:
         """Save every table as it is now (full every ``full_every``-th time, else incremental),
-        in the background: the rows are copied a slice per loop pass (copy on write keeps
-        this moment's rows) and written by a helper thread, so pulls go on being answered.
+        in the background: the rows are copied a slice per loop pass with nothing else to
+        run (copy on write keeps this moment's rows) and written by a helper thread, so
+        pulls go on being answered, first.
         Saves are written one after the other; the future gives the entries' names."""
         assert self.checkpoint_dir is not None
         full = self._saves % self.full_every == 0

@@ -242,9 +242,10 @@ class EmbeddingTable:
         ids = as_ids(ids)
         out = np.empty((len(ids), self.dim), dtype=np.float32)
         rows = np.empty(len(ids), dtype=np.int32)
-        if self._copies and create:
+        if create and any(c.keeps_reads for c in self._copies):
             self._core.find(ids, rows)
-            self._before_change(rows, ids)
+            for c in self._copies:
+                c.keep_stamps(rows)
         # Evaluation reads (create=False) leave the access stamps alone: they neither
         # create rows nor keep rows alive for TTL/LRU eviction.
         missing = self._core.lookup(ids, out, rows, self._step_stamp(), create)
@@ -585,17 +586,20 @@ def _unmapped(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
 
 
 class RowCopy:
-    """A copy of every row of a table at one moment (``EmbeddingTable.copy_rows``): rows
-    ``0 .. next_row`` are copied block slice by block slice (``step``), and a row about to
-    change or go before its slice is copied is kept first (copy on write), so the copy is
-    the table of that moment whatever changes meanwhile. Rows free at that moment are
-    marked dead (``live``); a row freed later was kept before it went.
+    """A copy of every row of a table at one moment (``EmbeddingTable.copy_rows``), taken a
+    slice per ``step`` while the table goes on changing. The access stamps are copied first
+    (small), then the rows block slice by block slice; a row about to change or go before
+    its slice is copied is kept first (copy on write), so the copy is the table of that
+    moment whatever changes meanwhile. Once the stamps are copied a lookup, which changes
+    nothing else, keeps no row (``keeps_reads``). Rows free at that moment are left out.
 
     What runs on the caller's thread (a shard's event loop) stays short and even. Kept rows
     are appended to a pool, and ``step`` puts them in their places when it copies their
     slice: written straight into the copy they would land at random across it, and the
     first pull after the copy started would fault most of it in (100s of ms at 1M rows).
-    The copy and the pool use 4 KiB pages, faulted in as they are written, in order."""
+    The live rows' ids, stamps and row numbers are packed to the front as the slices go,
+    so the snapshot is views, with nothing left to gather. The copy and the pool use 4 KiB
+    pages, faulted in as they are written, in order."""
 
     POOL_ROWS = 1 << 16   # rows per chunk of the pool
 
@@ -608,30 +612,50 @@ class RowCopy:
         self.values = _unmapped((n, table.width), np.float32)
         self.row_ids = _unmapped(n, np.int64)
         self.stamps = _unmapped(n, np.uint32)
-        self.live = np.ones(n, dtype=bool)
-        self.live[core.free_rows()] = False
+        self.rownum = _unmapped(n, np.int32)
+        self._dead = np.zeros(n, dtype=bool)  # zero pages: only the free rows are written
+        self._dead[core.free_rows()] = True
         self.cand_ids, self.cand_counts = table._candidate_counts()
         self.config, self.state = table.config(), table._state()
         self.size = len(table)
         self._arrays = core.row_arrays()   # views: rows changed meanwhile are kept first
-        self._cursor = 0
-        # Each row's place in the pool, or -1; written whole now: ``keep`` writes it at random.
+        self._stamped = 0   # stamps copied: rows 0 .. _stamped
+        self._cursor = 0    # rows copied
+        self._packed = 0    # live rows packed to the front
+        # Each row's place in the pool plus one (0: not kept): zero pages, nothing to fill.
         self._where = _unmapped(n, np.int32)
-        self._where.fill(-1)
-        self._pool: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._pool: list[tuple[np.ndarray, np.ndarray]] = []
         self._pooled = 0
+        self._stamp_log: list[tuple[np.ndarray, np.ndarray]] = []  # (rows, stamps) noted, in order
         self._pool_rows = max(1, min(self.POOL_ROWS, n))
         self.done = n == 0
         if self.done:
             self._finish()
 
+    @property
+    def keeps_reads(self) -> bool:
+        """Whether a lookup (it changes stamps only) must keep its rows first."""
+        return self._stamped < self.n
+
+    def keep_stamps(self, rows: np.ndarray) -> None:
+        """Note the stamps of ``rows`` (-1 rows skipped) now unless theirs are copied: what
+        a lookup, which changes stamps only, needs kept. Noted in order, without a per-row
+        mark (random writes would fault in pages a few at a time)."""
+        if self._stamped >= self.n:
+            return
+        rows = np.asarray(rows)
+        r = np.ascontiguousarray(rows[(rows >= self._stamped) & (rows < self.n)], dtype=np.int32)
+        if len(r):
+            self._stamp_log.append((r, self.table._meta(r, "stamp")))
+
     def keep(self, rows: np.ndarray, ids: np.ndarray) -> None:
         """Copy ``rows`` (ids ``ids``; -1 rows skipped) now unless their slice is copied."""
+        self.keep_stamps(rows)
         rows = np.asarray(rows)
         sel = np.flatnonzero((rows >= self._cursor) & (rows < self.n))
         if len(sel) == 0:
             return
-        sel = sel[self._where[rows[sel]] < 0]
+        sel = sel[self._where[rows[sel]] == 0]
         if len(sel) == 0:
             return
         # A row named twice is pooled twice, with the same content: cheaper than a sort.
@@ -639,52 +663,85 @@ class RowCopy:
         out = np.empty((len(r), self.width), dtype=np.float32)
         self.table._core.gather(r, out, 0)
         kept_ids = np.asarray(ids)[sel]
-        stamps = self.table._meta(r, "stamp")
         done = 0
         while done < len(r):
             at = self._pooled % self._pool_rows
             if at == 0:
                 size = self._pool_rows
-                self._pool.append((_unmapped((size, self.width), np.float32), _unmapped(size, np.int64),
-                                   _unmapped(size, np.uint32)))
-            values, pool_ids, pool_stamps = self._pool[-1]
+                self._pool.append((_unmapped((size, self.width), np.float32), _unmapped(size, np.int64)))
+            values, pool_ids = self._pool[-1]
             k = min(len(r) - done, self._pool_rows - at)
             values[at:at + k] = out[done:done + k]
             pool_ids[at:at + k] = kept_ids[done:done + k]
-            pool_stamps[at:at + k] = stamps[done:done + k]
-            self._where[r[done:done + k]] = np.arange(self._pooled, self._pooled + k, dtype=np.int32)
+            self._where[r[done:done + k]] = np.arange(self._pooled + 1, self._pooled + k + 1, dtype=np.int32)
             self._pooled += k
             done += k
 
-    def step(self, rows: int = 4096) -> bool:
-        """Copy the next ``rows`` rows (at most to the end of their block); True once every
-        row is copied."""
-        if self.done:
-            return True
-        c = self._cursor
+    def _slice(self, c: int, k: int) -> tuple[int, int, int]:
+        """The block holding row ``c``, ``c``'s offset in it, and the end of a slice of at
+        most ``k`` rows from ``c`` within that block."""
         block_rows = self._arrays[0][0].shape[0] if len(self._arrays) == 1 else self.table._core.block_rows
         b, off = divmod(c, block_rows)
-        data, ids, stamps = self._arrays[b]
-        e = min(self.n, c + rows, b * block_rows + len(data))
-        k = e - c
-        self.values[c:e] = data[off:off + k]
-        self.row_ids[c:e] = ids[off:off + k]
-        self.stamps[c:e] = stamps[off:off + k]
+        return b, off, min(self.n, c + k, b * block_rows + len(self._arrays[b][0]))
+
+    def _unpool(self, c: int, e: int) -> None:
+        """Rows ``c .. e`` that were kept: their kept ids and values into place."""
         where = self._where[c:e]
-        kept = np.flatnonzero(where >= 0)
-        if len(kept):
-            chunk, at = np.divmod(where[kept], self._pool_rows)
-            for ch in np.unique(chunk):
-                mine = chunk == ch
-                dest, src = c + kept[mine], at[mine]
-                values, pool_ids, pool_stamps = self._pool[ch]
-                self.values[dest] = values[src]
-                self.row_ids[dest] = pool_ids[src]
-                self.stamps[dest] = pool_stamps[src]
+        kept = np.flatnonzero(where)
+        if len(kept) == 0:
+            return
+        chunk, at = np.divmod(where[kept] - 1, self._pool_rows)
+        for ch in np.unique(chunk):
+            mine = chunk == ch
+            dest, src = c + kept[mine], at[mine]
+            values, pool_ids = self._pool[ch]
+            self.values[dest] = values[src]
+            self.row_ids[dest] = pool_ids[src]
+
+    def step(self, rows: int = 4096) -> bool:
+        """Copy the next slice: ``rows`` rows' worth of stamps until every stamp is copied,
+        then ``rows`` rows (at most to the end of their block). True once all is copied."""
+        if self.done:
+            return True
+        if self._stamped < self.n:
+            c = self._stamped
+            b, off, e = self._slice(c, rows * self.width)  # as many bytes as a slice of rows
+            self.stamps[c:e] = self._arrays[b][2][off:off + e - c]
+            for r, old in reversed(self._stamp_log):  # the first noted, the one before any change
+                mine = (r >= c) & (r < e)
+                self.stamps[r[mine]] = old[mine]
+            self._stamped = e
+            if e >= self.n:
+                self._stamp_log = []
+            return False
+        c = self._cursor
+        b, off, e = self._slice(c, rows)
+        data, ids, _ = self._arrays[b]
+        self.values[c:e] = data[off:off + e - c]
+        self.row_ids[c:e] = ids[off:off + e - c]
+        self._unpool(c, e)
+        self._pack(c, e)
         self._cursor = e
         if e >= self.n:
             self._finish()
         return self.done
+
+    def _pack(self, c: int, e: int) -> None:
+        """The ids, stamps and row numbers of the live rows among ``c .. e`` to the front
+        (after those of earlier slices; never past ``c``, so in place)."""
+        o = self._packed
+        live = np.flatnonzero(~self._dead[c:e])
+        m = len(live)
+        if m == e - c:
+            if o != c:
+                self.row_ids[o:o + m] = self.row_ids[c:e]
+                self.stamps[o:o + m] = self.stamps[c:e]
+            self.rownum[o:o + m] = np.arange(c, e, dtype=np.int32)
+        else:
+            self.row_ids[o:o + m] = self.row_ids[c:e][live]
+            self.stamps[o:o + m] = self.stamps[c:e][live]
+            self.rownum[o:o + m] = live + c
+        self._packed = o + m
 
     def _finish(self) -> None:
         self.done = True
@@ -692,8 +749,9 @@ class RowCopy:
             self.table._copies.remove(self)
         self._arrays = []
         # The pool and the index into it are unmapped by another thread (it takes a while).
-        garbage = [self._pool, self._where]
-        self._pool, self._where = [], np.full(0, -1, dtype=np.int32)
+        garbage = [self._pool, self._where, self._dead, self._stamp_log]
+        self._pool, self._where, self._stamp_log = [], np.zeros(0, dtype=np.int32), []
+        self._dead = np.zeros(0, dtype=bool)
         _RELEASE.submit(garbage.clear)
 
     def cancel(self) -> None:
@@ -701,11 +759,11 @@ class RowCopy:
 
     def snapshot(self) -> TableSnapshot:
         """The copy as a ``TableSnapshot`` (the whole row matrix; ``rownum`` says which rows
-        are live, as a full save writes it)."""
+        are live, as a full save writes it). Views of the copy: nothing is gathered."""
         assert self.done
-        rownum = np.flatnonzero(self.live).astype(np.int32)
-        return TableSnapshot(self.row_ids[rownum], self.values, self.stamps[rownum], self.cand_ids,
-                             self.cand_counts, self.config, self.state, rownum=rownum)
+        o = self._packed
+        return TableSnapshot(self.row_ids[:o], self.values, self.stamps[:o], self.cand_ids,
+                             self.cand_counts, self.config, self.state, rownum=self.rownum[:o])
 
 
 class PendingSave:
