@@ -195,8 +195,10 @@ def _prepare(job, *args):
     global _preparer
     if _preparer is None:
         from concurrent.futures import ThreadPoolExecutor
-        _preparer = ThreadPoolExecutor(1, thread_name_prefix="rowtable-prepare",
-                                       initializer=_lowest_priority)
+        # At the normal priority: the thread takes the GIL between its page walks, and at
+        # the lowest one a loaded machine left it holding the GIL, unscheduled, for seconds
+        # while the serving thread waited for it.
+        _preparer = ThreadPoolExecutor(1, thread_name_prefix="rowtable-prepare")
     return _preparer.submit(job, *args)
 
 
@@ -207,15 +209,6 @@ def _forget_preparer():
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_preparer)
-
-
-def _lowest_priority():
-    """The helper thread yields the CPU to the serving one (Linux: a thread's nice value)."""
-    import threading
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass  # only a preference
 
 
 def _mapped(arrays):
