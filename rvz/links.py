@@ -163,6 +163,13 @@ class Links(NodeState):
         if peer is None:
             return
         peer.dropped(conn)
+        # The peer's traffic counters outlive the connection (stats() and the exported
+        # metrics are totals, which never go down).
+        counts = self._closed_traffic.setdefault(peer, [0, 0, 0, 0])
+        counts[0] += int(conn.decoder.bytes_in)
+        counts[1] += int(conn.bytes_out)
+        counts[2] += int(conn.decoder.frames)
+        counts[3] += int(conn.frames_out)
         core = self._core
         for parked in conn.parked.values():
             parked.cancel()

@@ -76,6 +76,7 @@ _keys = _impl.keys
 _table = _impl.table
 _engine = _impl.engine
 _batches = _impl.batches
+_NO_TRAFFIC = (0, 0, 0, 0)
 _Buffer = TypeVar("_Buffer")  # an into= buffer: recv returns the caller's own object
 if TYPE_CHECKING:  # the annotated source; at run time, the variant _impl loaded
     from typing_extensions import Unpack
@@ -250,6 +251,7 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
         self._onesided: Any = None
         self._closing_pushes: list[Any] = []
         self._errors = dict.fromkeys(ERROR_KINDS, 0)  # connections ended badly, lost peers
+        self._closed_traffic = {}  # so that stats() counts a peer's traffic over reconnects
         self._repeats = Repeats()  # events that may repeat many times a second, logged in sum
         self._said_bye = False  # close() said BYE: a connection made since says it at once
         # HELLO and AUTH: their verdicts, and the incarnations newer ones replaced.
@@ -468,7 +470,7 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
         ``peers`` maps each peer's name to its connection ``state`` (``"connected"``,
         ``"dialling"``, ``"idle"``), the ``transport`` in use, ``bytes_in``/``bytes_out``
         and ``messages_in``/``messages_out`` (values and control frames, however values
-        were packed into frames) over its live connections, the push ``credit``
+        were packed into frames) over all its connections so far, the push ``credit``
         it granted us, the ``owed`` credit we hold back, ``queued_pushes``, the requests it
         parked here (``parked_requests``), ours to it (``outstanding_requests``) and the
         Recv-Driven values we hold for it (``held_values``).
@@ -494,15 +496,16 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
                 state = "dialling"
             else:
                 state = "idle"
+            closed = self._closed_traffic.get(peer, _NO_TRAFFIC)
             peers[peer.name] = {
                 "state": state,
                 "transport": self.transport_for(peer.id) if ready else None,
                 "incarnation": peer.incarnation,
                 "mode": peer.mode or None,
-                "bytes_in": sum(int(c.decoder.bytes_in) for c in conns),
-                "bytes_out": sum(int(c.bytes_out) for c in conns),
-                "messages_in": sum(int(c.decoder.frames) for c in conns),
-                "messages_out": sum(int(c.frames_out) for c in conns),
+                "bytes_in": closed[0] + sum(int(c.decoder.bytes_in) for c in conns),
+                "bytes_out": closed[1] + sum(int(c.bytes_out) for c in conns),
+                "messages_in": closed[2] + sum(int(c.decoder.frames) for c in conns),
+                "messages_out": closed[3] + sum(int(c.frames_out) for c in conns),
                 "credit": int(peer.credit),
                 "owed": int(peer.owed),
                 "unreturned": int(peer.unreturned),

@@ -71,6 +71,8 @@ class NodeState:
     _recv_pool: Any
     _repeats: Repeats
     _errors: dict[str, int]  # stats()["errors"] (rvz.links.ERROR_KINDS)
+    # per peer: bytes in, bytes out, messages in, messages out of its closed connections
+    _closed_traffic: dict[Any, list[int]]
     _ssl_server: _ssl.SSLContext | None
     _ssl_client: _ssl.SSLContext | None
 

@@ -274,3 +274,28 @@ def test_consumer_frozen_or_killed_mid_stream(run: Any, mode: str, sig: str) -> 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["peer"]:
     rvz.run(peer_main(json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_traffic_counters_never_go_down_across_a_reconnect(run: Any, mode: str) -> None:
+    """stats()' bytes and messages per peer are totals: a closed connection's stay counted."""
+    fields = ("bytes_in", "bytes_out", "messages_in", "messages_out")
+
+    def traffic(node: rvz.Node, peer: str) -> tuple[int, ...]:
+        counts = node.stats()["peers"][peer]
+        return tuple(int(counts[f]) for f in fields)  # type: ignore[literal-required]
+
+    async def main() -> None:
+        async with proxied(mode) as (w, p, proxies):
+            for i in range(3):  # 1 MB each
+                check_outcome(await exchange(w, p, "before", i), i, "before")
+            before = traffic(w, "/job:ps/replica:0/task:0"), traffic(p, "/job:worker/replica:0/task:0")
+            assert all(before[0]) and all(before[1]), before
+            for proxy in proxies:
+                proxy.reset()
+            await recovers(w, p, "reset")  # one value or two on new connections: 3 MB less
+            after = traffic(w, "/job:ps/replica:0/task:0"), traffic(p, "/job:worker/replica:0/task:0")
+            for was, now in zip(before, after, strict=True):
+                assert all(n > b for n, b in zip(now, was, strict=True)), (before, after)
+
+    run(main(), timeout=55)
