@@ -24,6 +24,7 @@ from rvz._fast.into import Landings, Target
 from .conftest import FAST, eventually, key, pair
 from .faultproxy import FaultProxy
 from .test_codec import feed
+from .test_tensors import TORCH_DTYPES
 
 MODES = ["recv", "send"]
 BIG = 1 << 20  # float32 items: 4 MiB, above the decoder's direct_min
@@ -98,6 +99,20 @@ async def test_a_torch_tensor_and_a_slice_of_one_take_their_values(cluster, mode
         await w.send(key("w"), torch.arange(BIG, dtype=torch.float32))
         assert (await p.recv(key("w"), into=whole, timeout=5)) is whole
         assert torch.equal(whole, torch.arange(BIG, dtype=torch.float32))
+
+
+@needs_torch
+@pytest.mark.parametrize("mode", MODES)
+async def test_torch_tensors_of_every_dtype_are_received_into_tensors(cluster, mode) -> None:  # type: ignore[no-untyped-def]
+    async with pair(cluster, mode) as (w, p):
+        for name in TORCH_DTYPES:
+            dtype = getattr(torch, name)
+            for n in (24, BIG // 4):  # staged, then large enough to land
+                sent = (torch.arange(n) % 7).to(dtype)
+                buf = torch.empty(n, dtype=dtype)
+                recv = await posted(p.recv(key(name), into=buf, timeout=5), p, key(name))
+                await w.send(key(name), sent)
+                assert (await recv) is buf and torch.equal(buf, sent), (name, n)
 
 
 async def test_buffers_rvz_cannot_write_are_refused_before_anything_is_taken(cluster) -> None:  # type: ignore[no-untyped-def]
