@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import logging
 import os
 import threading
 import warnings
 import weakref
 from collections.abc import Awaitable, Coroutine, Generator, Iterable
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, NoReturn, overload
 
 from . import _impl
 from .cluster import ClusterSpec
@@ -49,23 +50,41 @@ _JOIN_BOUND = 5.0
 _EXIT_GRACE = 1.0
 
 _allocate_lock = threading.Lock
-_current_thread = threading.current_thread  # (not get_ident: a dead thread's ident is reused)
+_current_thread = threading.current_thread
+_get_ident = threading.get_ident  # (only a hint: a dead thread's ident is reused)
 _getpid = os.getpid
+_CancelledError = asyncio.CancelledError
+_Future = asyncio.Future
+
+# This process's id, which every call compares with its node's: read here, not with
+# ``os.getpid()`` (a system call on every call), and refreshed in a child forked from here.
+_pid = _getpid()
+
+
+def _forked() -> None:
+    global _pid
+    _pid = _getpid()
+
+
+if hasattr(os, "register_at_fork"):  # (no fork, no child to tell)
+    os.register_at_fork(after_in_child=_forked)
 
 
 class _Call:
     """One call handed to the loop: the coroutine (or function) to run, and how it ended.
     ``done`` is held until then; only the loop thread sets the outcome and releases it."""
 
-    __slots__ = ("done", "work", "eager", "task", "result", "error", "started", "finished",
-                 "interrupted")
+    __slots__ = ("done", "work", "eager", "task", "waiting", "cancelling", "result", "error",
+                 "started", "finished", "interrupted")
 
     def __init__(self, work: Any, eager: bool) -> None:
-        self.done = _allocate_lock()
-        self.done.acquire()
+        self.done = done = _allocate_lock()
+        done.acquire()
         self.work = work  # a coroutine, or a function of no arguments
-        self.eager = eager  # a coroutine whose first step may run outside a task
+        self.eager = eager  # a coroutine driven without a task (``_LoopThread.advance``)
         self.task: asyncio.Task[None] | None = None
+        self.waiting: asyncio.Future[Any] | None = None  # what a driven coroutine awaits
+        self.cancelling = False  # a driven coroutine gets CancelledError at its next step
         self.result: Any = None
         self.error: BaseException | None = None
         self.started = False
@@ -82,10 +101,17 @@ class _LoopThread:
         self.node = node
         self.lock = _allocate_lock()  # orders each hand-off against the thread's stop
         self.calls: set[_Call] = set()
+        # Calls handed over and not yet begun, and whether a ``drain`` of them is on its way:
+        # callers that come while it is wake the loop no more (one write to its wake-up
+        # pipe, one callback, for a burst of calls from many threads).
+        self.queue: list[_Call] = []
+        self.draining = False
         self.stopped = False  # no call handed over from now on runs
         self.cause: BaseException | None = None  # why the loop stopped, if it failed
         self.thread = threading.Thread(target=self.run, name=THREAD_PREFIX + node.name,
                                        daemon=True)
+        self.ident: int | None = None  # the thread's, once started
+        self.pid = _pid  # the process the thread runs in
 
     # -- the loop thread ---------------------------------------------------------------------
 
@@ -119,6 +145,10 @@ class _LoopThread:
         try:
             if node.state in ("running", "closing"):
                 loop.run_until_complete(_abort(node, self.closed_error()))
+            for call in list(self.calls):
+                if call.waiting is not None:  # a driven call: cancelled here and now
+                    call.cancelling = True
+                    self.advance(call, call.waiting)
             tasks = asyncio.all_tasks(loop)
             for task in tasks:
                 task.cancel()
@@ -128,15 +158,23 @@ class _LoopThread:
         except BaseException as exc:
             log.error("%s: its event loop did not shut down cleanly", node.name, exc_info=exc)
 
+    def drain(self) -> None:
+        """On the loop: begin the calls handed over since the last drain, in their order."""
+        with self.lock:
+            calls, self.queue = self.queue, []
+            self.draining = False
+        for call in calls:
+            self.begin(call)
+
     def begin(self, call: _Call) -> None:
-        """On the loop: run a function call at once, or start a coroutine's task."""
+        """On the loop: run a function call at once, or start a coroutine."""
         work = call.work
         if call.eager:
+            call.started = True
             # ``send`` and ``recv``: their first step runs here, and a call that completes
             # without suspending (a value already queued, a send that fits) costs no task
-            # and no second pass of the loop.  One that suspends goes on in a task from
-            # where it stopped, with what it awaits (``_Resumed``).
-            call.started = True
+            # and no second pass of the loop.  One that suspends is driven on from the
+            # callbacks of what it awaits (``advance``), still without a task.
             try:
                 awaited = work.send(None)
             except StopIteration as stop:
@@ -144,18 +182,50 @@ class _LoopThread:
             except BaseException as exc:
                 self.finish(call, None, exc)
             else:
-                call.task = self.loop.create_task(self.drive(call, _Resumed(work, awaited)))
-            return
-        if asyncio.iscoroutine(work):
+                self.wait(call, awaited)
+        elif callable(work):  # (a coroutine is not)
+            call.started = True
+            try:
+                result = work()
+            except BaseException as exc:
+                self.finish(call, None, exc)
+            else:
+                self.finish(call, result, None)
+        else:
             call.task = self.loop.create_task(self.drive(call, work))
-            return
-        call.started = True
+
+    def wait(self, call: _Call, awaited: Any) -> None:
+        """A driven coroutine awaits ``awaited``: a future of this loop wakes it by its
+        done-callback, as it would wake a task; anything else goes on in a task."""
+        if isinstance(awaited, _Future) and awaited._asyncio_future_blocking and (
+                awaited.get_loop() is self.loop):
+            awaited._asyncio_future_blocking = False
+            call.waiting = awaited
+            awaited.add_done_callback(functools.partial(self.advance, call))
+        else:
+            call.task = self.loop.create_task(self.drive(call, _Resumed(call.work, awaited)))
+
+    def advance(self, call: _Call, awaited: Any) -> None:
+        """On the loop: what a driven coroutine awaited is done: its next step (with
+        ``CancelledError`` thrown in if it was cancelled meanwhile, as a task does)."""
+        if call.waiting is not awaited:
+            return  # it went on without this (``shut_down``)
+        call.waiting = None
         try:
-            result = work()
+            if call.cancelling:
+                call.cancelling = False
+                awaited = call.work.throw(_CancelledError())
+            else:
+                awaited = call.work.send(None)
+        except StopIteration as stop:
+            self.finish(call, stop.value, None)
+        except _CancelledError as exc:
+            # Only an interrupted caller cancels its call; else the loop is shutting down.
+            self.finish(call, None, exc if call.interrupted else self.closed_error())
         except BaseException as exc:
             self.finish(call, None, exc)
         else:
-            self.finish(call, result, None)
+            self.wait(call, awaited)
 
     async def drive(self, call: _Call, coro: Awaitable[Any]) -> None:
         # The caller is released from here, not from a done-callback of the task: that
@@ -181,10 +251,15 @@ class _LoopThread:
         call.done.release()
 
     def cancel(self, call: _Call) -> None:
-        """On the loop: the caller gave up.  The task is cancelled as an awaiting task
+        """On the loop: the caller gave up.  The call is cancelled as an awaiting task
         would be, so a recv gives back a value it had taken."""
         call.interrupted = True
-        if call.task is not None and not call.task.done():
+        if call.waiting is not None:
+            # As ``Task.cancel``: cancel what it awaits, or, if that is done already (its
+            # callback is on its way), throw the cancellation in at the next step.
+            if not call.waiting.cancel():
+                call.cancelling = True
+        elif call.task is not None and not call.task.done():
             call.task.cancel()
 
     def closed_error(self) -> NodeClosed:
@@ -202,21 +277,26 @@ class _LoopThread:
         """Run ``work`` (a coroutine of the node, or a function) on the loop and return its
         result or raise its error.  ``timeout`` (for ``close``) bounds the wait: past it the
         call is cancelled and ``TimeoutError`` raised."""
+        if _pid != self.pid or (_get_ident() == self.ident and _current_thread() is self.thread):
+            self.refuse(work)
         call = _Call(work, eager)
+        done = call.done
         with self.lock:
             if self.stopped:
                 if asyncio.iscoroutine(work):
                     work.close()
                 raise self.closed_error()
             self.calls.add(call)
-            self.loop.call_soon_threadsafe(self.begin, call)
-        done = call.done
+            if not self.draining:
+                self.loop.call_soon_threadsafe(self.drain)
+                self.draining = True
+            self.queue.append(call)
         try:
             if timeout is not None:
-                if not done.acquire(timeout=timeout):
+                if not done.acquire(True, timeout):
                     raise TimeoutError(f"{self.node.name}: the call took over {timeout}s")
             else:
-                while not done.acquire(timeout=_ALIVE_CHECK):
+                while not done.acquire(True, _ALIVE_CHECK):
                     if not self.thread.is_alive() and not call.finished:
                         raise self.closed_error()
         except BaseException:
@@ -231,6 +311,21 @@ class _LoopThread:
             finally:
                 error = None
         return call.result
+
+    def refuse(self, work: Any) -> NoReturn:
+        """A call from where it would never end: a forked child, or the loop's own thread."""
+        if asyncio.iscoroutine(work):
+            work.close()
+        name = self.node.name
+        if _pid != self.pid:
+            raise RuntimeError(
+                f"BlockingNode {name} was made in process {self.pid}, and this process "
+                f"({_pid}) is a child forked from it: its event-loop thread is not here; "
+                "make a BlockingNode of its own in the child")
+        raise RuntimeError(
+            f"BlockingNode {name} was called from its own event loop's thread, where a "
+            "blocking call would wait for itself: on the loop, await the async node "
+            "(`await blocking.node.recv(...)`) instead")
 
     def interrupt(self, call: _Call) -> None:
         """Cancel ``call`` on the loop and wait (bounded) until the cancellation is over:
@@ -268,9 +363,10 @@ class _LoopThread:
 
 
 class _Resumed:
-    """A coroutine whose first step ran outside a task (``_LoopThread.begin``), awaited
-    from where it stopped: the task awaits what the coroutine awaited, then passes each
-    result, exception and cancellation on to it, as ``await`` does."""
+    """A coroutine whose first steps ran outside a task (``_LoopThread.wait``: it awaited
+    something other than a future of its loop), awaited from where it stopped: the task
+    awaits what the coroutine awaited, then passes each result, exception and cancellation
+    on to it, as ``await`` does."""
 
     __slots__ = ("coro", "awaited")
 
@@ -349,7 +445,6 @@ class BlockingNode:
                  task: int, mode: Mode | None = None, *, loop: LoopName = "auto",
                  **options: Any) -> None:
         self._closed = True  # (until started: nothing to close, nothing to warn about)
-        self._pid = _getpid()
         if mode is not None:
             options["mode"] = mode
         # Made here, so that a bad option fails before any thread starts; from now on only
@@ -360,6 +455,7 @@ class BlockingNode:
         self._closing = _allocate_lock()
         self._runner = runner = _LoopThread(new_event_loop(loop), node)
         runner.thread.start()
+        runner.ident = runner.thread.ident
         try:
             runner.call(_start(node))
         except BaseException:
@@ -375,51 +471,33 @@ class BlockingNode:
         cluster, job, task = _cluster_from_env()
         return cls(cluster, job, task, loop=loop, **options)
 
-    # -- what every call checks -------------------------------------------------------------
-
-    def _run(self, work: Any, eager: bool = False) -> Any:
-        if _getpid() != self._pid:
-            if asyncio.iscoroutine(work):
-                work.close()
-            raise RuntimeError(
-                f"BlockingNode {self.name} was made in process {self._pid}, and this process "
-                f"({_getpid()}) is a child forked from it: its event-loop thread is not here; "
-                "make a BlockingNode of its own in the child")
-        runner = self._runner
-        if _current_thread() is runner.thread:
-            if asyncio.iscoroutine(work):
-                work.close()
-            raise RuntimeError(
-                f"BlockingNode {self.name} was called from its own event loop's thread, where "
-                "a blocking call would wait for itself: on the loop, await the async node "
-                "(`await blocking.node.recv(...)`) instead")
-        return runner.call(work, eager=eager)
-
     # -- the calls ---------------------------------------------------------------------------
 
     def send(self, key: KeyLike, value: SendValue, *, mode: Mode | None = None, step: int = 0,
              timeout: float | None = None) -> None:
         """``rvz.Node.send``, blocking: returns once the value is queued."""
-        self._run(self._runner.node.send(key, value, mode=mode, step=step, timeout=timeout), True)
+        runner = self._runner
+        runner.call(runner.node.send(key, value, mode=mode, step=step, timeout=timeout), None, True)
 
     def recv(self, key: KeyLike, *, mode: Mode | None = None, step: int = 0,
              timeout: float | None = None) -> Value:
         """``rvz.Node.recv``, blocking: the next value of ``key``."""
-        value: Value = self._run(self._runner.node.recv(key, mode=mode, step=step,
-                                                        timeout=timeout), True)
+        runner = self._runner
+        value: Value = runner.call(runner.node.recv(key, mode=mode, step=step, timeout=timeout),
+                                   None, True)
         return value
 
     def send_many(self, items: Iterable[tuple[KeyLike, SendValue]], *, mode: Mode | None = None,
                   step: int = 0, timeout: float | None = None) -> None:
         """``rvz.Node.send_many``, blocking."""
         batch = list(items)  # here: the caller's iterator runs in the caller's thread
-        self._run(self._runner.node.send_many(batch, mode=mode, step=step, timeout=timeout))
+        self._runner.call(self._runner.node.send_many(batch, mode=mode, step=step, timeout=timeout))
 
     def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None, step: int = 0,
                   timeout: float | None = None) -> list[Value]:
         """``rvz.Node.recv_many``, blocking: all or nothing, as there."""
         wanted = list(keys)
-        values: list[Value] = self._run(self._runner.node.recv_many(
+        values: list[Value] = self._runner.call(self._runner.node.recv_many(
             wanted, mode=mode, step=step, timeout=timeout))
         return values
 
@@ -429,21 +507,21 @@ class BlockingNode:
 
     def new_step(self) -> BlockingStep:
         """``rvz.Node.new_step``: a step with a fresh random id."""
-        step_id: int = self._run(lambda: self._runner.node.new_step().id)
+        step_id: int = self._runner.call(lambda: self._runner.node.new_step().id)
         return BlockingStep(self, step_id)
 
     def cleanup_step(self, step_id: int, message: str | None = None) -> None:
         """``rvz.Node.cleanup_step``: abort ``step_id`` here and on every node in it."""
-        self._run(self._runner.node.cleanup_step(step_id, message))
+        self._runner.call(self._runner.node.cleanup_step(step_id, message))
 
     def stats(self) -> NodeStats:
         """``rvz.Node.stats``, taken on the loop."""
-        stats: NodeStats = self._run(self._runner.node.stats)
+        stats: NodeStats = self._runner.call(self._runner.node.stats)
         return stats
 
     def transport_for(self, peer: str | tuple[str, int]) -> str:
         """``rvz.Node.transport_for``."""
-        name: str = self._run(lambda: self._runner.node.transport_for(peer))
+        name: str = self._runner.call(lambda: self._runner.node.transport_for(peer))
         return name
 
     # -- life cycle --------------------------------------------------------------------------
@@ -469,11 +547,11 @@ class BlockingNode:
         """``rvz.Node.abort``: close the node at once; every pending and later call fails
         with ``NodeClosed`` whose ``__cause__`` is ``exc``.  ``close()`` still ends the
         thread."""
-        if self._closed or self._runner.stopped or _getpid() != self._pid:
+        if self._closed or self._runner.stopped or _pid != self._runner.pid:
             return
         node = self._runner.node
         try:
-            self._run(lambda: node.abort(exc))
+            self._runner.call(lambda: node.abort(exc))
         except NodeClosed:
             pass  # the loop stopped meanwhile: closed already
 
@@ -486,7 +564,7 @@ class BlockingNode:
         node is aborted.  Idempotent, and it returns when the loop thread is gone already.
         In a forked child it does nothing: the node is the parent's.
         """
-        if _getpid() != self._pid:
+        if _pid != self._runner.pid:
             return
         runner = self._runner
         if _current_thread() is runner.thread:
@@ -522,7 +600,7 @@ class BlockingNode:
         self.close()
 
     def __del__(self, _warn: Any = warnings.warn) -> None:
-        if getattr(self, "_closed", True) or self._pid != _getpid():
+        if getattr(self, "_closed", True) or self._runner.pid != _pid:
             return
         _warn(f"unclosed BlockingNode {self.name} ({self.address}): use `with "
               "rvz.blocking.BlockingNode(...)` or call close()", ResourceWarning, source=self)

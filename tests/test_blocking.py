@@ -7,6 +7,7 @@ ends with no loop thread left (``no_loop_thread_left``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import os
@@ -373,6 +374,50 @@ def test_an_interrupted_recv_is_cancelled_on_the_loop(cluster: rvz.ClusterSpec, 
         assert waiting_recvs(p) == 0
         w.send(k, b"for the second recv")
         assert p.recv(k, timeout=5.0) == b"for the second recv"
+
+
+def test_a_cancel_that_comes_after_the_awaited_result_is_thrown_in(cluster: rvz.ClusterSpec,
+                                                                    loop_name: str) -> None:
+    """A call driven without a task is cancelled as a task is: what it awaits got its result
+    and the wake-up is on its way when the cancel comes, so the cancellation is thrown in at
+    its next step, where a recv gives back the value it got."""
+    with pair(cluster, loop_name) as (_, p):
+        runner = p._runner
+        awaited: Future[Any] = Future()
+        seen: list[Any] = []
+
+        async def work() -> Any:
+            fut = asyncio.get_running_loop().create_future()
+            awaited.set_result(fut)
+            try:
+                return await fut
+            except asyncio.CancelledError:
+                seen.append(fut.result())
+                raise
+
+        outcome = in_thread(lambda: runner.call(work(), None, True))
+        fut = awaited.result(10)
+        wait_until(lambda: [c.waiting for c in list(runner.calls)] == [fut], "the call waits")
+
+        def done_then_cancelled() -> None:
+            fut.set_result("value")
+            runner.cancel(next(iter(runner.calls)))
+
+        p.loop.call_soon_threadsafe(done_then_cancelled)
+        with pytest.raises(asyncio.CancelledError):
+            outcome.result(10)
+        assert seen == ["value"] and not runner.calls
+
+
+def test_a_driven_call_that_yields_to_the_loop_goes_on_in_a_task(cluster: rvz.ClusterSpec,
+                                                                 loop_name: str) -> None:
+    with pair(cluster, loop_name) as (_, p):
+
+        async def work() -> bool:
+            await asyncio.sleep(0)  # a bare yield, no future to wake it
+            return asyncio.current_task() is not None
+
+        assert p._runner.call(work(), None, True) is True
 
 
 def test_an_interrupted_recv_many_gives_its_values_back(cluster: rvz.ClusterSpec,
