@@ -20,8 +20,8 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Awaitable, Coroutine, Generator, Iterable
-from typing import TYPE_CHECKING, Any, NoReturn, overload
+from collections.abc import Awaitable, Coroutine, Generator, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, overload
 
 from . import _impl
 from .cluster import ClusterSpec
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 log = logging.getLogger(__name__)
+_Buffer = TypeVar("_Buffer")  # an into= buffer: recv returns the caller's own object
 
 THREAD_PREFIX = "rvz-blocking "
 """Every BlockingNode's loop thread is named this, then the node's name."""
@@ -479,13 +480,19 @@ class BlockingNode:
         runner = self._runner
         runner.call(runner.node.send(key, value, mode=mode, step=step, timeout=timeout), None, True)
 
+    @overload
     def recv(self, key: KeyLike, *, mode: Mode | None = None, step: int = 0,
-             timeout: float | None = None) -> Value:
-        """``rvz.Node.recv``, blocking: the next value of ``key``."""
+             timeout: float | None = None, into: None = None) -> Value: ...
+    @overload
+    def recv(self, key: KeyLike, *, mode: Mode | None = None, step: int = 0,
+             timeout: float | None = None, into: _Buffer) -> _Buffer: ...
+    def recv(self, key: KeyLike, *, mode: Mode | None = None, step: int = 0,
+             timeout: float | None = None, into: Any = None) -> Any:
+        """``rvz.Node.recv``, blocking: the next value of ``key`` (written into ``into``
+        and that returned, when given; the loop thread writes it while the caller waits)."""
         runner = self._runner
-        value: Value = runner.call(runner.node.recv(key, mode=mode, step=step, timeout=timeout),
-                                   None, True)
-        return value
+        return runner.call(runner.node.recv(key, mode=mode, step=step, timeout=timeout,
+                                            into=into), None, True)
 
     def send_many(self, items: Iterable[tuple[KeyLike, SendValue]], *, mode: Mode | None = None,
                   step: int = 0, timeout: float | None = None) -> None:
@@ -493,12 +500,19 @@ class BlockingNode:
         batch = list(items)  # here: the caller's iterator runs in the caller's thread
         self._runner.call(self._runner.node.send_many(batch, mode=mode, step=step, timeout=timeout))
 
+    @overload
     def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None, step: int = 0,
-                  timeout: float | None = None) -> list[Value]:
+                  timeout: float | None = None, into: None = None) -> list[Value]: ...
+    @overload
+    def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None, step: int = 0,
+                  timeout: float | None = None, into: Sequence[Any | None]) -> list[Any]: ...
+    def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None, step: int = 0,
+                  timeout: float | None = None,
+                  into: Sequence[Any | None] | None = None) -> list[Any]:
         """``rvz.Node.recv_many``, blocking: all or nothing, as there."""
         wanted = list(keys)
-        values: list[Value] = self._runner.call(self._runner.node.recv_many(
-            wanted, mode=mode, step=step, timeout=timeout))
+        values: list[Any] = self._runner.call(self._runner.node.recv_many(
+            wanted, mode=mode, step=step, timeout=timeout, into=into))
         return values
 
     def step(self, step_id: int) -> BlockingStep:
@@ -624,20 +638,33 @@ class BlockingStep:
         """``BlockingNode.send`` on this step."""
         self.node.send(key, value, mode=mode, step=self.id, timeout=timeout)
 
+    @overload
     def recv(self, key: KeyLike, *, mode: Mode | None = None,
-             timeout: float | None = None) -> Value:
+             timeout: float | None = None, into: None = None) -> Value: ...
+    @overload
+    def recv(self, key: KeyLike, *, mode: Mode | None = None,
+             timeout: float | None = None, into: _Buffer) -> _Buffer: ...
+    def recv(self, key: KeyLike, *, mode: Mode | None = None,
+             timeout: float | None = None, into: Any = None) -> Any:
         """``BlockingNode.recv`` on this step."""
-        return self.node.recv(key, mode=mode, step=self.id, timeout=timeout)
+        return self.node.recv(key, mode=mode, step=self.id, timeout=timeout, into=into)
 
     def send_many(self, items: Iterable[tuple[KeyLike, SendValue]], *,
                   mode: Mode | None = None, timeout: float | None = None) -> None:
         """``BlockingNode.send_many`` on this step."""
         self.node.send_many(items, mode=mode, step=self.id, timeout=timeout)
 
+    @overload
     def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None,
-                  timeout: float | None = None) -> list[Value]:
+                  timeout: float | None = None, into: None = None) -> list[Value]: ...
+    @overload
+    def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None,
+                  timeout: float | None = None, into: Sequence[Any | None]) -> list[Any]: ...
+    def recv_many(self, keys: Iterable[KeyLike], *, mode: Mode | None = None,
+                  timeout: float | None = None,
+                  into: Sequence[Any | None] | None = None) -> list[Any]:
         """``BlockingNode.recv_many`` on this step."""
-        return self.node.recv_many(keys, mode=mode, step=self.id, timeout=timeout)
+        return self.node.recv_many(keys, mode=mode, step=self.id, timeout=timeout, into=into)
 
     def cleanup(self, message: str | None = None) -> None:
         """Abort this step here and on every node that took part in it."""

@@ -169,7 +169,8 @@ class Waiting(NodeState):
             self._check_empty_batch(step)
             return []
         batch = _impl.batches.take_many(self._core, routes, step, True)
-        values = await self._recv_many_wait(batch, routes, mode, step, timeout)
+        values = (batch.values if batch.missing == 0
+                  else await self._recv_many_wait(batch, routes, mode, step, timeout))
         try:
             return [value if target is None else target.fill(value, route.text)
                     for target, value, route in zip(targets, values, routes, strict=True)]

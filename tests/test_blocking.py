@@ -123,6 +123,27 @@ def test_round_trips_in_both_modes(cluster: rvz.ClusterSpec, loop_name: str, mod
         assert w.transport_for(("ps", 0)) == "tcp"
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_values_are_received_into_the_callers_buffers(cluster: rvz.ClusterSpec, loop_name: str,
+                                                      mode: str) -> None:
+    k = key("t")
+    big = np.zeros(1 << 18, np.float32)  # 1 MiB: it lands from the socket when the recv waits
+    small = np.zeros(4, np.int64)
+    with pair(cluster, loop_name, mode) as (w, p):
+        got = in_thread(lambda: p.recv(k, into=big, timeout=5.0))
+        wait_until(lambda: waiting_recvs(p) == 1, "the recv waits")
+        w.send(k, np.arange(1 << 18, dtype=np.float32))
+        assert got.result(10) is big and np.array_equal(big, np.arange(1 << 18))
+        assert p.stats()["into"]["landed_bytes"] > 0
+        w.send_many([(k, np.arange(4)), (k, b"ab")], timeout=5.0)
+        filled = p.step(0).recv_many([k, k], into=[small, bytearray(2)], timeout=5.0)
+        assert filled[0] is small and small.tolist() == [0, 1, 2, 3] and filled[1] == b"ab"
+        w.send(k, np.arange(3))
+        with pytest.raises(rvz.BufferMismatch, match="does not fit into= a int64 buffer"):
+            p.recv(k, into=small, timeout=5.0)
+        assert p.recv(k, timeout=5.0).tolist() == [0, 1, 2]  # type: ignore[union-attr]
+
+
 def test_calls_raise_what_the_async_node_raises(cluster: rvz.ClusterSpec, loop_name: str) -> None:
     k = key("t")
     with pair(cluster, loop_name) as (w, p):

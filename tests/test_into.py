@@ -174,6 +174,11 @@ async def test_recv_many_fills_its_buffers_or_gives_every_value_back(cluster, mo
             await p.recv_many(keys, into=[a, None, c], timeout=5)
         again = await p.recv_many(keys, timeout=5)  # all three went back, in order
         assert again[0].tolist() == [0, 1, 2] and again[1] == b"z" and again[2].shape == (7,)
+        await w.send_many([(keys[0], np.arange(3) + 1), (keys[1], b"q"), (keys[2], value(3))])
+        await eventually(lambda: sum(s["queued_values"] for s in p.stats()["steps"].values()) == 3,
+                         "the three values are queued", 10)
+        out = await p.recv_many(keys, into=[a, None, c], timeout=5)  # taken at once, no wait
+        assert a.tolist() == [1, 2, 3] and out[1] == b"q" and np.array_equal(c, value(3))
         with pytest.raises(ValueError, match="3 keys and 2 into= buffers"):
             await p.recv_many(keys, into=[a, c], timeout=5)
 

@@ -14,6 +14,6 @@ def mistakes(cluster: rvz.ClusterSpec) -> None:
     node = BlockingNode(cluster, "ps", 0, mode="recv", heartbeat=1.0)
     count: int = node.recv("k")  # E: assignment
     node.send("k", 3)  # E: arg-type
-    node.step(1).recv("k", mode="rcv")  # E: arg-type
+    node.step(1).recv("k", mode="rcv")  # E: call-overload
     node.close()
     print(count)
