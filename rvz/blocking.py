@@ -193,7 +193,20 @@ class _LoopThread:
             else:
                 self.finish(call, result, None)
         else:
-            call.task = self.loop.create_task(self.drive(call, work))
+            self.in_task(call, work)
+
+    def in_task(self, call: _Call, coro: Awaitable[Any]) -> None:
+        """On the loop: drive ``call`` on in a task of its own (``drive``)."""
+        call.task = task = self.loop.create_task(self.drive(call, coro))
+        task.add_done_callback(functools.partial(self.task_ended, call))
+
+    def task_ended(self, call: _Call, task: asyncio.Task[None]) -> None:
+        """A task cancelled before its first step never ran ``drive``: its caller learns
+        it here, and is not left waiting for a call that will never end."""
+        if not call.finished:
+            if not call.started and asyncio.iscoroutine(call.work):
+                call.work.close()
+            self.finish(call, None, _CancelledError() if call.interrupted else self.closed_error())
 
     def wait(self, call: _Call, awaited: Any) -> None:
         """A driven coroutine awaits ``awaited``: a future of this loop wakes it by its
@@ -204,7 +217,7 @@ class _LoopThread:
             call.waiting = awaited
             awaited.add_done_callback(functools.partial(self.advance, call))
         else:
-            call.task = self.loop.create_task(self.drive(call, _Resumed(call.work, awaited)))
+            self.in_task(call, _Resumed(call.work, awaited))
 
     def advance(self, call: _Call, awaited: Any) -> None:
         """On the loop: what a driven coroutine awaited is done: its next step (with
@@ -260,8 +273,14 @@ class _LoopThread:
             # callback is on its way), throw the cancellation in at the next step.
             if not call.waiting.cancel():
                 call.cancelling = True
-        elif call.task is not None and not call.task.done():
-            call.task.cancel()
+        elif call.task is not None:
+            call.task.cancel()  # (``task_ended`` tells the caller if it never ran)
+        elif not call.started and not call.finished:
+            # Interrupted while it was handed over, before it was queued: it never runs.
+            # (A queued call has begun by now: its drain was scheduled before this.)
+            if asyncio.iscoroutine(call.work):
+                call.work.close()
+            self.finish(call, None, _CancelledError())
 
     def closed_error(self) -> NodeClosed:
         if self.cause is not None:
@@ -282,17 +301,19 @@ class _LoopThread:
             self.refuse(work)
         call = _Call(work, eager)
         done = call.done
-        with self.lock:
-            if self.stopped:
-                if asyncio.iscoroutine(work):
-                    work.close()
-                raise self.closed_error()
-            self.calls.add(call)
-            if not self.draining:
-                self.loop.call_soon_threadsafe(self.drain)
-                self.draining = True
-            self.queue.append(call)
         try:
+            # The hand-over is inside ``try``: an interrupt at any point of it leaves no
+            # call running without its caller (``interrupt``, ``cancel``).
+            with self.lock:
+                if self.stopped:
+                    if asyncio.iscoroutine(work):
+                        work.close()
+                    raise self.closed_error()
+                self.calls.add(call)
+                if not self.draining:
+                    self.loop.call_soon_threadsafe(self.drain)
+                    self.draining = True
+                self.queue.append(call)
             if timeout is not None:
                 if not done.acquire(True, timeout):
                     raise TimeoutError(f"{self.node.name}: the call took over {timeout}s")
@@ -334,7 +355,7 @@ class _LoopThread:
         if call.finished:
             return
         with self.lock:
-            if self.stopped:
+            if self.stopped or call not in self.calls:  # (never handed over)
                 return
             self.loop.call_soon_threadsafe(self.cancel, call)
         if call.done.acquire(timeout=_CANCEL_BOUND):

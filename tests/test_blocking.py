@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import rvz
-from rvz.blocking import THREAD_PREFIX, BlockingNode, BlockingStep
+from rvz.blocking import THREAD_PREFIX, BlockingNode, BlockingStep, _Call
 
 from .conftest import FAST, PS, WORKER, key
 from .procs import run_python
@@ -428,6 +428,25 @@ def test_a_cancel_that_comes_after_the_awaited_result_is_thrown_in(cluster: rvz.
         with pytest.raises(asyncio.CancelledError):
             outcome.result(10)
         assert seen == ["value"] and not runner.calls
+
+
+@pytest.mark.parametrize("when", ["before its task's first step", "before it was queued"])
+def test_a_call_cancelled_before_it_ran_releases_its_caller_at_once(
+        cluster: rvz.ClusterSpec, loop_name: str, when: str) -> None:
+    k = key("t")
+    with pair(cluster, loop_name) as (w, p):
+        runner = p._runner
+        call = _Call(runner.node.recv_many([k], timeout=30.0), False)
+        runner.calls.add(call)  # handed over; an interrupt comes before (or as) it begins
+        if when == "before it was queued":
+            runner.loop.call_soon_threadsafe(runner.cancel, call)
+        else:
+            runner.loop.call_soon_threadsafe(lambda: (runner.begin(call), runner.cancel(call)))
+        assert call.done.acquire(True, 5.0), "the caller is still waiting"
+        assert isinstance(call.error, asyncio.CancelledError) and call not in runner.calls
+        assert waiting_recvs(p) == 0  # nothing of it waits for a value
+        w.send(k, b"for the next recv")
+        assert p.recv(k, timeout=5.0) == b"for the next recv"
 
 
 def test_a_driven_call_that_yields_to_the_loop_goes_on_in_a_task(cluster: rvz.ClusterSpec,
