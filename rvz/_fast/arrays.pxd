@@ -14,6 +14,8 @@ cdef int append_data_c(bytearray out, uint64_t step, uint64_t request_id, bytes 
                        tuple shape, Py_ssize_t nbytes, object value, bint with_payload) except -1
 cdef Py_ssize_t nbytes_c(object value) except -1
 cdef int append_frame_c(bytearray out, bytes frame) except -1
+cdef bytearray reserved_c(Py_ssize_t room)
+cdef bytearray emptied_c(bytearray out, Py_ssize_t keep)
 cdef int append_request_c(bytearray out, uint64_t step, uint64_t request_id,
                           bytes key) except -1
 cdef int many_begin_c(bytearray out, uint64_t step) except -1

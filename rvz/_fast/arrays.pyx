@@ -12,7 +12,8 @@ import numpy as np
 
 cimport numpy as cnp
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
-from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
+from cpython.bytearray cimport (PyByteArray_AS_STRING, PyByteArray_FromStringAndSize,
+                                PyByteArray_GET_SIZE, PyByteArray_Resize)
 from cpython.memoryview cimport PyMemoryView_GET_BUFFER
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
@@ -127,6 +128,29 @@ cdef char* _grow(bytearray out, Py_ssize_t add) except NULL:
         Py_SET_SIZE(out, size)
     o.ob_start[size] = 0  # a bytearray keeps a NUL after its bytes
     return o.ob_start + old
+
+
+cdef bytearray reserved_c(Py_ssize_t room):
+    """An empty write buffer with room for ``room`` bytes, allocated once: filled up to
+    that, it is never reallocated (each realloc copies what the buffer holds)."""
+    cdef bytearray out = PyByteArray_FromStringAndSize(NULL, room)
+    Py_SET_SIZE(out, 0)
+    (<PyByteArrayObject*>out).ob_start[0] = 0
+    return out
+
+
+cdef bytearray emptied_c(bytearray out, Py_ssize_t keep):
+    """``out`` with its bytes dropped and its room kept, unless that room exceeds ``keep``
+    bytes (a new buffer then, as while it is exported: its bytes may not change under a
+    view)."""
+    cdef PyByteArrayObject* o = <PyByteArrayObject*>out
+    if o.ob_exports != 0 or o.ob_alloc > keep:
+        return bytearray()
+    o.ob_start = o.ob_bytes
+    Py_SET_SIZE(out, 0)
+    if o.ob_alloc != 0:
+        o.ob_start[0] = 0
+    return out
 
 
 cdef int append_frame_c(bytearray out, bytes frame) except -1:

@@ -2,8 +2,8 @@ cimport cython
 from cpython.bytearray cimport PyByteArray_AS_STRING
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
-from rvz._fast.arrays cimport (append_data_c, append_frame_c, append_request_c, many_begin_c,
-                               many_end_c, many_entry_c)
+from rvz._fast.arrays cimport (append_data_c, append_frame_c, append_request_c, emptied_c,
+                               many_begin_c, many_end_c, many_entry_c, reserved_c)
 from rvz._fast.codec cimport Decoder
 from rvz._fast.codec cimport payload_view as payload_view_c
 from rvz._fast.peers cimport Peer
@@ -15,6 +15,8 @@ cdef Py_ssize_t MANY_OVERHEAD, MAX_NDIM, MANY_HEAD, LARGE_READ, COPY_WRITE_MAX
 cdef long long ALONE_NS
 cdef Py_ssize_t NUMBER
 cdef bytes copy_bytes(bytearray data)
+cdef bytearray reserved(Py_ssize_t room)
+cdef bytearray emptied(bytearray data)
 cdef long long clock_ns()
 cdef frame_data(bytearray out, object step, object request_id, bytes key, int code,
                 tuple shape, Py_ssize_t nbytes, object value, bint with_payload)
@@ -64,6 +66,7 @@ cdef class Wire:
     cdef public Py_ssize_t data_out
     cdef public list deferred
     cdef public bytearray _out
+    cdef Py_ssize_t _room
     cdef list _gathered
     cdef Py_ssize_t _gathered_bytes
     cdef Py_ssize_t _many_at
@@ -116,5 +119,5 @@ cdef class Wire:
     cdef check_backlog(self)
     cdef requests_queued(self)
     cdef _write_out(self)
-    cdef _write(self, bytearray data, object payload)
+    cdef _write(self, object data, object payload)
     cdef _write_gathered(self, list pieces)

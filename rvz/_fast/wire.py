@@ -91,6 +91,23 @@ def copy_bytes(data: bytearray) -> bytes:
     return bytes(data)
 
 
+def reserved(room: int) -> bytearray:
+    """An empty write buffer with room for ``room`` bytes (compiled: allocated once, not
+    grown by reallocs that copy it as it fills; pure Python: a plain bytearray)."""
+    if COMPILED:
+        return reserved_c(room)  # type: ignore[name-defined]  # noqa: F821
+    return bytearray()
+
+
+def emptied(data: bytearray) -> bytearray:
+    """An empty write buffer in place of ``data``, whose bytes were copied (compiled:
+    ``data`` itself, its room kept unless it is more than a small write needs, which an
+    idle connection would hold on to; pure Python: a new bytearray)."""
+    if COMPILED:
+        return emptied_c(data, 2 * COPY_WRITE_MAX)  # type: ignore[name-defined]  # noqa: F821
+    return bytearray()
+
+
 def clock_ns() -> int:
     """Monotonic nanoseconds (``time.monotonic_ns``; compiled, ``clock_gettime`` itself)."""
     if COMPILED:
@@ -167,6 +184,9 @@ class Wire:
         self.data_out = 0                 # cost (payload + MESSAGE_COST) of the DATA written
         self.deferred: list = []          # answers held back while the output is backlogged
         self._out = bytearray()
+        # The size of the last buffer handed to the transport whole: the next one to pack
+        # DATA_MANY frames into starts with that room (``_pack``).
+        self._room = 0
         self._gathered: list = []         # headers and payloads waiting for the flush, in order
         self._gathered_bytes = 0          # payload bytes in ``_gathered``
         # The DATA_MANY frame that small pushes are being packed into: where it starts in
@@ -442,6 +462,11 @@ class Wire:
         if ndim > MAX_NDIM:
             raise ValueError(f"array has {ndim} dimensions; rvz carries at most {MAX_NDIM}")
         out = self._out
+        if self._room != 0 and len(out) == 0:
+            # A busy stream: this buffer will fill as its predecessor did.  Grown to that by
+            # half at a time, it was reallocated (and copied) six times from 4 KiB to 64 KiB.
+            out = self._out = reserved(self._room)
+            self._room = 0
         start = self._many_at
         if (start < 0 or self._many_end != len(out) or self._many_count == MAX_MANY
                 or self._many_end - start - MANY_HEAD + MANY_OVERHEAD + 8 * ndim + len(key)
@@ -543,19 +568,26 @@ class Wire:
             self._write_gathered(gathered)
         elif self._out:
             data = self._out
-            self._out = bytearray()  # the transport may keep a reference to ``data``
             self._many_at = -1
-            self._write(data, None)
+            if len(data) <= COPY_WRITE_MAX:
+                # Written as a copy: the buffer stays, with its room, for the next frames.
+                small = copy_bytes(data)
+                self._out = emptied(data)
+                self._write(small, None)
+            else:
+                self._out = bytearray()  # the transport may keep a reference to ``data``
+                self._room = len(data) + (len(data) >> 3)
+                self._write(data, None)
 
-    def _write(self, data: bytearray, payload: Any) -> None:
-        """Where bytes reach the transport (and from it the socket): ``data``, then a
-        large ``payload`` by reference."""
+    def _write(self, data: Any, payload: Any) -> None:
+        """Where bytes reach the transport (and from it the socket): ``data`` (``bytes``,
+        or a bytearray the transport may keep), then a large ``payload`` by reference."""
         transport = self.transport  # set before the first write (connection_made)
         if self.closed_here:
             return  # after write_eof() the transport refuses writes; nothing more may go out
         self.bytes_out += len(data)
         if payload is None:
-            transport.write(copy_bytes(data) if len(data) <= COPY_WRITE_MAX else data)
+            transport.write(data)
             return
         self.bytes_out += payload.nbytes
         if self.gather:
