@@ -336,3 +336,48 @@ async def test_a_dial_that_connects_to_itself_is_dropped_not_taken_for_the_peer(
         sock.detach()
         assert isinstance(conn.close_reason, ConnectionRefusedError), conn.close_reason
         assert not conn.ready and peer.link is not conn
+
+
+
+class Refusing:
+    """A transport as uvloop's is once its connection is gone and before
+    ``connection_lost`` reached the protocol: it refuses writes."""
+
+    def __init__(self, closing: bool) -> None:
+        self.closing = closing
+        self.writes = 0
+
+    def write(self, data: Any) -> None:
+        self.writes += 1
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; "
+                           "the handler is closed")
+
+    writelines = write
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+async def test_a_write_refused_by_a_closing_transport_is_dropped_not_raised(cluster) -> None:  # type: ignore[no-untyped-def]
+    """A frame queued before the connection was lost is flushed after it: uvloop refuses
+    that write where asyncio drops it.  Dropped either way (what it carried is kept until
+    acknowledged and goes again); a refusal by a transport that is not closing is raised."""
+    async with pair(cluster, "send") as (w, p):
+        await w.send(key("a"), b"first")
+        assert await p.recv(key("a"), timeout=5) == b"first"
+        (conn,) = [c for c in w._conns if c.ready]
+        live = conn.transport
+        try:
+            conn.transport = gone = Refusing(closing=True)
+            conn.write_frame(_impl.codec.encode_ping())
+            conn.flush()
+            assert gone.writes == 1
+            conn.transport = broken = Refusing(closing=False)
+            conn.write_frame(_impl.codec.encode_ping())
+            with pytest.raises(RuntimeError, match="handler is closed"):
+                conn.flush()
+            assert broken.writes == 1
+        finally:
+            conn.transport = live
+        await w.send(key("a"), b"second", timeout=10)
+        assert await p.recv(key("a"), timeout=10) == b"second"

@@ -586,15 +586,25 @@ class Wire:
         if self.closed_here:
             return  # after write_eof() the transport refuses writes; nothing more may go out
         self.bytes_out += len(data)
-        if payload is None:
-            transport.write(data)
-            return
-        self.bytes_out += payload.nbytes
-        if self.gather:
-            transport.writelines((data, payload))  # one writev: no copy, one system call
-        else:
-            transport.write(data)
-            transport.write(payload)
+        try:
+            if payload is None:
+                transport.write(data)
+                return
+            self.bytes_out += payload.nbytes
+            if self.gather:
+                transport.writelines((data, payload))  # one writev: no copy, one system call
+            else:
+                transport.write(data)
+                transport.write(payload)
+        except RuntimeError as exc:
+            self._write_refused(transport, exc)
+
+    def _write_refused(self, transport: Any, exc: RuntimeError) -> None:
+        """uvloop refuses a write to a transport that is closing (aborted, or closed on the
+        peer's EOF) until ``connection_lost`` comes, where asyncio drops it.  Dropped here
+        too: the values it carried are kept until acknowledged and go again."""
+        if not transport.is_closing():
+            raise exc
 
     def _write_gathered(self, pieces: list) -> None:
         """Headers and large payloads of one loop iteration (see ``write_value``), then
@@ -603,7 +613,10 @@ class Wire:
             return
         for piece in pieces:
             self.bytes_out += len(piece) if type(piece) is bytearray else piece.nbytes
-        self.transport.writelines(pieces)
+        try:
+            self.transport.writelines(pieces)
+        except RuntimeError as exc:
+            self._write_refused(self.transport, exc)
 
     def backlog(self) -> int:
         """Bytes written but not yet sent (the transport's buffer)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import cProfile
 import functools
+import importlib
 import json
 import math
 import os
@@ -295,9 +296,8 @@ async def rvz_stream(case: dict[str, Any], addrs: dict[str, str], role: str) -> 
     probe = MemoryProbe()
     result: dict[str, Any] = {}
     into = case.get("into")  # None, "numpy" or "torch": the consumer receives into= buffers
-    torch: Any = None
-    if into == "torch":
-        import torch  # (only here: it costs the worker a second and its RSS)
+    # torch is imported only for these rows: it costs the worker a second and its RSS.
+    torch: Any = importlib.import_module("torch") if into == "torch" else None
     async with make_node(case, addrs, A_JOB if role == "a" else B_JOB) as node:
         if role == "a":
             body, last = payloads(size)
