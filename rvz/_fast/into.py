@@ -196,7 +196,9 @@ class Landings:
         line moves there, what came of it copied over (``Decoder.adopt``)."""
         target.waiter = waiter
         self.waiting[waiter] = target
-        if peer is None or target.dest is None or table.head_waiter(key) is not waiter:
+        # (``peer.arriving``: pushes of it whose payload is on its way; none when Recv-Driven)
+        if (peer is None or not peer.arriving or target.dest is None
+                or table.head_waiter(key) is not waiter):
             return
         for conn in peer.live_connections():
             decoder = conn.decoder
