@@ -68,11 +68,10 @@ class NodeCalls:
         poll = self._poll if peer is not None else None  # (a local value needs no polling)
         if poll is not None:
             poll.begin()
-        if target is not None:
-            core.into.expect(target, waiter, step, text, table, peer)
         try:
             if target is None:
                 return await waiter
+            core.into.expect(target, waiter, step, text, table, peer)
             return target.fill(await waiter, text)
         except BaseException:
             if target is not None:
@@ -95,6 +94,6 @@ class NodeCalls:
             if poll is not None:
                 poll.end()
             if target is not None:
-                del core.into.waiting[waiter]
+                core.into.waiting.pop(waiter, None)
             if peer is not None and core.requests.by_id:  # (nothing to rebalance otherwise)
                 core.requests.rebalance(step, text, table)
