@@ -65,7 +65,7 @@ TARGET_IDS = {"stream-send-64B-vs-pyzmq", "batch-send-64B-vs-pyzmq", "compiled-v
               "pingpong-recv-64B", "pingpong-send-64B", "rendezvous-consumer-first",
               "stream-send-4M", "stream-send-64M", "stream-send-4K", "rendezvous-producer-first",
               "memory-64M", "into-64M-send", "into-64M-recv", "into-memory-64M-send",
-              "into-memory-64M-recv"}
+              "into-memory-64M-recv", "already-sent-recv-64B"}
 ONESIDED_TARGET_IDS = {f"onesided-hold-{mode}-{size}-vs-{base}" for mode in ("send", "recv")
                        for size in ("4M", "64M") for base in ("tcp", "memcpy")}
 
@@ -143,10 +143,14 @@ def test_pingpong(tmp_path: Path, loop: str) -> None:
     r = run_json(tmp_path, "pingpong", "--iters", "30", "--loop", loop, *TINY)
     rows = r["pingpong"]
     assert {(row["variant"], row["mode"]) for row in rows} == {
-        (v, None) for v in BASE_VARIANTS} | {("rvz", "send"), ("rvz", "recv")}
+        (v, None) for v in BASE_VARIANTS} | {("rvz", "send"), ("rvz", "recv"), ("rvz-sent", "recv")}
     for row in rows:
         assert PINGPONG_ROW <= set(row), PINGPONG_ROW - set(row)
         assert row["count"] == 30 and row["p50_us"] > 0
+    sent = next(row for row in rows if row["variant"] == "rvz-sent")
+    assert sent["label"] == "rvz recv-driven, value already sent"
+    target = {t["id"]: t for t in report.evaluate_targets(r)}["already-sent-recv-64B"]
+    assert target["figure"] == pytest.approx(sent["ratio_streams"])
     assert r["stream"] == [] and r["rendezvous"] == []
     if PYZMQ:
         zmq = next(row for row in rows if row["variant"] == "zmq")
@@ -185,8 +189,9 @@ def test_pingpong_on_pure_python_workers(tmp_path: Path) -> None:
     r = run_json(tmp_path, "pingpong", "--impl", "python", "--mode", "recv", "--no-baselines",
                  "--iters", "20", *TINY)
     assert r["impl"] == "python" and set(r["workers"]) == {"python"}
-    (row,) = r["pingpong"]
-    assert row["ratio_socket"] is None  # no baselines: no ratios, and no crash
+    assert {row["variant"] for row in r["pingpong"]} == {"rvz", "rvz-sent"}
+    for row in r["pingpong"]:
+        assert row["ratio_socket"] is None  # no baselines: no ratios, and no crash
 
 
 @pytest.mark.timeout(40)

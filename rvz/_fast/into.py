@@ -3,10 +3,10 @@ into, which values fit one, and how a value gets there.
 
 A ``Target`` is one recv's buffer.  While the recv waits, a large TCP payload on its way to
 it is read from the socket straight into the buffer (the decoder's ``land`` and ``adopt``):
-only what came in the same read as its header is copied.  Any other value (one queued before the recv, one below the
-decoder's ``direct_min``, one from a one-sided channel or from this node) is copied in when
-the recv gets it.  A value that does not fit fails the recv with ``BufferMismatch`` and
-stays first in its key's queue.
+only what came in the same read as its header is copied.  Any other value (one queued
+before the recv, one below the decoder's ``direct_min``, one from a one-sided channel or
+from this node) is copied in when the recv gets it.  A value that does not fit fails the
+recv with ``BufferMismatch`` and stays first in its key's queue.
 
 rvz writes into a buffer only while its recv waits: when the recv stops waiting (it is
 cancelled, times out, or its step aborts) as a payload lands in the buffer, the rest of the

@@ -57,6 +57,7 @@ RDV_WIRE = {"send": "push", "recv": "request+reply"}  # each mode's bytes, in th
 # asked for with a request first, as many requests out as rvz has lanes at that size
 # (``socket_stream``'s ``reply``).
 SOCKET_REPLY = "socket-reply"
+ALREADY_SENT = "rvz-sent"   # pingpong's Recv-Driven recv of a value the producer sent before
 MEMCPY = "memcpy"
 BASELINES = ("socket", "streams", "zmq", SOCKET_REPLY, MEMCPY)
 # A one-sided run's holds-previous rows, again over TCP: their "vs tcp" baseline.
@@ -554,13 +555,16 @@ class Bench:
         opts = self.opts
         concurrency = opts.args.concurrency or 1 if variant == "rvz" else 1
         warmup = opts.args.warmup if opts.args.warmup is not None else 200
-        case = {"kind": "pingpong", "impl": variant, "mode": mode, "size": size,
-                "warmup": warmup, "iters": opts.iters, "duration": opts.duration,
+        rvz_row = variant in ("rvz", ALREADY_SENT)
+        case = {"kind": "pingpong", "impl": "rvz" if rvz_row else variant, "mode": mode,
+                "size": size, "warmup": warmup, "iters": opts.iters, "duration": opts.duration,
                 "concurrency": concurrency}
+        if variant == ALREADY_SENT:  # (no claim_timeout: no value is pushed unasked)
+            case.update(pattern="already-sent", node_options={"claim_timeout": None})
         ra, rb = self.run_case(case)
         samples = rb.pop("samples_ns")
         polls = variant in ("rvz", "streams") and opts.busy_poll > 0
-        row = {"variant": variant, "mode": mode if variant == "rvz" else None, "size": size,
+        row = {"variant": variant, "mode": mode if rvz_row else None, "size": size,
                "loop": opts.loop, "impl": opts.impl, "concurrency": concurrency,
                "busy_poll_us": opts.busy_poll * 1e6 if polls else 0.0,
                "label": label(variant, mode, opts.loop, "pingpong")}
@@ -580,8 +584,10 @@ class Bench:
         sizes = opts.sizes if opts.command == "pingpong" else [64]
         for size in sizes:
             runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+            # The recv of a value already sent: Recv-Driven's one request and its answer.
+            sent = [(ALREADY_SENT, "recv")] if "recv" in opts.modes else []
             for _ in range(opts.repeat):
-                for variant, mode in self.variants():
+                for variant, mode in self.variants() + sent:
                     runs.setdefault((variant, mode), []).append(self.pingpong_case(variant, mode, size))
             for same in runs.values():
                 # one distribution from every run's round trips
@@ -764,7 +770,8 @@ def label(variant: str, mode: str, loop: str, kind: str = "stream") -> str:
     if variant == MEMCPY:
         return "numpy copy (memcpy)"
     suffix = {"rvz-batch": " batch", "rvz-one": " 1 in flight", "rvz-hold": " holds previous",
-              HOLD_TCP: " holds previous, tcp", "rvz-into": " into=" + (" torch" if TORCH else "")}
+              HOLD_TCP: " holds previous, tcp", "rvz-into": " into=" + (" torch" if TORCH else ""),
+              ALREADY_SENT: ", value already sent"}
     return f"rvz {mode}-driven{suffix.get(variant, '')}"
 
 

@@ -235,6 +235,13 @@ def _latencies(v: _Verdicts, pingpong: list[dict[str, Any]],
         v.add(f"pingpong-{mode}-64B", f"pingpong {mode}-driven 64B p50 vs {loop} echo",
             f"<= {ceiling}x", r, at_most(r, ceiling), detail)
 
+    row = _find(pingpong, variant="rvz-sent", mode="recv", size=64)
+    r = row.get("ratio_streams") if row else None
+    detail = (f"p50 {row['p50_us']:.1f} us vs {row['loop']} echo {row['baseline_streams_p50_us']:.1f} us"
+              if row and r is not None else "not measured")
+    v.add("already-sent-recv-64B", "recv-driven recv of a value already sent, 64B p50 vs echo",
+          "<= 1.1x", r, at_most(r, 1.1), detail)
+
     row = _find(rendezvous, order="consumer-first")
     r = row.get("send_over_recv_p50") if row else None
     detail = (f"send {row['send_p50_us']:.1f} us vs recv {row['recv_p50_us']:.1f} us (p50)"

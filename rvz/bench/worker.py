@@ -399,7 +399,46 @@ async def rvz_batch_stream(case: dict[str, Any], addrs: dict[str, str], role: st
     return result
 
 
+# Round trips of the "value already sent" row when a run is timed (--duration), not counted.
+ALREADY_SENT_ROUNDS = 2000
+
+
+async def rvz_already_sent(case: dict[str, Any], addrs: dict[str, str],
+                           role: str) -> dict[str, Any]:
+    """Recv-Driven, the recv of a value its producer sent before: side *a* sends every value
+    first (each kept in its table), then says so; side *b* times each ``recv``, one request
+    and its answer.  (No claim_timeout: nothing is pushed to *b* unasked.)"""
+    plan = Plan(case, 1)
+    count = plan.warmup_total + (plan.iters or ALREADY_SENT_ROUNDS)
+    held, ready = lane_key("held", 0), lane_key("ready", 0)
+    result: dict[str, Any] = {}
+    async with make_node(case, addrs, A_JOB if role == "a" else B_JOB) as node:
+        if role == "a":
+            body, last = payloads(int(case["size"]))
+            for _ in range(count - 1):
+                await node.send(held, body)
+            await node.send(held, last)
+            await node.send(ready, b"", mode="send")
+            await finish(node, role)
+        else:
+            await node.recv(ready, mode="send", timeout=60.0)
+            samples: list[int] = []
+            clock = time.perf_counter_ns
+            recv = node.recv
+            while True:
+                t = clock()
+                value = await recv(held)
+                samples.append(clock() - t)
+                if value[0]:
+                    break
+            result["samples_ns"] = samples[plan.warmup_total:]
+            await finish(node, role)
+    return result
+
+
 async def rvz_pingpong(case: dict[str, Any], addrs: dict[str, str], role: str) -> dict[str, Any]:
+    if case.get("pattern") == "already-sent":
+        return await rvz_already_sent(case, addrs, role)
     size = int(case["size"])
     lanes = int(case["concurrency"])
     plan = Plan(case, lanes)
