@@ -36,7 +36,7 @@ from rvz.poll import check_budget
 
 from . import control, report
 from .control import LocalWorker, RemoteWorker, WorkerError, WorkerLink
-from .report import MEMORY_SIZE, rate_label, ratio_label, size_label
+from .report import MEMORY_SIZE, rate_label, ratio, ratio_label, size_label
 from .worker import calibrate, machine, versions, zmq_available
 
 COMMANDS = ("stream", "pingpong", "rendezvous", "all")
@@ -476,20 +476,20 @@ class Bench:
             row["baseline_socket_gbps"] = sock["gbytes_per_s"] if sock else None
             row["baseline_streams_msgs"] = strm["msgs_per_s"] if strm else None
             row["baseline_pyzmq_msgs"] = zmq["msgs_per_s"] if zmq else None
-            row["ratio_socket"] = _ratio(row["gbytes_per_s"], sock["gbytes_per_s"] if sock else None)
-            row["ratio_streams"] = _ratio(row["gbytes_per_s"], strm["gbytes_per_s"] if strm else None)
-            row["ratio_pyzmq"] = _ratio(row["gbytes_per_s"], zmq["gbytes_per_s"] if zmq else None)
+            row["ratio_socket"] = ratio(row["gbytes_per_s"], sock["gbytes_per_s"] if sock else None)
+            row["ratio_streams"] = ratio(row["gbytes_per_s"], strm["gbytes_per_s"] if strm else None)
+            row["ratio_pyzmq"] = ratio(row["gbytes_per_s"], zmq["gbytes_per_s"] if zmq else None)
             reply = base.get(SOCKET_REPLY)
             if reply is not None and row["mode"] == "recv":
                 row["baseline_socket_reply_gbps"] = reply["gbytes_per_s"]
-                row["ratio_socket_reply"] = _ratio(row["gbytes_per_s"], reply["gbytes_per_s"])
+                row["ratio_socket_reply"] = ratio(row["gbytes_per_s"], reply["gbytes_per_s"])
             memcpy = base.get(MEMCPY)
             tcp = _find_row(rows, variant=HOLD_TCP, mode=row["mode"], size=row["size"])
             if memcpy is not None and row["variant"] == "rvz-hold":
                 row["baseline_memcpy_gbps"] = memcpy["gbytes_per_s"]
-                row["ratio_memcpy"] = _ratio(row["gbytes_per_s"], memcpy["gbytes_per_s"])
+                row["ratio_memcpy"] = ratio(row["gbytes_per_s"], memcpy["gbytes_per_s"])
                 row["baseline_tcp_gbps"] = tcp["gbytes_per_s"] if tcp else None
-                row["ratio_tcp"] = _ratio(row["gbytes_per_s"], tcp["gbytes_per_s"] if tcp else None)
+                row["ratio_tcp"] = ratio(row["gbytes_per_s"], tcp["gbytes_per_s"] if tcp else None)
         return rows
 
     def baseline_variants(self) -> list[tuple[str, str]]:
@@ -547,7 +547,7 @@ class Bench:
         median = {impl: sorted(v)[(len(v) - 1) // 2] for impl, v in runs.items()}
         return {"mode": mode, "size": 64, "compiled_msgs_per_s": median["compiled"],
                 "python_msgs_per_s": median["python"], "runs_msgs_per_s": runs,
-                "ratio": _ratio(median["compiled"], median["python"])}
+                "ratio": ratio(median["compiled"], median["python"])}
 
     # pingpong
 
@@ -605,9 +605,9 @@ class Bench:
             row["baseline_socket_p50_us"] = sock["p50_us"] if sock else None
             row["baseline_streams_p50_us"] = strm["p50_us"] if strm else None
             row["baseline_pyzmq_p50_us"] = zmq["p50_us"] if zmq else None
-            row["ratio_socket"] = _ratio(row["p50_us"], sock["p50_us"] if sock else None)
-            row["ratio_streams"] = _ratio(row["p50_us"], strm["p50_us"] if strm else None)
-            row["ratio_pyzmq"] = _ratio(row["p50_us"], zmq["p50_us"] if zmq else None)
+            row["ratio_socket"] = ratio(row["p50_us"], sock["p50_us"] if sock else None)
+            row["ratio_streams"] = ratio(row["p50_us"], strm["p50_us"] if strm else None)
+            row["ratio_pyzmq"] = ratio(row["p50_us"], zmq["p50_us"] if zmq else None)
         return rows
 
     # rendezvous
@@ -684,9 +684,9 @@ class Bench:
             if send and recv:
                 summary.append({"order": order, "send_p50_us": send["p50_us"],
                                 "recv_p50_us": recv["p50_us"],
-                                "send_over_recv_p50": _ratio(send["p50_us"], recv["p50_us"]),
+                                "send_over_recv_p50": ratio(send["p50_us"], recv["p50_us"]),
                                 # the same ratio of the socket replica: the host's own
-                                "socket_push_over_reply_p50": _ratio(
+                                "socket_push_over_reply_p50": ratio(
                                     send["baseline_socket_p50_us"], recv["baseline_socket_p50_us"])})
         return rows, summary
 
@@ -773,12 +773,6 @@ def label(variant: str, mode: str, loop: str, kind: str = "stream") -> str:
               HOLD_TCP: " holds previous, tcp", "rvz-into": " into=" + (" torch" if TORCH else ""),
               ALREADY_SENT: ", value already sent"}
     return f"rvz {mode}-driven{suffix.get(variant, '')}"
-
-
-def _ratio(x: float | None, base: float | None) -> float | None:
-    if x is None or not base:
-        return None
-    return x / base
 
 
 def _find_row(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:

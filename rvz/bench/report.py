@@ -46,6 +46,13 @@ def rate_label(x: float) -> str:
     return f"{x:.0f}"
 
 
+def ratio(x: float | None, base: float | None) -> float | None:
+    """``x / base`` of two same-run figures; None when either is missing."""
+    if x is None or not base:
+        return None
+    return x / base
+
+
 def ratio_label(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
@@ -204,7 +211,7 @@ def _into(v: _Verdicts, stream: list[dict[str, Any]]) -> None:
     for mode in ("send", "recv"):
         row = _find(stream, variant="rvz-into", mode=mode, size=MEMORY_SIZE)
         base = _find(stream, variant="rvz-hold", mode=mode, size=MEMORY_SIZE)
-        r = _ratio_of(row, base)
+        r = ratio(row["gbytes_per_s"] if row else None, base["gbytes_per_s"] if base else None)
         detail = (f"{row['gbytes_per_s']:.2f} GB/s vs numpy holds previous "
                   f"{base['gbytes_per_s']:.2f} GB/s" if row and base and r is not None
                   else "not measured")
@@ -214,12 +221,6 @@ def _into(v: _Verdicts, stream: list[dict[str, Any]]) -> None:
         v.add(f"into-memory-64M-{mode}", f"64M {mode}-driven into=: consumer peak RSS above idle",
               "< 1 tensor", tensors, None if tensors is None else tensors < 1.0,
               "not measured" if tensors is None else f"{tensors:.2f} tensors")
-
-
-def _ratio_of(row: dict[str, Any] | None, base: dict[str, Any] | None) -> float | None:
-    if not row or not base or not base.get("gbytes_per_s"):
-        return None
-    return float(row["gbytes_per_s"]) / float(base["gbytes_per_s"])
 
 
 def _latencies(v: _Verdicts, pingpong: list[dict[str, Any]],
