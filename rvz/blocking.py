@@ -206,7 +206,7 @@ class _LoopThread:
         if not call.finished:
             if not call.started and asyncio.iscoroutine(call.work):
                 call.work.close()
-            self.finish(call, None, _CancelledError() if call.interrupted else self.closed_error())
+            self.finish(call, None, self.cancelled(call, _CancelledError()))
 
     def wait(self, call: _Call, awaited: Any) -> None:
         """A driven coroutine awaits ``awaited``: a future of this loop wakes it by its
@@ -234,8 +234,7 @@ class _LoopThread:
         except StopIteration as stop:
             self.finish(call, stop.value, None)
         except _CancelledError as exc:
-            # Only an interrupted caller cancels its call; else the loop is shutting down.
-            self.finish(call, None, exc if call.interrupted else self.closed_error())
+            self.finish(call, None, self.cancelled(call, exc))
         except BaseException as exc:
             self.finish(call, None, exc)
         else:
@@ -248,12 +247,17 @@ class _LoopThread:
         try:
             result = await coro
         except asyncio.CancelledError as exc:
-            # Only an interrupted caller cancels its call; else the loop is shutting down.
-            self.finish(call, None, exc if call.interrupted else self.closed_error())
+            self.finish(call, None, self.cancelled(call, exc))
         except BaseException as exc:  # the node's error, as it raised it, to the caller
             self.finish(call, None, exc)
         else:
             self.finish(call, result, None)
+
+    def cancelled(self, call: _Call, exc: BaseException) -> BaseException:
+        """What a cancelled call raises in its caller: the cancellation when the caller
+        interrupted it (only an interrupted caller cancels its call), else the loop is
+        shutting down and the node is closed."""
+        return exc if call.interrupted else self.closed_error()
 
     def finish(self, call: _Call, result: Any, error: BaseException | None) -> None:
         if call.finished:
