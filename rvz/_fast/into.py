@@ -108,7 +108,7 @@ class Target:
         else:
             view = np.frombuffer(self.dest, DTYPES[code]).reshape(shape)
         if self.waiter is None or self.waiter.done():
-            return bytes(view) if code == BYTES_CODE else np.array(view)
+            return self._copy(view)
         self.landed_value = view
         return view
 
@@ -146,7 +146,11 @@ class Target:
         view of the buffer, which is the caller's again."""
         if value is not self.landed_value:
             return value
-        return bytes(value) if self.meta[0] == BYTES_CODE else np.array(value)
+        return self._copy(value)
+
+    def _copy(self, view: Any) -> Any:
+        """A value landed here, in memory of its own (``bytes`` or a new array)."""
+        return bytes(view) if self.meta[0] == BYTES_CODE else np.array(view)
 
     def describe(self) -> str:
         if self.array is None:
