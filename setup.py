@@ -23,7 +23,7 @@ from setuptools.errors import CCompilerError, ExecError, PlatformError
 BUILD_ERRORS = (CCompilerError, ExecError, PlatformError, OSError)
 
 MODULES = ["keys", "table", "codec", "recvpool", "peers", "steps", "holding", "wire", "requests",
-           "credit", "routes", "engine", "batches", "calls"]
+           "credit", "routes", "deadlines", "engine", "batches", "calls"]
 EXAMPLE_MODULES = ["examples/param_server/_table.py"]  # the parameter server's table core
 
 

@@ -18,7 +18,7 @@ import sys
 from types import ModuleType, SimpleNamespace
 
 MODULES = ("arrays", "keys", "table", "codec", "recvpool", "peers", "steps", "holding", "wire",
-           "requests", "credit", "routes", "engine", "batches", "calls")
+           "requests", "credit", "routes", "deadlines", "engine", "batches", "calls")
 _PACKAGE = "rvz._fast"
 
 
@@ -95,6 +95,7 @@ wire = active.wire
 requests = active.requests
 credit = active.credit
 routes = active.routes
+deadlines = active.deadlines
 engine = active.engine
 batches = active.batches
 calls = active.calls

@@ -12,6 +12,7 @@ from .types import KeyLike, SendValue, Value
 
 _table = _impl.table
 _keys = _impl.keys
+_deadlines = _impl.deadlines
 
 # Key strings whose canonical form a Rendezvous remembers (all forgotten when it is full:
 # keys change every step, so old ones are not worth an eviction order).
@@ -41,6 +42,7 @@ class Rendezvous:
         # The loop of the last recv that waited, and the thread that runs it (``_bind``).
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: int | None = None
+        self._timers: Any = None  # the timeouts of recvs waiting on that loop
 
     def _check_thread(self) -> None:
         """RuntimeError on a thread other than that of the loop a recv waits on."""
@@ -59,6 +61,7 @@ class Rendezvous:
             self._check_thread()
             self._loop = loop
             self._thread = get_ident()
+            self._timers = _deadlines.Deadlines(loop)
         return loop
 
     def _text(self, key: Any) -> str:
@@ -94,7 +97,8 @@ class Rendezvous:
         loop = self._bind()
         waiter = loop.create_future()
         table.take_or_wait(text, waiter)
-        return await _table.wait_waiter(table, text, waiter, table.stamp, loop, timeout, None)
+        return await _table.wait_waiter(table, text, waiter, table.stamp, self._timers, timeout,
+                                        None)
 
     def send_many(self, items: Iterable[tuple[KeyLike, SendValue]]) -> None:
         """``send`` each ``(key, value)`` pair, in order; every key is checked before any
@@ -132,7 +136,7 @@ class Rendezvous:
         loop = self._bind()
         batch = _table.Batch(table, texts, values, stamps, missing, loop.create_future())
         batch.wait()
-        return await _table.wait_batch(batch, loop, timeout)
+        return await _table.wait_batch(batch, self._timers, timeout)
 
     def abort(self, exc: BaseException | None = None, message: str | None = None) -> None:
         """Fail every pending and every later operation with ``rvz.Aborted`` (``__cause__``

@@ -147,7 +147,7 @@ class Waiting(NodeState):
         else:
             poll = None
         try:
-            return await _table.wait_batch(batch, loop, timeout, self._unconsume,
+            return await _table.wait_batch(batch, core.timers, timeout, self._unconsume,
                                            functools.partial(self._batch_where, step))
         finally:
             if poll is not None:

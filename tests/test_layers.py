@@ -32,8 +32,9 @@ import rvz
 # exactly one row (test_every_module_has_a_layer).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors",       ("rvz.errors",)),
-    ("hot paths",    ("rvz._fast", "rvz._fast.keys", "rvz._fast.table", "rvz._fast.codec",
-                      "rvz._fast.recvpool", "rvz._fast.arrays", "rvz._fast.format")),
+    ("hot paths",    ("rvz._fast", "rvz._fast.keys", "rvz._fast.table", "rvz._fast.deadlines",
+                      "rvz._fast.codec", "rvz._fast.recvpool", "rvz._fast.arrays",
+                      "rvz._fast.format")),
     # the protocol engine and the parts whose state it holds
     ("engine",       ("rvz._fast.engine", "rvz._fast.host", "rvz._fast.peers",
                       "rvz._fast.holding", "rvz._fast.steps", "rvz._fast.wire",

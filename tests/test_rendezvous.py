@@ -401,9 +401,9 @@ async def test_waiter_timeout_and_cancel_give_the_value_back() -> None:
     a value delivered to a waiter whose recv was cancelled to the head of the queue."""
     tbl = _impl.table
 
-    async def wait(table, k, waiter, loop, timeout):  # type: ignore[no-untyped-def]
+    async def wait(table, k, waiter, timers, timeout):  # type: ignore[no-untyped-def]
         stamp = table.stamp
-        handle = tbl.arm_timeout(loop, timeout, table, k, waiter, "a producer")
+        handle = tbl.arm_timeout(timers, timeout, table, k, waiter, "a producer")
         try:
             return await waiter
         except BaseException:
@@ -414,17 +414,18 @@ async def test_waiter_timeout_and_cancel_give_the_value_back() -> None:
                 handle.cancel()
 
     loop = asyncio.get_running_loop()
+    timers = _impl.deadlines.Deadlines(loop)
     table = tbl.Table()
     k = str(K)
     w1 = loop.create_future()
     table.take_or_wait(k, w1)
     with pytest.raises(TimeoutError) as info:
-        await wait(table, k, w1, loop, 0.02)
+        await wait(table, k, w1, timers, 0.02)
     assert k in str(info.value) and "a producer" in str(info.value)
     assert table.waiting(k) == 0
     w2 = loop.create_future()
     table.take_or_wait(k, w2)
-    task = asyncio.ensure_future(wait(table, k, w2, loop, None))
+    task = asyncio.ensure_future(wait(table, k, w2, timers, None))
     await settle()
     table.put(k, "v")
     task.cancel()

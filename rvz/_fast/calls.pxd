@@ -1,4 +1,5 @@
 from rvz._fast.engine cimport Core
+from rvz._fast.table cimport arm_timeout
 
 
 cdef class NodeCalls:

@@ -64,7 +64,7 @@ class NodeCalls:
             self._spawn(self._link(peer, route.text))  # type: ignore[attr-defined]  # to notice if it is gone
         text = route.text
         handle = None if timeout is None else arm_timeout(
-            self._loop, timeout, table, text, waiter, peer.name if peer is not None else None, step)
+            core.timers, timeout, table, text, waiter, peer.name if peer is not None else None, step)
         poll = self._poll if peer is not None else None  # (a local value needs no polling)
         if poll is not None:
             poll.begin()

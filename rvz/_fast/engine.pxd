@@ -3,6 +3,7 @@ from cpython.object cimport PyObject_Call
 from cpython.pythread cimport PyThread_get_thread_ident
 from rvz._fast.arrays cimport describe_c, nbytes_c
 from rvz._fast.credit cimport Credit
+from rvz._fast.deadlines cimport Deadlines
 from rvz._fast.holding cimport Holding
 from rvz._fast.peers cimport Peer, Request, Route
 from rvz._fast.requests cimport Requests
@@ -52,6 +53,7 @@ cdef class Core(Dispatcher):
     cdef public Steps steps
     cdef public Requests requests
     cdef public Credit credit
+    cdef public Deadlines timers
     cdef public dict peers
     cdef public Routes routes
     cdef public Py_ssize_t max_parked

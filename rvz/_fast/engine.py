@@ -38,6 +38,7 @@ from ..errors import (
 )
 from . import codec as _codec
 from .credit import Credit
+from .deadlines import Deadlines
 from .format import FIELD, KEY, KEYS, KIND, MESSAGE, REQUEST_ID, STEP, VALUE, VALUES
 from .holding import Holding
 from .into import Landings
@@ -265,6 +266,7 @@ class Core(Dispatcher):
     def attach(self, loop: Any, thread: int) -> None:
         """The event loop the node runs on, and the thread that runs it (Node.start's)."""
         self.loop = loop
+        self.timers = None if loop is None else Deadlines(loop)  # the timeouts of waits
         self.credit.attach(loop)
         self.loop_thread = thread
         self.pid = getpid()  # a forked child's copy of the node says it is not its own
@@ -273,9 +275,8 @@ class Core(Dispatcher):
         # asyncio's are), ``future`` calls the type with a keyword dict made here:
         # ``create_future`` spells ``loop=`` out, which builds a new dict for every future
         # (a third of its cost).  A loop with futures of its own keeps ``create_future``.
-        self.future_kw = None
-        if COMPILED and loop is not None and type(loop.create_future()) is Future:
-            self.future_kw = {"loop": loop}
+        plain = COMPILED and loop is not None and type(loop.create_future()) is Future
+        self.future_kw = {"loop": loop} if plain else None
 
     def future(self) -> Any:
         """A new future of the node's loop (``loop.create_future()``, see ``attach``)."""

@@ -1,9 +1,12 @@
 cimport cython
+from rvz._fast.deadlines cimport Deadlines
 
 cdef list _spare
 cdef object _each(object waiters)
 
 cpdef check_timeout(object timeout)
+cpdef object arm_timeout(Deadlines timers, object timeout, Table table, str key, object waiter,
+                         object source, object step=*)
 
 cdef class Waiter:
     cpdef bint done(self) except -1

@@ -500,14 +500,14 @@ class Batch:
         return queued
 
 
-def arm_timeout(loop: Any, timeout: Any, table: Table, key: str, waiter: Any,
+def arm_timeout(timers: Any, timeout: Any, table: Table, key: str, waiter: Any,
                 source: Any, step: Any = 0) -> Any:
     """Fail ``waiter`` (queued in ``table``) with ``TimeoutError`` after ``timeout`` seconds;
-    returns the timer handle, or None without a timeout.  ``source`` names the producer,
-    ``step`` the step (0: none to name)."""
+    returns the deadline (``rvz._fast.deadlines``; ``timers``: the node's), or None without
+    a timeout.  ``source`` names the producer, ``step`` the step (0: none to name)."""
     if timeout is None:
         return None
-    return loop.call_later(timeout, _expire, table, key, waiter, timeout, source, step)
+    return timers.arm(timeout, _expire, (table, key, waiter, timeout, source, step))
 
 
 def give_back(table: Table, key: str, waiter: Any, stamp: int, target: Any = None) -> bool:
@@ -526,7 +526,7 @@ def give_back(table: Table, key: str, waiter: Any, stamp: int, target: Any = Non
     return False
 
 
-async def wait_waiter(table: Table, key: str, waiter: Any, stamp: int, loop: Any, timeout: Any,
+async def wait_waiter(table: Table, key: str, waiter: Any, stamp: int, timers: Any, timeout: Any,
                       source: Any) -> Any:
     """Await ``waiter``, queued in ``table`` under ``stamp``, with an optional timeout; a
     failure or a cancel gives a value delivered meanwhile back (see ``give_back``).
@@ -534,7 +534,7 @@ async def wait_waiter(table: Table, key: str, waiter: Any, stamp: int, loop: Any
     ``Node.recv`` does the same inline (one coroutine per recv less, and it also accounts
     for credit); this is the plain form.
     """
-    handle = arm_timeout(loop, timeout, table, key, waiter, source)
+    handle = arm_timeout(timers, timeout, table, key, waiter, source)
     try:
         return await waiter
     except BaseException:
@@ -545,18 +545,18 @@ async def wait_waiter(table: Table, key: str, waiter: Any, stamp: int, loop: Any
             handle.cancel()
 
 
-async def wait_batch(batch: Batch, loop: Any, timeout: Any, undone: Any = None,
+async def wait_batch(batch: Batch, timers: Any, timeout: Any, undone: Any = None,
                      where: Any = None) -> list:
     """Await a ``Batch`` with an optional timeout.  All or nothing: on any failure it is
     restored (``Batch.restore``) and ``undone`` gets the pairs that went back to a queue.
     ``where(keys)`` adds to a timeout's message (the step, the producers of ``keys``)."""
     handle = None
     if timeout is not None:
-        handle = loop.call_later(timeout, expire_batch, batch, timeout, where)
+        handle = timers.arm(timeout, expire_batch, (batch, timeout, where))
     try:
         return await batch.future
     except BaseException:
-        if loop.is_closed():
+        if timers.loop.is_closed():
             raise  # collected after its loop closed: nothing can run any more (Node.recv)
         if not batch.future.done():
             batch.future.cancel()
@@ -577,7 +577,7 @@ def _expire(table: Table, key: str, waiter: Any, timeout: Any, source: Any, step
 
 
 def expire_batch(batch: Batch, timeout: Any, where: Any = None) -> None:
-    """The ``call_later`` callback of a batch's timeout: fail it naming what it waits for."""
+    """The callback of a batch's timeout: fail it naming what it waits for."""
     if batch.future.done():
         return
     keys = [batch.keys[slot.index] for slot in batch.slots if not slot.filled]

@@ -1,7 +1,7 @@
 cimport cython
 from cpython.bytearray cimport PyByteArray_AS_STRING
 from cpython.bytes cimport PyBytes_FromStringAndSize
-from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+from rvz._fast.clock cimport monotonic_ns_c
 from rvz._fast.arrays cimport (append_data_c, append_frame_c, append_request_c, emptied_c,
                                many_begin_c, many_end_c, many_entry_c, reserved_c)
 from rvz._fast.codec cimport Decoder
@@ -20,12 +20,6 @@ cdef bytearray emptied(bytearray data)
 cdef long long clock_ns()
 cdef frame_data(bytearray out, object step, object request_id, bytes key, int code,
                 tuple shape, Py_ssize_t nbytes, object value, bint with_payload)
-
-cdef inline long long monotonic_ns_c() noexcept:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec * 1000000000LL + ts.tv_nsec
-
 
 cdef class Wire
 
