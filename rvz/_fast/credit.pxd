@@ -36,7 +36,7 @@ cdef class Credit:
     cpdef object unqueue_push(self, Peer peer, object step, str text)
     @cython.locals(floor=Py_ssize_t, above=set)
     cpdef bint fresh(self, Peer peer, Py_ssize_t seq) except -1
-    @cython.locals(peer=Peer, head=Py_ssize_t, unacked=list)
+    @cython.locals(peer=Peer, fresh=Py_ssize_t)
     cpdef on_ack(self, Wire conn, object seq)
     @cython.locals(kept=Py_ssize_t)
     cpdef resend(self, Peer peer, Wire conn)

@@ -262,14 +262,9 @@ class Credit:
         peer = conn.peer
         if seq > peer.tx_seq:
             raise ProtocolError(f"{peer.name} acknowledged value {seq}; we sent {peer.tx_seq}")
-        unacked = peer.unacked
-        head = peer.unacked_head + seq - (peer.tx_seq - peer.kept())
-        if head <= peer.unacked_head:
-            return
-        if 2 * head >= len(unacked):  # most of the list is acknowledged: drop that part
-            del unacked[:head]
-            head = 0
-        peer.unacked_head = head
+        fresh = seq - (peer.tx_seq - peer.kept())
+        if fresh > 0:
+            peer.acked(fresh)
 
     def resend(self, peer: Peer, conn: Wire) -> None:
         """Send ``peer`` again, on ``conn``, every value it has not acknowledged, oldest

@@ -66,6 +66,8 @@ cdef class Peer:
     cpdef object take_queue(self)
     cpdef left_step(self, object step)
     cpdef Py_ssize_t kept(self)
+    cpdef keep(self, object step, object request_id, object key, object value)
+    cpdef acked(self, Py_ssize_t values)
     cpdef bint unconnected(self) except -1
 
 

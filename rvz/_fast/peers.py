@@ -19,6 +19,7 @@ MAX_KEY = _codec.MAX_KEY
 # hold limit counts held Recv-Driven values the same way: 256 MiB of 64-byte values would
 # otherwise be four million arrays, each with more memory around it than in it.
 MESSAGE_COST = 64
+UNACKED = 4  # items of ``Peer.unacked`` a value: step, request_id, key, value
 # What a peer that does not say its max_parked in HELLO parks (that option's default; a
 # Python global, which the node reads too).
 DEFAULT_PARKS = 65536
@@ -124,10 +125,11 @@ class Peer:
         self.hold_reserved = 0
         # Exactly-once delivery across reconnects of one incarnation (``Credit.resend``).
         # As its producer: the number of the last value we sent it, and the values it has
-        # not acknowledged yet, ``unacked[unacked_head:]`` (up to ``tx_seq``, each ``(step,
-        # request_id, key, value)``), kept to be sent again after a reconnect (a list and an
-        # index: appending is a C call); the credit it returned, as its running total (a
-        # CREDIT lost with a connection is made up by the next one).
+        # not acknowledged yet, ``unacked[unacked_head:]`` (up to ``tx_seq``, UNACKED items
+        # a value: its step, request_id, key and the value), kept to be sent again after a
+        # reconnect (a flat list and an index: appending is a C call, and no tuple a value
+        # lives on for the garbage collector to walk until its ACK); the credit it returned,
+        # as its running total (a CREDIT lost with a connection is made up by the next one).
         self.tx_seq = 0
         self.unacked: list = []
         self.unacked_head = 0
@@ -154,7 +156,23 @@ class Peer:
 
     def kept(self) -> int:
         """How many values we keep for it until it acknowledges them."""
-        return len(self.unacked) - self.unacked_head
+        return (len(self.unacked) - self.unacked_head) // UNACKED
+
+    def keep(self, step: Any, request_id: Any, key: Any, value: Any) -> None:
+        """Keep a value we sent it until it acknowledges it (``Credit.resend``)."""
+        unacked = self.unacked
+        unacked.append(step)
+        unacked.append(request_id)
+        unacked.append(key)
+        unacked.append(value)
+
+    def acked(self, values: int) -> None:
+        """The oldest ``values`` of those kept were acknowledged: stop keeping them."""
+        head = self.unacked_head + UNACKED * values
+        if 2 * head >= len(self.unacked):  # most of the list is acknowledged: drop that part
+            del self.unacked[:head]
+            head = 0
+        self.unacked_head = head
 
     def unconnected(self) -> bool:
         """No live connection to it (a live link answers without building the list)."""

@@ -25,7 +25,7 @@ from .codec import (
     encode_seq,
 )
 from .format import NUMBER
-from .peers import MESSAGE_COST
+from .peers import MESSAGE_COST, UNACKED
 
 try:  # Cython's own module; a compiled build sees the constant True
     import cython
@@ -360,7 +360,7 @@ class Wire:
                 self.dataplane.write_value(step, request_id, key, value, code, shape, nbytes,
                                            seq)
                 peer.tx_seq = seq
-                peer.unacked.append((step, request_id, key, value))
+                peer.keep(step, request_id, key, value)
                 return
             self.tcp_values += 1
             if request_id != 0:  # the destination the consumer offered stays unused
@@ -370,7 +370,7 @@ class Wire:
             self._append(encode_seq(seq))
         self.tx_next = seq + 1
         # Kept as sent; its description is made again if it is sent again (``resend``).
-        peer.unacked.append((step, request_id, key, value))
+        peer.keep(step, request_id, key, value)
         self._write_stream(step, request_id, key, value, code, shape, nbytes)
 
     def resend(self, first: int, entries: list) -> None:
@@ -379,14 +379,15 @@ class Wire:
         here, so a later value of one cannot overtake them through a one-sided channel."""
         self._append(encode_seq(first))
         ways = self.key_ways
-        for entry in entries:
+        for at in range(0, len(entries), UNACKED):  # (step, request_id, key, value) each
             if self.closed:
                 return
-            if self.dataplane is not None and entry[2] not in ways:
-                ways[entry[2]] = False
-            value, code, shape, nbytes = describe(entry[3])
-            self._write_stream(entry[0], entry[1], entry[2], value, code, shape, nbytes)
-        self.tx_next = first + len(entries)
+            key = entries[at + 2]
+            if self.dataplane is not None and key not in ways:
+                ways[key] = False
+            value, code, shape, nbytes = describe(entries[at + 3])
+            self._write_stream(entries[at], entries[at + 1], key, value, code, shape, nbytes)
+        self.tx_next = first + len(entries) // UNACKED
 
     def _write_stream(self, step: Any, request_id: Any, key: bytes, value: Any, code: int,
                       shape: tuple, nbytes: int) -> None:
