@@ -611,7 +611,8 @@ async def test_a_recv_that_stops_waiting_while_the_write_is_in_flight_loses_noth
     fails at the producer (as on a device), the pair connects again, and the value is sent
     again, to the next recv; the buffer never sees it."""
     async with learned_pair(cluster, "into-flight") as (w, p, k, buf):
-        recv = await offered(p, fabric, k, buf, timeout=30 if how == "cancel" else 0.5)
+        # (the timeout leaves the time to start the write, even on a loaded machine)
+        recv = await offered(p, fabric, k, buf, timeout=30 if how == "cancel" else 2.0)
         fabric.held = []
         await w.send(k, np.full(50000, 7.0))
         await eventually(lambda: bool(fabric.held), "the answer's write is in flight")

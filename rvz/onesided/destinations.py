@@ -38,7 +38,8 @@ class Destinations:
                           if self.provider.registers_private else None)
         self._dests: dict[int, int] = {}               # request id -> imm of its destination
         self.asks: dict[int, tuple[int, str]] = {}     # request id -> (step, key)
-        self._later: dict[int, tuple[int, str]] = {}   # requests whose destination follows
+        # Requests whose destination follows: request id -> (step, key, code, shape, nbytes).
+        self._later: dict[int, tuple[Any, ...]] = {}
         self._settling = False
         self.offers: dict[int, BufferOffer] = {}       # request id -> the buffer offered
         self._fenced: dict[int, int] = {}              # request id -> imm of a fenced trailer
@@ -59,7 +60,7 @@ class Destinations:
             return
         try:
             if self._landings is not None and self._landings.asking():
-                self._later[request_id] = (step, key)
+                self._later[request_id] = (step, key, code, shape, nbytes)
                 channel._control({"op": "later", "r": request_id})
                 if not self._settling:
                     self._settling = True
@@ -74,16 +75,14 @@ class Destinations:
         (``later``), if the buffer takes the value we expect; True if it had sent one."""
         later = self._later
         for request_id in reversed(later):
-            if later[request_id] == (target.step, target.key):
+            if later[request_id][:2] == (target.step, target.key):
                 break
         else:
             return False
-        del later[request_id]
-        step, key = target.step, target.key
+        step, key, code, shape, nbytes = later.pop(request_id)
         channel = self._channel
         if channel.failed is not None or channel.closed:
             return True
-        code, shape, nbytes = self._engine.meta[key]
         try:
             if not self._offer_buffer(step, request_id, key, code, shape, nbytes, target, True):
                 self._offer(step, request_id, key, code, shape, nbytes, True)
@@ -102,9 +101,9 @@ class Destinations:
         if channel.failed is not None or channel.closed:
             return
         try:
-            for request_id, (step, key) in later.items():
-                code, shape, nbytes = self._engine.meta[key]
-                self._offer(step, request_id, key, code, shape, nbytes, True)
+            for request_id, (step, key, code, shape, nbytes) in later.items():
+                if request_id in self.asks:
+                    self._offer(step, request_id, key, code, shape, nbytes, True)
         except TransportError as exc:
             channel.fail(exc)
 
@@ -156,7 +155,7 @@ class Destinations:
             return
         del self.offers[request_id]
         channel = self._channel
-        if channel.failed is not None or channel.closed:
+        if channel.failed is not None or channel.closed or self._engine.loop.is_closed():
             return
         self._engine.drain(channel.ep.cq)   # a write that completed before the fence
         imm = self._dests.get(request_id, 0)
