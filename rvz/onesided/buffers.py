@@ -7,7 +7,9 @@ registers the buffer (remote write access) and offers it (``dest`` with a traile
 The producer writes the payload into the buffer, then the value's number with the
 immediate into a small trailer block of ours; RC queue pairs place writes in order, so the
 trailer's completion says the payload is whole.  The buffer's registration goes as soon as
-its request is answered (any way), gone, or its channel closes.
+its request is answered (any way), gone, or its channel closes.  (The engine sends the
+REQUEST before the recv waits, and knows nothing of its buffer: so the buffer follows the
+REQUEST, and ``later`` makes the producer hold the answer for it.)
 
 Cancellation (``fence``): the recv stops waiting (cancelled, timed out, its step aborted,
 or it took another value) while the producer may be writing.  The buffer is deregistered
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 class BufferOffer:
     """One recv's buffer, registered as the destination of request ``request_id``."""
 
-    __slots__ = ("target", "region", "request_id", "imm", "_destinations")
+    __slots__ = ("target", "region", "request_id", "_destinations")
 
     def __init__(self, destinations: Destinations, target: Any, region: Region,
                  request_id: int) -> None:
@@ -46,7 +48,6 @@ class BufferOffer:
         self.target = target          # the recv's rvz._fast.into.Target
         self.region: Region | None = region
         self.request_id = request_id
-        self.imm = 0                  # the immediate of its trailer block (``Destinations``)
         target.offer = self
 
     def fence(self) -> None:

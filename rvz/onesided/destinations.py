@@ -135,8 +135,7 @@ class Destinations:
         except BaseException:
             offer.release()
             raise
-        offer.imm = imm = regions.add(Target(BUFFER, block, key, step, request_id, code, shape,
-                                             nbytes))
+        imm = regions.add(Target(BUFFER, block, key, step, request_id, code, shape, nbytes))
         self._dests[request_id] = imm
         self.offers[request_id] = offer
         self._channel._control({"op": "dest", "r": request_id, "k": key, "i": imm,
