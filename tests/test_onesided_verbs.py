@@ -5,8 +5,10 @@
 * the provider's data path (queue pairs, work requests, completion channels, recv buffer
   reposting, failed completions) against an in-process fake of the pyverbs API, so that a
   whole node-to-node exchange runs through ``VerbsProvider`` here.  The fake executes a
-  work request at once: an RDMA write copies into the target address (after checking the
-  rkey and bounds) and queues completions on both sides, signalling their channels.
+  work request at once (or, while ``Fabric.held`` is a list, when ``Fabric.release`` runs:
+  work requests in flight): an RDMA write copies into the target address after checking
+  the rkey and bounds (else the sender gets REM_ACCESS_ERR and its queue pair breaks, as
+  on a device) and queues completions on both sides, signalling their channels.
 
 The same engine runs on a real device in test_onesided_contract.py (skipped without one).
 """
@@ -14,12 +16,14 @@ The same engine runs on a real device in test_onesided_contract.py (skipped with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import itertools
 import logging
 import os
 import resource
 from collections import deque
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -36,7 +40,8 @@ from .test_shm_bounds import push_and_watch
 # -- a fake pyverbs -------------------------------------------------------------------------
 
 E = SimpleNamespace(IBV_PORT_ACTIVE=4, IBV_ACCESS_LOCAL_WRITE=1, IBV_ACCESS_REMOTE_WRITE=2,
-                    IBV_QPT_RC=2, IBV_WR_RDMA_WRITE_WITH_IMM=1, IBV_WR_SEND=2, IBV_WC_SUCCESS=0,
+                    IBV_QPT_RC=2, IBV_WR_RDMA_WRITE=0, IBV_WR_RDMA_WRITE_WITH_IMM=1, IBV_WR_SEND=2,
+                    IBV_WC_SUCCESS=0,
                     IBV_WC_RECV=128, IBV_WC_RECV_RDMA_WITH_IMM=129, IBV_WC_SEND=0, IBV_WC_RDMA_WRITE=1)
 
 
@@ -46,10 +51,30 @@ class Fabric:
         self.qps: dict[int, FakeQP] = {}
         self.mrs: dict[int, tuple[int, int]] = {}
         self.fail_next_write = False
+        self.held: list[tuple[FakeQP, Any]] | None = None   # work requests in flight
+        # Completions of writes that landed, not seen by the receiver yet (``deliver``).
+        self.unseen: list[Any] | None = None
         self.devices = ["fake0"]
         self.port_state = 4
         self.link_layer = 1
         self.gids = ["0000:0000:0000:0000:0000:0000:0000:0000"] * 4
+
+    def covering(self, addr: int, length: int) -> list[int]:
+        """The rkeys of the registrations that overlap ``[addr, addr + length)``."""
+        return [rkey for rkey, (base, n) in self.mrs.items()
+                if base < addr + length and addr < base + n]
+
+    def deliver(self) -> None:
+        """Queue the completions held back in ``unseen``; queue them at once from now on."""
+        unseen, self.unseen = self.unseen or [], None
+        for push in unseen:
+            push()
+
+    def release(self) -> None:
+        """Execute the work requests held in flight, in order; post at once from now on."""
+        held, self.held = self.held or [], None
+        for qp, wr in held:
+            qp.execute(wr)
 
 
 class FakeContext:
@@ -144,6 +169,7 @@ class FakeQP:
         self.recvs: deque[Any] = deque()
         self.dest = 0
         self.state = "RESET"
+        self.broken = False   # a failed work request moved it to the error state
 
     def to_init(self, attr: Any) -> None:
         self.state = "INIT"
@@ -161,26 +187,42 @@ class FakeQP:
 
     def post_send(self, wr: Any) -> None:
         assert self.state == "RTS"
+        if self.fabric.held is not None:
+            self.fabric.held.append((self, wr))
+            return
+        self.execute(wr)
+
+    def execute(self, wr: Any) -> None:
         remote = self.fabric.qps.get(self.dest)
         if remote is None:
             # The peer's QP closed with its connection: an RC QP would retry for its retry
             # timeout, and the TCP reset that closes this endpoint too comes well before the
             # request's error completion, which nobody then reads.
             return
+        if self.broken:   # work requests after an error are flushed
+            self.scq.push(wr_id=wr.wr_id, opcode=E.IBV_WC_RDMA_WRITE, qp_num=self.qp_num, status=5)
+            return
         data = b"".join(ctypes.string_at(s.addr, s.length) for s in wr.sg if s.length)
-        recv = remote.recvs.popleft()  # the provider keeps buffers posted
-        if wr.opcode == E.IBV_WR_RDMA_WRITE_WITH_IMM:
-            base, length = self.fabric.mrs[wr.rkey]
-            if self.fabric.fail_next_write:
-                self.fabric.fail_next_write = False
+        if wr.opcode in (E.IBV_WR_RDMA_WRITE, E.IBV_WR_RDMA_WRITE_WITH_IMM):
+            base, length = self.fabric.mrs.get(wr.rkey, (0, -1))
+            fail = self.fabric.fail_next_write
+            self.fabric.fail_next_write = False
+            if fail or not (base <= wr.remote_addr and wr.remote_addr + len(data) <= base + length):
+                self.broken = True   # REM_ACCESS_ERR: no registration there (any more)
                 self.scq.push(wr_id=wr.wr_id, opcode=E.IBV_WC_RDMA_WRITE, qp_num=self.qp_num, status=10)
                 return
-            assert base <= wr.remote_addr and wr.remote_addr + len(data) <= base + length
             ctypes.memmove(wr.remote_addr, data, len(data))
-            remote.rcq.push(wr_id=recv.wr_id, opcode=E.IBV_WC_RECV_RDMA_WITH_IMM, qp_num=remote.qp_num,
-                            imm_data=wr.imm_data, byte_len=len(data))
+            if wr.opcode == E.IBV_WR_RDMA_WRITE_WITH_IMM:
+                recv = remote.recvs.popleft()  # the provider keeps buffers posted
+                fields = dict(wr_id=recv.wr_id, opcode=E.IBV_WC_RECV_RDMA_WITH_IMM,
+                              qp_num=remote.qp_num, imm_data=wr.imm_data, byte_len=len(data))
+                if self.fabric.unseen is not None:
+                    self.fabric.unseen.append(lambda: remote.rcq.push(**fields))
+                else:
+                    remote.rcq.push(**fields)
             self.scq.push(wr_id=wr.wr_id, opcode=E.IBV_WC_RDMA_WRITE, qp_num=self.qp_num)
         else:
+            recv = remote.recvs.popleft()
             sge = recv.sg[0]
             assert len(data) <= sge.length
             ctypes.memmove(sge.addr, data, len(data))
@@ -436,3 +478,237 @@ async def test_verbs_with_a_shm_only_peer_fails_with_the_reason(cluster: rvz.Clu
         assert "asks for transport 'verbs'" in text and "'shm'" in text, text
 
 
+
+
+# -- recv(key, into=buf): the buffer as the destination --------------------------------------
+
+MiB = 1 << 20
+
+
+def into_stats(node: rvz.Node) -> tuple[int, int]:
+    into = node.stats()["into"]
+    return into["landed_bytes"], into["copied_bytes"]
+
+
+def registered(fabric: Fabric, buf: Any) -> bool:
+    """Whether any registration covers memory of ``buf`` (an array or a bytearray)."""
+    array = np.frombuffer(buf, np.uint8) if isinstance(buf, bytearray) else buf
+    return bool(fabric.covering(int(array.__array_interface__["data"][0]), array.nbytes))
+
+
+def waiting_recvs(node: rvz.Node) -> int:
+    return sum(s["waiting_recvs"] for s in node.stats()["steps"].values())
+
+
+async def learned(w: rvz.Node, p: rvz.Node, k: rvz.Key, value: np.ndarray) -> None:
+    """One value of ``k`` received, so that the consumer knows its dtype and shape."""
+    await w.send(k, value)
+    assert np.array_equal(await p.recv(k, timeout=10), value)
+
+
+@contextlib.asynccontextmanager
+async def learned_pair(cluster: rvz.ClusterSpec,
+                       name: str) -> AsyncIterator[tuple[rvz.Node, rvz.Node, rvz.Key, np.ndarray]]:
+    """Recv-Driven nodes over the fake device, key ``name`` learned as 50000 float64, and
+    a buffer that takes such values."""
+    async with pair(cluster, "recv", transport="verbs", onesided=OPTS) as (w, p):
+        k = key(name)
+        await learned(w, p, k, np.zeros(50000, np.float64))
+        yield w, p, k, np.zeros(50000, np.float64)
+
+
+async def offered(p: rvz.Node, fabric: Fabric, k: rvz.Key, buf: Any,
+                  **kw: Any) -> asyncio.Future[Any]:
+    """A recv of ``k`` into ``buf`` that waits with its buffer registered."""
+    recv = asyncio.ensure_future(p.recv(k, into=buf, **kw))
+    await eventually(lambda: recv.done() or registered(fabric, buf), "the buffer is offered")
+    assert not recv.done()
+    return recv
+
+
+@pytest.mark.loop_timeout(30)
+async def test_a_recv_driven_value_is_written_straight_into_the_buffer(
+        cluster: rvz.ClusterSpec, fabric: Fabric) -> None:
+    async with pair(cluster, "recv", transport="verbs", onesided=OPTS) as (w, p):
+        k = key("into")
+        await learned(w, p, k, np.zeros(MiB // 4, np.float32))
+        buf = np.zeros(MiB // 4, np.float32)
+        for i in range(3):
+            landed, copied = into_stats(p)
+            recv = await offered(p, fabric, k, buf, timeout=10)
+            sent = np.arange(MiB // 4, dtype=np.float32) + i
+            await w.send(k, sent)
+            assert (await recv) is buf and np.array_equal(buf, sent)
+            assert into_stats(p) == (landed + buf.nbytes, copied)   # landed, nothing copied
+            assert not registered(fabric, buf)                       # deregistered once answered
+        raw = bytearray(MiB)                                         # raw bytes take any value
+        recv = await offered(p, fabric, k, raw, timeout=10)
+        await w.send(k, sent + 1)
+        assert (await recv) is raw and np.array_equal(np.frombuffer(raw, np.float32), sent + 1)
+        assert not registered(fabric, raw)
+        # A value queued before its recv is copied in, and a strided buffer copies too.
+        await w.send(k, sent + 2)
+        await eventually(lambda: any(s["queued_values"] for s in p.stats()["steps"].values()),
+                         "the value is queued")
+        landed, copied = into_stats(p)
+        assert (await p.recv(k, into=buf, timeout=10)) is buf and np.array_equal(buf, sent + 2)
+        assert into_stats(p) == (landed, copied + buf.nbytes)
+        column = np.zeros((MiB // 4, 2), np.float32)
+        recv = asyncio.ensure_future(p.recv(k, into=column[:, 1], timeout=10))
+        await eventually(lambda: waiting_recvs(p) == 1, "the recv waits")
+        assert not registered(fabric, column)
+        await w.send(k, sent + 3)
+        await recv
+        assert np.array_equal(column[:, 1], sent + 3) and not column[:, 0].any()
+        assert into_stats(p)[1] == copied + 2 * buf.nbytes
+
+
+@pytest.mark.loop_timeout(30)
+async def test_a_value_that_does_not_fit_the_buffer_stays_queued(cluster: rvz.ClusterSpec,
+                                                                 fabric: Fabric) -> None:
+    async with learned_pair(cluster, "into-fit") as (w, p, k, buf):
+        # The producer's value differs from the shape learned: it says so, the buffer is not
+        # offered again, and the value arrives in rvz's memory and goes back to the queue.
+        recv = await offered(p, fabric, k, buf, timeout=10)
+        await w.send(k, np.ones(60000, np.float64))
+        with pytest.raises(rvz.BufferMismatch, match=r"shape \(60000,\)"):
+            await recv
+        assert not registered(fabric, buf) and not buf.any()
+        assert np.array_equal(await p.recv(k, timeout=10), np.ones(60000))
+        # A buffer that does not take the value learned is never offered.
+        small = np.zeros(10, np.float64)
+        recv = asyncio.ensure_future(p.recv(k, into=small, timeout=10))
+        await eventually(lambda: waiting_recvs(p) == 1, "the recv waits")
+        assert not registered(fabric, small)
+        await w.send(k, np.full(60000, 2.0))
+        with pytest.raises(rvz.BufferMismatch):
+            await recv
+        assert (await p.recv(k, timeout=10))[0] == 2.0
+
+
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+@pytest.mark.loop_timeout(30)
+async def test_a_recv_that_stops_waiting_before_the_answer_leaves_no_registration(
+        cluster: rvz.ClusterSpec, fabric: Fabric, how: str) -> None:
+    async with learned_pair(cluster, "into-parked") as (w, p, k, buf):
+        recv = await offered(p, fabric, k, buf, timeout=30 if how == "cancel" else 0.3)
+        if how == "cancel":
+            recv.cancel()
+        with pytest.raises(asyncio.CancelledError if how == "cancel" else TimeoutError):
+            await recv
+        assert not registered(fabric, buf)
+        await w.send(k, np.full(50000, 4.0))
+        assert bool((await p.recv(k, timeout=10) == 4.0).all())
+        assert not buf.any()
+
+
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+@pytest.mark.loop_timeout(40)
+async def test_a_recv_that_stops_waiting_while_the_write_is_in_flight_loses_nothing(
+        cluster: rvz.ClusterSpec, fabric: Fabric, how: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The buffer is deregistered as the recv stops: the producer's write, still in flight,
+    fails at the producer (as on a device), the pair connects again, and the value is sent
+    again, to the next recv; the buffer never sees it."""
+    async with learned_pair(cluster, "into-flight") as (w, p, k, buf):
+        # (the timeout leaves the time to start the write, even on a loaded machine)
+        recv = await offered(p, fabric, k, buf, timeout=30 if how == "cancel" else 2.0)
+        fabric.held = []
+        await w.send(k, np.full(50000, 7.0))
+        await eventually(lambda: bool(fabric.held), "the answer's write is in flight")
+        if how == "cancel":
+            recv.cancel()
+        with pytest.raises(asyncio.CancelledError if how == "cancel" else TimeoutError):
+            await recv
+        assert not registered(fabric, buf)
+        with caplog.at_level(logging.WARNING, "rvz"):
+            fabric.release()
+            got = await p.recv(k, timeout=10)
+        assert any("REM_ACCESS_ERR" in r.getMessage() for r in caplog.records)
+        assert bool((got == 7.0).all()) and got.shape == (50000,)
+        assert not buf.any()
+        await w.send(k, np.full(50000, 8.0), timeout=10)   # the pair works on
+        assert (await p.recv(k, into=buf, timeout=10)) is buf and bool((buf == 8.0).all())
+
+
+@pytest.mark.loop_timeout(30)
+async def test_a_write_done_before_the_recv_stops_goes_to_the_next_recv_once(
+        cluster: rvz.ClusterSpec, fabric: Fabric) -> None:
+    """The answer lands and its completion waits in the queue as the recv is cancelled:
+    the recv gets it, or the fence takes the completion and the next recv gets a copy."""
+    async with learned_pair(cluster, "into-done") as (w, p, k, buf):
+        recv = await offered(p, fabric, k, buf, timeout=10)
+        await w.send(k, np.full(50000, 5.0))   # written at once by the fake device
+        recv.cancel()
+        try:
+            got = await recv
+        except asyncio.CancelledError:
+            got = await p.recv(k, timeout=10)
+            assert not np.shares_memory(got, buf)
+        assert bool((got == 5.0).all())
+        assert not registered(fabric, buf)
+        await w.send(k, np.full(50000, 6.0))
+        assert (await p.recv(k, timeout=10))[0] == 6.0   # nothing of the first value is left
+
+
+@pytest.mark.loop_timeout(40)
+async def test_a_completion_seen_only_after_the_fence_makes_the_value_come_again(
+        cluster: rvz.ClusterSpec, fabric: Fabric, caplog: pytest.LogCaptureFixture) -> None:
+    """The payload landed while the recv waited, but its completion shows only after the
+    recv stopped: the buffer is the caller's by then, so the channel resets and the
+    producer sends the value again, whole, to the next recv."""
+    async with learned_pair(cluster, "into-late") as (w, p, k, buf):
+        recv = await offered(p, fabric, k, buf, timeout=10)
+        fabric.unseen = []
+        await w.send(k, np.full(50000, 3.0))
+        await eventually(lambda: bool(fabric.unseen), "the write landed, unseen")
+        recv.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await recv
+        assert not registered(fabric, buf)
+        buf[:] = -1                                    # the caller's again
+        with caplog.at_level(logging.WARNING, "rvz"):
+            fabric.deliver()
+            got = await p.recv(k, timeout=10)
+        assert any("had stopped waiting" in r.getMessage() for r in caplog.records)
+        assert bool((got == 3.0).all()) and not np.shares_memory(got, buf)
+        assert bool((buf == -1).all())
+        await w.send(k, np.full(50000, 9.0), timeout=10)
+        assert (await p.recv(k, timeout=10))[0] == 9.0
+
+
+@pytest.mark.loop_timeout(30)
+async def test_an_aborted_step_fences_its_recvs_buffer(cluster: rvz.ClusterSpec,
+                                                       fabric: Fabric) -> None:
+    async with learned_pair(cluster, "into-step") as (w, p, k, buf):
+        recv = asyncio.ensure_future(p.step(5).recv(k, into=buf, timeout=10))
+        await eventually(lambda: recv.done() or registered(fabric, buf), "the buffer is offered")
+        await p.cleanup_step(5)
+        with pytest.raises(rvz.Aborted):
+            await recv
+        assert not registered(fabric, buf)
+        await w.send(k, np.full(50000, 2.0))
+        assert (await p.recv(k, into=buf, timeout=10)) is buf and bool((buf == 2.0).all())
+
+
+@pytest.mark.loop_timeout(30)
+async def test_recv_many_into_copies_over_verbs(cluster: rvz.ClusterSpec, fabric: Fabric) -> None:
+    """``recv_many``'s buffers are never offered: its requests get ordinary destinations
+    at the end of the iteration, and the values are copied in."""
+    async with pair(cluster, "recv", transport="verbs", onesided=OPTS) as (w, p):
+        ka, kb = key("many-a"), key("many-b")
+        await learned(w, p, ka, np.zeros(50000, np.float64))
+        await learned(w, p, kb, np.zeros(50000, np.float64))
+        a, b = np.zeros(50000, np.float64), np.zeros(50000, np.float64)
+        recv = asyncio.ensure_future(p.recv_many([ka, kb], into=[a, b], timeout=10))
+        await eventually(lambda: waiting_recvs(p) == 2, "the batch waits")
+        assert not registered(fabric, a) and not registered(fabric, b)
+        landed, copied = into_stats(p)
+        await w.send_many([(ka, np.full(50000, 1.0)), (kb, np.full(50000, 2.0))])
+        out = await recv
+        assert out[0] is a and out[1] is b
+        assert bool((a == 1.0).all()) and bool((b == 2.0).all())
+        assert into_stats(p) == (landed, copied + a.nbytes + b.nbytes)
+        plain = asyncio.ensure_future(p.recv(ka, timeout=10))   # a recv after it asks as ever
+        await w.send(ka, np.full(50000, 3.0))
+        assert (await plain)[0] == 3.0

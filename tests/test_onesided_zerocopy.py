@@ -198,3 +198,27 @@ async def test_shm_copy_copies_every_value_out_of_the_peers_region(
         for _, view, _, length in channel(w).ep._maps.values():
             view[:] = b"\xff" * length               # the producer writes over all it mapped
         assert bool((got == 5).all())
+
+
+@pytest.mark.loop_timeout(30)
+async def test_a_waiting_recvs_buffer_takes_the_value_with_no_copy_over_verbs_only(
+        cluster: rvz.ClusterSpec, transport: str) -> None:
+    """Over verbs the producer writes the answer into the ``into=`` buffer itself; a shm
+    producer writes only into memory it mapped, never into the consumer's private buffer,
+    so there the value arrives in a destination and is copied in once."""
+    async with pair(cluster, "recv", transport=transport, onesided=OPTS) as (w, p):
+        k = key("zc-into")
+        await w.send(k, np.zeros(MiB // 4, np.float32))
+        await p.recv(k, timeout=10)                    # learns the shape: destinations next
+        buf = np.zeros(MiB // 4, np.float32)
+        for i in range(3):
+            recv = asyncio.ensure_future(p.recv(k, into=buf, timeout=10))
+            await eventually(lambda: bool(channel(p).asks), "the request is out")
+            before = p.stats()["into"]
+            await w.send(k, np.full(MiB // 4, i, np.float32))
+            assert (await recv) is buf and bool((buf == i).all())
+            after = p.stats()["into"]
+            zero_copy = buf.nbytes if transport == "verbs" else 0
+            assert after["landed_bytes"] == before["landed_bytes"] + zero_copy
+            assert after["copied_bytes"] == before["copied_bytes"] + buf.nbytes - zero_copy
+        assert not channel(p)._destinations.offers    # nothing of the caller's stays registered

@@ -13,10 +13,15 @@ cancelled, times out, or its step aborts) as a payload lands in the buffer, the 
 payload goes to memory of the node's own, with what had landed copied over (``unland``),
 before the caller runs again.  The buffer then holds a part of that value; the value itself
 goes to the next recv of its key.
+
+Over a one-sided channel whose provider can register private memory (verbs), a Recv-Driven
+recv offers its buffer itself as the destination of its request (``offer``: see
+rvz/onesided/buffers.py); stopping the recv fences the buffer off (``stop``).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -39,7 +44,7 @@ class Target:
     rvz cannot write), filled when a value comes."""
 
     __slots__ = ("buf", "landings", "array", "code", "dest", "nbytes", "waiter", "decoder",
-                 "landed_value", "meta", "prefix")
+                 "landed_value", "meta", "prefix", "step", "key", "offer", "__weakref__")
 
     def __init__(self, buf: Any, landings: Landings) -> None:
         self.buf = buf
@@ -83,6 +88,11 @@ class Target:
         self.landed_value: Any = None  # the value as the recv gets it: a view of the buffer
         self.meta: tuple = ()  # (code, shape) of the value that lands
         self.prefix = 0  # bytes of it that came before it could land, copied in
+        self.step: Any = None  # the step and key its recv waits on (``Landings.expect``)
+        self.key = ""
+        self.offer: Any = None  # the buffer as a one-sided destination, while it is one
+        # The request a recv sends now may offer this buffer (``Landings.asking``).
+        landings.made = weakref.ref(self)
 
     # -- a payload landing here (called by the decoder) ----------------------------------
 
@@ -97,20 +107,38 @@ class Target:
         """The payload landed whole: the value its recv gets, a view of the buffer; a copy
         if the recv no longer waits for it (it got an earlier value, or gave up)."""
         self.decoder = None
-        code, shape = self.meta
         landings = self.landings
         landings.copied += self.prefix
         landings.landed += self.dest.nbytes - self.prefix
-        if code == BYTES_CODE:
-            view: Any = self.dest
-        elif self.array is not None:
-            view = self.array
-        else:
-            view = np.frombuffer(self.dest, DTYPES[code]).reshape(shape)
+        view = self._view()
         if self.waiter is None or self.waiter.done():
             return self._copy(view)
         self.landed_value = view
         return view
+
+    def written(self, code: int, shape: tuple, first: bool) -> Any:
+        """A one-sided write put a whole value of ``code`` and ``shape`` in the buffer: the
+        buffer itself (landed) if its recv is the one the value goes to (``first``: no value
+        of the key goes ahead of it); else a copy, which the buffer's recv never sees."""
+        self.meta = (code, shape)
+        self.prefix = 0
+        view = self._view()
+        waiter = self.waiter
+        table = self.landings.tables.get(self.step)
+        if (not first or waiter is None or waiter.done() or table is None
+                or table.head_waiter(self.key) is not waiter):
+            return self._copy(view)
+        self.landings.landed += self.dest.nbytes
+        self.landed_value = view
+        return view
+
+    def _view(self) -> Any:
+        code, shape = self.meta
+        if code == BYTES_CODE:
+            return self.dest
+        if self.array is not None:
+            return self.array
+        return np.frombuffer(self.dest, DTYPES[code]).reshape(shape)
 
     # -- the recv's side -------------------------------------------------------------------
 
@@ -118,6 +146,8 @@ class Target:
         """The recv is done with the buffer: nothing more lands in it."""
         if self.decoder is not None:
             self.decoder.unland()
+        if self.offer is not None:
+            self.offer.fence()
 
     def fill(self, value: Any, key: str) -> Any:
         """The recv got ``value``: the buffer, holding it.  ``BufferMismatch`` if it does not
@@ -158,6 +188,11 @@ class Target:
         array = self.array
         return f"a {array.dtype} buffer of shape {array.shape} ({array.nbytes} bytes)"
 
+    def fits(self, code: int, shape: tuple, nbytes: int) -> bool:
+        """Whether a value of ``code``, ``shape`` and ``nbytes`` fits the buffer as it is,
+        with no copy (a C-contiguous buffer)."""
+        return self.dest is not None and self._fits(code, shape, nbytes)
+
     def _fits(self, code: int, shape: tuple, nbytes: int) -> bool:
         if self.array is None:
             return nbytes == self.nbytes
@@ -170,13 +205,27 @@ class Landings:
     """A node's recvs that wait with an ``into=`` buffer, and the bytes that reached such
     buffers; the decoders' ``land`` (a ``Core`` holds one, as ``into``)."""
 
-    __slots__ = ("tables", "waiting", "landed", "copied")
+    __slots__ = ("tables", "waiting", "landed", "copied", "made")
 
     def __init__(self, tables: dict) -> None:
         self.tables = tables  # the node's step tables (``Steps.tables``)
         self.waiting: dict[Any, Target] = {}  # a waiting recv's future -> its buffer
         self.landed = 0  # bytes received straight into buffers
         self.copied = 0  # bytes copied into them
+        self.made: Any = None  # a weak reference to the buffer of the recv that runs now
+
+    def asking(self) -> bool:
+        """Whether a recv with a buffer may be sending its request now: the last buffer made
+        has not waited nor taken a value yet.  (A hint only: the buffer is offered once its
+        recv waits, ``expect``; ``recv_many``'s buffers never are.)"""
+        made = self.made
+        if made is None:
+            return False
+        target = made()
+        if target is None or target.waiter is not None:
+            self.made = None
+            return False
+        return True
 
     def land(self, step: Any, request_id: Any, key: str, code: int, shape: tuple,
              nbytes: Any) -> Target | None:
@@ -199,7 +248,17 @@ class Landings:
         to it may land in its buffer (``land``); one already arriving when it is next in
         line moves there, what came of it copied over (``Decoder.adopt``)."""
         target.waiter = waiter
+        target.step = step
+        target.key = key
         self.waiting[waiter] = target
+        self.made = None
+        if peer is not None and target.dest is not None:
+            # Recv-Driven over a channel that can write into the buffer: offered as the
+            # destination of the request this recv just sent (rvz/onesided/buffers.py).
+            for conn in peer.live_connections():
+                dataplane = conn.dataplane
+                if dataplane is not None and dataplane.claim(target):
+                    return
         # (``peer.arriving``: pushes of it whose payload is on its way; none when Recv-Driven)
         if (peer is None or not peer.arriving or target.dest is None
                 or table.head_waiter(key) is not waiter):
@@ -214,6 +273,7 @@ class Landings:
 def fill_taken(core: Any, target: Target, key: Any, step: Any, value: Any) -> Any:
     """A recv with ``into=`` took ``value`` from its queue: the buffer, holding it.  A value
     that does not fit goes back to the head of the queue (``BufferMismatch``)."""
+    core.into.made = None
     route = core.own_route(key, False)
     table = core.steps.table(step)
     took = table.took

@@ -34,7 +34,7 @@ class ControlIn:
         self._ops: dict[str, Callable[[dict[str, Any]], None]] = {
             # to the producer: the consumer's memory, offered and taken back
             "slots": out.on_slots, "revoke": out.on_revoke, "unmap": out.on_unmap,
-            "dest": out.on_dest,
+            "dest": out.on_dest, "later": out.on_later,
             # to the consumer: the producer's wants and answers to ours
             "want": grants.on_want, "rel": grants.on_rel,
             "meta": destinations.on_meta, "gone": destinations.on_gone,

@@ -34,7 +34,7 @@ from .layout import (
     slot_header_size,
 )
 from .pool import Block, Pool
-from .regions import SLOT, PeerRegions
+from .regions import BUFFER, FENCED, SLOT, PeerRegions
 
 if TYPE_CHECKING:
     from .destinations import Destinations
@@ -57,6 +57,7 @@ class Delivery:
     def __init__(self, channel: Channel, regions: PeerRegions, grants: SlotGrants,
                  destinations: Destinations) -> None:
         engine = channel.engine
+        self._channel = channel
         self._conn = channel.conn
         self._pool = channel.pool
         self._node = engine.node
@@ -67,6 +68,8 @@ class Delivery:
         self._copy = engine.copy_out     # Node(shm_copy=True): never lend a peer's memory
         self._partial: dict[str, list[Any]] = {}       # key -> a value arriving in pieces
         self._events: list[tuple[Any, ...]] = []
+        # Values written into recvs' buffers among the events: (index, into= target).
+        self._landed: list[tuple[int, Any]] = []
 
     def on_write(self, imm: int, nbytes: int) -> None:
         """The peer's write of ``nbytes`` into the target numbered ``imm`` completed."""
@@ -85,6 +88,9 @@ class Delivery:
                     self._regions.arena.free(block)
             if event is None:
                 return
+        elif target.kind >= BUFFER:
+            self._into_buffer(imm, target, nbytes)
+            return
         else:
             try:
                 if nbytes != target.nbytes + SEQ_TRAILER.size:
@@ -102,6 +108,33 @@ class Delivery:
         step, request_id, code, shape, size, value, _, seq = event
         self._remember(key, code, shape, size)
         self._events.append((_codec.DATA, step, request_id, key, value, seq))
+
+    def _into_buffer(self, imm: int, target: Any, nbytes: int) -> None:
+        """The trailer of an answer written into a recv's buffer: the payload is there."""
+        arena = self._regions.dest_arena
+        try:
+            if target.kind == FENCED:
+                # The payload went in before the fence, the completion came after it: the
+                # buffer is the caller's again.  A reset makes the producer send it again.
+                self._channel.fail(ConnectionResetError(
+                    f"{self._channel.name}: an answer for key {target.key} was written into "
+                    "a recv's buffer that had stopped waiting"))
+                return
+            if nbytes != SEQ_TRAILER.size:
+                raise TransportError(f"write of {nbytes} bytes into the trailer of key "
+                                     f"{target.key}")
+            (seq,) = SEQ_TRAILER.unpack_from(target.block.view(0, SEQ_TRAILER.size))
+        finally:
+            arena.free(target.block)
+        offer = self._destinations.written(target.request_id)
+        if offer is None:
+            raise TransportError(f"write into the buffer of a request settled already "
+                                 f"(key {target.key})")
+        key = target.key
+        self._remember(key, target.code, target.shape, target.nbytes)
+        self._landed.append((len(self._events), offer.target))
+        self._events.append((_codec.DATA, target.step, target.request_id, key,
+                             (target.code, target.shape), seq))
 
     def _on_slot(self, block: Block, key: str, nbytes: int) -> tuple[Any, ...] | None:
         """A filled slot: the whole value, or one piece of a larger one (then ``None``
@@ -212,7 +245,21 @@ class Delivery:
         events = self._events
         if events:
             self._events = []
+            if self._landed:
+                self._buffers(events)
             self._conn.deliver(events)
+
+    def _buffers(self, events: list[tuple[Any, ...]]) -> None:
+        """The values written into recvs' buffers, as they go to the node now: the buffer
+        itself for a recv that gets it (no value of its key ahead of it), else a copy."""
+        data = _codec.DATA
+        keys = [event[3] if event[0] == data else None for event in events]
+        for index, into in self._landed:
+            event = events[index]
+            code, shape = event[4]
+            first = event[3] not in keys[:index]
+            events[index] = (*event[:4], into.written(code, shape, first), event[5])
+        self._landed = []
 
     def close(self) -> None:
         for part in self._partial.values():

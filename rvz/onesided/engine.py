@@ -11,13 +11,15 @@ the producer gave the value (see ``layout.SLOT_HDR``).
 
 A channel is made of parts, each owning its state in a module of its own: ``regions`` (the
 memory the peer may write), ``grants`` (the slots granted to it), ``destinations`` (those
-offered for our requests), ``delivery`` (what arrives), ``outbound`` (what we write) and
+offered for our requests, with ``buffers``: a recv's ``into=`` buffer offered as one),
+``delivery`` (what arrives), ``outbound`` (what we write) and
 ``control`` (the peer's control messages); ``layout`` holds the bytes they exchange.
 
 Isolation: the memory a peer may write is a *region per peer*, carved only into that peer's
 slots (``PeerRegions.arena``) and destinations (``PeerRegions.dest_arena``); the consumer's
 own pool (``Engine.pool``), which holds copied and assembled values, is never described to
-any peer.  A completed write is handed to the application in place, as an array over the
+any peer (a recv's ``into=`` buffer is offered to one peer, over verbs, only while its request
+is out: ``buffers``).  A completed write is handed to the application in place, as an array over the
 slot or destination, which stays taken until that array dies (``Delivery``): a peer that
 keeps writing where it was never granted could change it.  ``Node(shm_copy=True)`` copies
 every value out of the peer's region into the pool first, so a peer can never touch an
@@ -299,6 +301,7 @@ class Channel:
         self.send_credit = self._out.send_credit
         self.answered_here = self._out.answered_here
         self.on_request = self._destinations.on_request
+        self.claim = self._destinations.claim
         self.deliver = self._delivery.deliver
         self.on_frames = ControlIn(self, self._out, self._grants, self._destinations).on_frames
 

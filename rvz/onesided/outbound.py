@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 _codec = _impl.codec
 _WAITING = object()        # remote_dests marker: we sent META and wait for the re-ask
+_LATER = object()          # remote_dests marker: the consumer's destination follows (``later``)
 _REMOTE_DESTS_MAX = 1 << 16
 _KEYS_MAX = 1 << 16
 
@@ -211,7 +212,11 @@ class Outbound:
         else:
             sources = [(v, 0, 0) for v in views]
         self.writes += 1
-        if not self._ep.write(sources, addr, rkey, imm, wr_id):
+        if imm < 0:   # a plain write (no immediate): the write after it says it is done
+            done = self._ep.write_plain(sources, addr, rkey, wr_id)
+        else:
+            done = self._ep.write(sources, addr, rkey, imm, wr_id)
+        if not done:
             self.inflight[wr_id] = (keep, staged)
         elif staged is not None:
             self._pool.free(staged)
@@ -278,14 +283,18 @@ class Outbound:
     def _try_answer(self, item: tuple[Any, ...]) -> bool:
         step, request_id, key, value, code, shape, nbytes, seq = item
         dest = self._remote_dests.pop(request_id, None)
-        if dest is _WAITING:
-            self._remote_dests[request_id] = _WAITING
+        if dest is _WAITING or dest is _LATER:
+            self._remote_dests[request_id] = dest
             return False
         if dest is not None:
-            imm, addr, rkey, _, dcode, dshape, dnbytes = dest
+            imm, addr, rkey, trailer, dcode, dshape, dnbytes = dest
             if dcode == code and dshape == shape and dnbytes == nbytes:
-                self._post_write([payload_view(value), memoryview(SEQ_TRAILER.pack(seq))],
-                                 addr, rkey, imm, value)
+                number = memoryview(SEQ_TRAILER.pack(seq))
+                if trailer is None:
+                    self._post_write([payload_view(value), number], addr, rkey, imm, value)
+                else:   # a recv's buffer: the payload, then its number with the immediate
+                    self._post_write([payload_view(value)], addr, rkey, -1, value)
+                    self._post_write([number], trailer[0], trailer[1], imm, value)
                 return True
         if fits_inline(key, shape, nbytes, self._inline_limit):
             self._send_inline(item)   # the consumer frees the destination it had, if any
@@ -354,12 +363,23 @@ class Outbound:
         request_id = int(f["r"])
         for desc in f.get("m", ()):
             self._ep.add_region(desc)
-        self._remote_dests[request_id] = (int(f["i"]), int(f["a"]), int(f["rk"]), int(f["n"]),
+        trailer = f.get("t")
+        if trailer is not None:   # the buffer of the consumer's recv (buffers.py)
+            if not hasattr(self._ep, "write_plain"):
+                raise TransportError(f"{self._channel.name} cannot write into a recv's buffer")
+            trailer = (int(trailer[0]), int(trailer[1]))
+        self._remote_dests[request_id] = (int(f["i"]), int(f["a"]), int(f["rk"]), trailer,
                                           int(f["c"]), tuple(int(d) for d in f["s"]), int(f["n"]))
         if len(self._remote_dests) > _REMOTE_DESTS_MAX:
             self._evict_dests()
         if f.get("re"):
             self._drain_pending(str(f["k"]))
+
+    def on_later(self, f: dict[str, Any]) -> None:
+        """The destination of a request that follows comes after it: its answer waits."""
+        self._remote_dests[int(f["r"])] = _LATER
+        if len(self._remote_dests) > _REMOTE_DESTS_MAX:
+            self._evict_dests()
 
     def _evict_dests(self) -> None:
         # Entries of requests that were answered with ERROR are never claimed; drop the oldest.

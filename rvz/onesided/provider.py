@@ -15,6 +15,13 @@ the copy.  It offers what RDMA verbs offer, and nothing else:
   immediate value: the bytes of ``sources`` land contiguously at ``remote_addr`` in the
   peer's registered memory, then the peer's completion queue reports ``(RECV_WRITE, its
   endpoint id, imm, length)``;
+* ``Endpoint.write_plain(sources, remote_addr, rkey, wr_id)`` (verbs only): the same write
+  without an immediate, which the peer does not see complete; a write with an immediate
+  posted after it on the endpoint completes after it has landed;
+* ``register_memory(addr, length) -> Region`` (only when ``registers_private``): memory of
+  the process's own (a recv's ``into=`` buffer) registered for the peer to write, until
+  ``deregister``; after that the device writes nothing into it, and a peer's write into it
+  fails at the peer.  shm cannot: a peer writes only into memory it can map;
 * ``Endpoint.send(parts, wr_id)``: a small two-sided message (at most ``max_message``
   bytes) that the peer's completion queue reports as ``(RECV_MSG, endpoint id, bytes)``.
 
@@ -100,12 +107,15 @@ class Provider(Protocol):
     max_message: int
     tcp_max: int  # default of Options.tcp_max: keys first pushed up to it stay on TCP
     answer_tcp_max: int  # keys first answered up to it stay on TCP (at most tcp_max)
+    registers_private: bool  # ``register_memory`` works: a recv's buffer can be a destination
 
     def open(self) -> None: ...
 
     def host_info(self) -> dict[str, Any]: ...
 
     def register(self, length: int) -> Region: ...
+
+    def register_memory(self, addr: int, length: int) -> Region: ...
 
     def deregister(self, region: Region) -> None: ...
 

@@ -14,12 +14,15 @@ from .provider import Provider
 
 SLOT = 1
 DEST = 2
+BUFFER = 3   # the trailer block of a recv's buffer offered as a destination (buffers.py)
+FENCED = 4   # the same once the buffer was fenced off, until its request settles
 _IMM_MAX = (1 << 32) - 1
 ARENA_STEP = 1 << 20       # a peer's region grows by 1 MiB, or by what a slot needs (to a page)
 
 
 class Target:
-    """Memory of ours that the peer may write: a granted slot or a request's destination."""
+    """Memory of ours that the peer may write: a granted slot or a request's destination
+    (for a buffer offer: the block its trailer goes to)."""
 
     __slots__ = ("kind", "block", "key", "step", "request_id", "code", "shape", "nbytes")
 

@@ -79,6 +79,9 @@ class ShmProvider:
     # Answers up to this size too: below it, offering a destination (a control frame
     # before each request), the write and its completion cost more than the TCP answer.
     answer_tcp_max = 64 << 10
+    # A peer writes only into memory it maps (memfds of ours): never into a recv's private
+    # into= buffer, so values reach such a buffer by one copy.
+    registers_private = False
 
     def __init__(self, loop: asyncio.AbstractEventLoop, pipe_size: int = 1 << 20) -> None:
         self.loop = loop
@@ -112,6 +115,9 @@ class ShmProvider:
         rkey = next(self._rkeys)
         return Region(rkey, rkey, _address(view), length, view, handle=(mm, _Fd(fd)),
                       extra={"fd": fd, "ino": os.fstat(fd).st_ino})
+
+    def register_memory(self, addr: int, length: int) -> Region:
+        raise TransportError("shm cannot register private memory: a peer maps only memfds")
 
     def deregister(self, region: Region) -> None:
         mm, fd = region.handle

@@ -106,6 +106,7 @@ class VerbsProvider:
     max_message = MSG_SIZE
     tcp_max = -1  # every value one-sided: not measured on a NIC yet (Options.tcp_max sets it)
     answer_tcp_max = MSG_SIZE  # (with tcp_max set: answers up to one message stay on TCP)
+    registers_private = True   # a recv's into= buffer can be registered as a destination
 
     def __init__(self, loop: asyncio.AbstractEventLoop, device: str | None = None, port: int = 1,
                  gid_index: int | None = None, recv_depth: int = 256, send_depth: int = 256,
@@ -225,11 +226,24 @@ class VerbsProvider:
         self.registered += length
         return Region(int(mr.rkey), int(mr.lkey), addr, length, view, handle=(mm, mr))
 
+    def register_memory(self, addr: int, length: int) -> Region:
+        """A recv's buffer (memory of the process's own), registered for the peer to write."""
+        if not self.opened:
+            raise TransportError("the verbs provider is not open")
+        check_memlock(self.registered, length, "a recv's into= buffer")
+        try:
+            mr = self.pv.mr.MR(self.pd, length, self.access(), address=addr)
+        except Exception as exc:
+            raise TransportError(f"ibv_reg_mr of a buffer of {length} bytes failed: {exc!r}") from exc
+        self.registered += length
+        return Region(int(mr.rkey), int(mr.lkey), addr, length, memoryview(b""), handle=(None, mr))
+
     def deregister(self, region: Region) -> None:
         mm, mr = region.handle
         mr.close()
         region.view.release()
-        mm.close()
+        if mm is not None:
+            mm.close()
         self.registered -= region.length
 
     def create_cq(self) -> VerbsCQ:
@@ -434,14 +448,27 @@ class VerbsEndpoint:
         self._outstanding += 1
 
     def write(self, sources: list[Source], remote_addr: int, rkey: int, imm: int, wr_id: int) -> bool:
+        return self._rdma(sources, remote_addr, rkey, wr_id, imm)
+
+    def write_plain(self, sources: list[Source], remote_addr: int, rkey: int, wr_id: int) -> bool:
+        """An RDMA WRITE without an immediate (the payload of an answer into a recv's buffer,
+        followed by its trailer's write with the immediate)."""
+        return self._rdma(sources, remote_addr, rkey, wr_id, None)
+
+    def _rdma(self, sources: list[Source], remote_addr: int, rkey: int, wr_id: int,
+              imm: int | None) -> bool:
         if self.closed or self.failed:
             raise TransportError(f"verbs QP {self.qpn} is closed")
         pv = self.pv
         sges = [pv.wr.SGE(addr, src.nbytes, lkey) for src, addr, lkey in sources if src.nbytes]
         if not sges:
             sges = [pv.wr.SGE(self.bufs.addr, 0, self.bufs.lkey)]
-        wr = pv.wr.SendWR(wr_id=wr_id, opcode=pv.e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=len(sges),
-                          sg=sges, imm_data=imm)
+        if imm is None:
+            wr = pv.wr.SendWR(wr_id=wr_id, opcode=getattr(pv.e, "IBV_WR_RDMA_WRITE", 0),
+                              num_sge=len(sges), sg=sges)
+        else:
+            wr = pv.wr.SendWR(wr_id=wr_id, opcode=pv.e.IBV_WR_RDMA_WRITE_WITH_IMM,
+                              num_sge=len(sges), sg=sges, imm_data=imm)
         wr.set_wr_rdma(rkey, remote_addr)
         self._post(wr)
         return False
