@@ -119,7 +119,7 @@ async def main() -> None:
     items = [(k, value) for k in KEYS]
     t = time.perf_counter()
     for _ in range(rounds):
-        _impl.batches.send_many(producer, items, None, 0, 0)
+        _impl.batches.send_many(producer, KEYS, _impl.batches.described(items), None, 0, 0)
         peer.credit = 64 << 20
         wire.flush()
         producer.credit.on_ack(wire, peer.tx_seq)

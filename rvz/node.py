@@ -566,22 +566,25 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
                         mode: Mode | None = None, step: int = 0, timeout: float | None = None) -> None:
         """Send several ``(key, value)`` pairs in order, as ``send`` would one by one.
 
-        Every key is checked first (``WrongEndpoint`` before anything is sent).  Pushes to
-        one consumer leave in one write.  If the call times out or is cancelled while one
-        item waits for backpressure, the items before it were sent and the rest were not.
+        Every key and every value is checked first (``WrongEndpoint``, or ``TypeError`` for
+        a value ``send`` would refuse, before anything is sent).  Pushes to one consumer
+        leave in one write.  If the call times out or is cancelled while one item waits for
+        backpressure, the items before it were sent and the rest were not.
         """
         self._entry(timeout)
         batch = list(items)
         core = self._core
-        _batches.check_routes(core, [item[0] for item in batch], True)
+        keys = [item[0] for item in batch]
+        _batches.check_routes(core, keys, True)
         if not batch:
             self._check_empty_batch(step)
             return
+        values = _batches.described(batch)
         assert self._loop is not None
         end = None if timeout is None or self._loop is None else self._loop.time() + timeout
         start = 0
         while True:
-            blocked = _batches.send_many(core, batch, mode, step, start)
+            blocked = _batches.send_many(core, keys, values, mode, step, start)
             if blocked is None:
                 return
             index, pending = blocked

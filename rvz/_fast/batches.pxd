@@ -9,11 +9,14 @@ cdef bint COMPILED
 cdef Py_ssize_t MESSAGE_COST
 
 
-@cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, pushing=bint, item=tuple)
-cpdef object send_many(Core core, list items, object mode, object step, Py_ssize_t start)
+cpdef list described(list items)
+@cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, pushing=bint)
+cpdef object send_many(Core core, list keys, list values, object mode, object step,
+                       Py_ssize_t start)
 @cython.locals(route=Route, peer=Peer, conn=Wire, table=Table, n=Py_ssize_t,
                i=Py_ssize_t, code=int, nbytes=Py_ssize_t, cost=Py_ssize_t, shape=tuple)
-cpdef Py_ssize_t push_many(Core core, list items, Py_ssize_t start, object step) except -1
+cpdef Py_ssize_t push_many(Core core, list keys, list values, Py_ssize_t start,
+                           object step) except -1
 cpdef list check_routes(Core core, list keys, bint sending)
 @cython.locals(route=Route, peer=Peer, last=Peer, ask=bint, i=Py_ssize_t, asks=dict,
                dial=dict, requests=list)

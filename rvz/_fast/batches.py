@@ -19,34 +19,43 @@ except ImportError:  # pure Python without Cython installed
     COMPILED = False
 
 
-def send_many(core: Core, items: list, mode: Any, step: Any, start: int) -> Any:
-    """Send ``items[start:]`` until one must wait: returns ``(index, pending)`` of that
-    one (see ``send``), or None when all went.  Send-Driven runs of values to one peer
-    go by ``push_many``; the rest as ``send`` would."""
-    n = len(items)
+def described(items: list) -> list:
+    """``(value, code, shape, nbytes)`` of the value of every ``(key, value)`` of a batch,
+    made before any is sent: a value ``send`` would refuse (``TypeError``) fails the whole
+    call, and each value is described once."""
+    if COMPILED:  # arrays.pyx's C call, cimported in batches.pxd
+        return [describe_c(item[1]) for item in items]  # type: ignore[name-defined]  # noqa: F821
+    return [describe_value(item[1]) for item in items]
+
+
+def send_many(core: Core, keys: list, values: list, mode: Any, step: Any, start: int) -> Any:
+    """Send ``values[start:]`` (``described``) to ``keys[start:]`` until one must wait:
+    returns ``(index, pending)`` of that one (see ``send``), or None when all went.
+    Send-Driven runs of values to one peer go by ``push_many``; the rest as ``send``
+    would."""
+    n = len(keys)
     i = start
     pushing = core.check_mode(mode) == "send"
     while i < n:
         if pushing:
-            j = push_many(core, items, i, step)
+            j = push_many(core, keys, values, i, step)
             if j > i:
                 i = j
                 continue
-        item = items[i]
-        pending = core.send(item[0], item[1], mode, step, None)
+        pending = core.send(keys[i], values[i][0], mode, step, None)
         if pending is not None:
             return (i, pending)
         i += 1
     return None
 
 
-def push_many(core: Core, items: list, start: int, step: Any) -> int:
-    """Push ``items[start:]`` to one peer as far as ``push`` would write each at once
+def push_many(core: Core, keys: list, values: list, start: int, step: Any) -> int:
+    """Push ``values[start:]`` to one peer as far as ``push`` would write each at once
     (the same peer, an ``open_link``, credit for each, no parked request for its key),
     without ``send``'s work per item; the link's buffer packs the small ones into
     DATA_MANY frames.  Returns the index of the first item not pushed (``start`` when
     none was: the caller sends that one alone)."""
-    route = core.own_route(items[start][0], True)
+    route = core.own_route(keys[start], True)
     peer = route.peer
     if peer is None:
         return start
@@ -54,19 +63,16 @@ def push_many(core: Core, items: list, start: int, step: Any) -> int:
     if conn is None:
         return start
     table = core.steps.table(step)
-    n = len(items)
+    n = len(keys)
     i = start
     while i < n:
         if i > start:
-            route = core.own_route(items[i][0], True)
+            route = core.own_route(keys[i], True)
             if route.peer is not peer:
                 break
         if table.waiting(route.text):  # a consumer's request is parked: answer it
             break
-        if COMPILED:  # arrays.pyx's C call, cimported in batches.pxd
-            value, code, shape, nbytes = describe_c(items[i][1])  # type: ignore[name-defined]  # noqa: F821
-        else:
-            value, code, shape, nbytes = describe_value(items[i][1])
+        value, code, shape, nbytes = values[i]
         cost = nbytes + MESSAGE_COST
         if peer.credit < cost:
             break

@@ -125,11 +125,10 @@ class Peer:
         self.hold_reserved = 0
         # Exactly-once delivery across reconnects of one incarnation (``Credit.resend``).
         # As its producer: the number of the last value we sent it, and the values it has
-        # not acknowledged yet, ``unacked[unacked_head:]`` (up to ``tx_seq``, UNACKED items
-        # a value: its step, request_id, key and the value), kept to be sent again after a
-        # reconnect (a flat list and an index: appending is a C call, and no tuple a value
-        # lives on for the garbage collector to walk until its ACK); the credit it returned,
-        # as its running total (a CREDIT lost with a connection is made up by the next one).
+        # not acknowledged yet, ``unacked[unacked_head:]`` (UNACKED items a value, flat: no
+        # tuple lives on for the garbage collector to walk until the ACK), kept to be sent
+        # again after a reconnect; the credit it returned, as its running total (a CREDIT
+        # lost with a connection is made up by the next one).
         self.tx_seq = 0
         self.unacked: list = []
         self.unacked_head = 0
