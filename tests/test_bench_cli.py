@@ -61,6 +61,7 @@ RENDEZVOUS_ROW = {"order", "mode", "size", "rounds", "warmup_rounds", "loop", "i
 TORCH = importlib.util.find_spec("torch") is not None
 TARGET = {"id", "target", "required", "figure", "met", "detail", "kind"}
 TARGET_IDS = {"stream-send-64B-vs-pyzmq", "batch-send-64B-vs-pyzmq", "compiled-vs-python-64B",
+              "one-in-flight-64B-vs-pyzmq",
               "one-in-flight-4K", "holds-previous-send", "holds-previous-recv",
               "pingpong-recv-64B", "pingpong-send-64B", "rendezvous-consumer-first",
               "stream-send-4M", "stream-send-64M", "stream-send-4K", "rendezvous-producer-first",
@@ -124,7 +125,8 @@ def test_stream(tmp_path: Path, loop: str) -> None:
     assert r["options"]["sizes"] == [64, 80 << 10]
     rows = r["stream"]
     expected = {(v, None, s) for s in (64, 80 << 10) for v in BASE_VARIANTS}
-    expected |= {("rvz", m, s) for s in (64, 80 << 10) for m in ("send", "recv")}
+    expected |= {(v, m, s) for s in (64, 80 << 10) for m in ("send", "recv")
+                 for v in (("rvz", "rvz-one") if s == 64 else ("rvz",))}  # 1 in flight: 64B, 4K
     if BATCH:  # batch rows up to 4K only
         expected |= {("rvz-batch", m, 64) for m in ("send", "recv")}
     assert {(row["variant"], row["mode"], row["size"]) for row in rows} == expected
@@ -231,11 +233,12 @@ def test_all_is_the_default(tmp_path: Path) -> None:
     assert r["command"] == "all"
     assert r["stream"] and r["pingpong"] and r["rendezvous"]
     variants = {(row["variant"], row["mode"], row["size"]) for row in r["stream"]}
-    # the one-in-flight row at 4K (Send-Driven in all), next to its blocking-socket baseline
-    assert {("rvz-one", "send", 4096), ("socket", None, 4096)} <= variants
+    # the one-in-flight rows at 64B and 4K (Send-Driven in all), next to their baselines
+    assert {("rvz-one", "send", 64), ("rvz-one", "send", 4096), ("socket", None, 4096)} <= variants
     assert (("rvz-batch", "send", 64) in variants) == BATCH
     assert (("zmq", None, 64) in variants) == PYZMQ
-    one = next(row for row in r["stream"] if row["variant"] == "rvz-one" and row["mode"] == "send")
+    one = next(row for row in r["stream"]
+               if row["variant"] == "rvz-one" and row["mode"] == "send" and row["size"] == 4096)
     assert one["in_flight"] == 1 and one["label"] == "rvz send-driven 1 in flight"
     assert {t["id"]: t for t in r["targets"]}["one-in-flight-4K"]["figure"] == one["ratio_socket"]
     comp = r["impl_compare"]
@@ -528,7 +531,7 @@ def test_stream_rows_of_each_call_pattern(tmp_path: Path) -> None:
     rows = r["stream"]
     expected = {(v, None, s) for s in (64, 4096, 262144) for v in BASE_VARIANTS}
     expected |= {("rvz", "send", s) for s in (64, 4096, 262144)}
-    expected |= {("rvz-one", "send", 4096), ("rvz-hold", "send", 262144),
+    expected |= {("rvz-one", "send", 64), ("rvz-one", "send", 4096), ("rvz-hold", "send", 262144),
                  ("rvz-into", "send", 262144)}
     if BATCH:
         expected |= {("rvz-batch", "send", 64), ("rvz-batch", "send", 4096)}
@@ -648,6 +651,7 @@ def test_targets_use_the_rows_they_name() -> None:
     stream = [srow("zmq", None, 64, 0.064), srow("socket", None, 4096, 2.0),
               srow("rvz", "send", 64, 0.032, concurrency=64),
               srow("rvz-batch", "send", 64, 0.070, batch=64),
+              srow("rvz-one", "send", 64, 0.080),
               srow("rvz-one", "send", 4096, 1.5), srow("rvz-one", "recv", 4096, 0.1)]
     for size, ratios in ((256 << 10, (0.95, 0.5)), (4 << 20, (0.91, 0.99)), (64 << 20, (1.2, 1.0))):
         stream.append(srow("socket", None, size, 4.0))
@@ -674,6 +678,8 @@ def test_targets_use_the_rows_they_name() -> None:
     assert t["stream-send-64B-vs-pyzmq"]["figure"] == pytest.approx(0.5)
     assert t["stream-send-64B-vs-pyzmq"]["met"] is True
     assert t["batch-send-64B-vs-pyzmq"]["figure"] == pytest.approx(70 / 64)
+    one = t["one-in-flight-64B-vs-pyzmq"]  # a level reached, kept: rvz's plain loop vs pyzmq's
+    assert one["figure"] == pytest.approx(80 / 64) and one["met"] is True and one["kind"] == "keep"
     assert t["one-in-flight-4K"]["figure"] == pytest.approx(0.75)  # send-driven, not recv
     assert t["one-in-flight-4K"]["met"] is False
     # the worst size of each mode counts

@@ -64,7 +64,7 @@ BASELINES = ("socket", "streams", "zmq", SOCKET_REPLY, MEMCPY)
 HOLD_TCP = "rvz-hold-tcp"
 ONESIDED = ("shm", "verbs")
 BATCH_MAX_SIZE = 4 << 10    # batch rows up to this size (the small-message regime)
-ONE_IN_FLIGHT_SIZE = 4 << 10
+ONE_IN_FLIGHT_SIZES = (64, 4 << 10)
 HOLD_MIN_SIZE = 256 << 10   # "holds previous" rows from this size (the receive pool's range)
 # "into" rows: the consumer receives into= one preallocated buffer per lane, torch tensors
 # both ways where torch is installed (compared with the holds-previous numpy stream).
@@ -515,7 +515,7 @@ class Bench:
         if (size <= BATCH_MAX_SIZE and self.opts.batch and not self.batch_missing
                 and not (lean and size != 64)):
             out += [("rvz-batch", mode) for mode in modes]
-        if size == ONE_IN_FLIGHT_SIZE:
+        if size in ONE_IN_FLIGHT_SIZES:
             out += [("rvz-one", mode) for mode in modes if not (lean and mode != "send")]
         if size >= HOLD_MIN_SIZE:
             out += [("rvz-hold", mode) for mode in modes]
