@@ -178,7 +178,9 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
     for the sends to the others, so one lost consumer does not stall the live ones.
     ``linger`` bounds how long ``close()`` keeps serving held values.
     Up to ``recv_pool`` bytes of memory for large received arrays are kept and used again once
-    every array on a block is gone (0: allocate each array anew).
+    every array on a block is gone, and small received arrays (below 64 KiB) are kept, up to
+    an eighth of that (8 MiB at most), and written over with a new value once nothing refers
+    to them (0: allocate each array anew).
     ``busy_poll`` > 0 keeps the event loop polling instead of sleeping while a recv waits on
     a peer, for up to that many seconds after the last such recv began: a CPU spins, and a
     small round trip no longer pays the wake-up of an idle one (see ``rvz.poll``).

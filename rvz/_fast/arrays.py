@@ -10,6 +10,7 @@ a microsecond of calls.  ``rvz._impl`` picks one, like the other hot-path module
 from __future__ import annotations
 
 import struct
+import weakref
 from typing import Any
 
 import numpy as np
@@ -121,3 +122,37 @@ def new_array(code: int, shape: tuple, src: bytearray, offset: int, nbytes: int)
     if len(shape) != 1:
         value = value.reshape(shape)
     return value
+
+
+def same_array(arr: Any, code: int, shape: tuple, flags: int) -> bool:
+    """Whether ``arr`` is still exactly as the decoder made it for wire ``code`` and ``shape``
+    (``flags`` being what ``array_flags`` read then): its dtype, shape, C strides and flags
+    unchanged, and no weak reference to it, so a new value may be written into it."""
+    if weakref.getweakrefcount(arr) or arr.flags.num != flags:
+        return False
+    dtype = DTYPES[code]
+    if arr.dtype is not dtype or arr.shape != shape:
+        return False
+    stride = dtype.itemsize
+    strides = arr.strides
+    for i in range(len(shape) - 1, -1, -1):
+        if strides[i] != stride:
+            return False
+        stride *= shape[i]
+    return True
+
+
+def array_flags(arr: Any) -> int:
+    """numpy's flags of ``arr``, as one integer."""
+    return int(arr.flags.num)
+
+
+def refill(arr: Any, src: bytearray, offset: int, nbytes: int) -> None:
+    """Copy ``src[offset:offset + nbytes]`` over the whole of ``arr`` (C-contiguous, of
+    exactly ``nbytes`` bytes)."""
+    arr.reshape(-1).view(np.uint8)[:] = np.frombuffer(src, np.uint8, nbytes, offset)
+
+
+def move(buf: bytearray, dst: int, src: int, nbytes: int) -> None:
+    """Move ``nbytes`` of ``buf`` from ``src`` to ``dst`` (the ranges may overlap)."""
+    buf[dst:dst + nbytes] = buf[src:src + nbytes]

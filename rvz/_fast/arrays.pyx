@@ -17,7 +17,7 @@ from cpython.bytearray cimport (PyByteArray_AS_STRING, PyByteArray_FromStringAnd
 from cpython.memoryview cimport PyMemoryView_GET_BUFFER
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memmove
 
 cdef extern from "Python.h":
     ctypedef struct PyByteArrayObject:
@@ -26,6 +26,10 @@ cdef extern from "Python.h":
         char* ob_start
         Py_ssize_t ob_exports
     void Py_SET_SIZE(object o, Py_ssize_t size)
+
+cdef extern from "numpy/arrayobject.h":
+    ctypedef struct PyArrayObject_fields:
+        void* weakreflist
 
 cnp.import_array()
 
@@ -42,6 +46,12 @@ _TYPENUMS[:] = [0, cnp.NPY_BOOL, cnp.NPY_INT8, cnp.NPY_UINT8, cnp.NPY_INT16, cnp
                 cnp.NPY_INT32, cnp.NPY_UINT32, cnp.NPY_INT64, cnp.NPY_UINT64, cnp.NPY_FLOAT16,
                 cnp.NPY_FLOAT32, cnp.NPY_FLOAT64, cnp.NPY_COMPLEX64, cnp.NPY_COMPLEX128]
 
+
+# The dtype object of each wire code (numpy's own, the one every array of it is made with):
+# a reused array must still have it.
+cdef void* _DESCRS[15]
+for _code in range(1, 15):
+    _DESCRS[_code] = <void*>DTYPES[_code]
 
 # A C copy of the wire's limit: compared with as a C int, not a boxed Python global.
 cdef int _C_MAX_NDIM = MAX_NDIM
@@ -355,3 +365,49 @@ cdef object new_array_c(int code, tuple shape, bytearray src, Py_ssize_t offset,
     if nbytes:
         memcpy(cnp.PyArray_DATA(<cnp.ndarray>arr), base, nbytes)
     return arr
+
+
+def same_array(object arr, int code, tuple shape, int flags):
+    return same_array_c(arr, code, shape, flags)
+
+
+cdef bint same_array_c(object arr, int code, tuple shape, int flags):
+    """same_array() for compiled callers (the array pool): a few C comparisons."""
+    cdef cnp.ndarray a = <cnp.ndarray>arr
+    cdef Py_ssize_t ndim = len(shape)
+    cdef Py_ssize_t i
+    cdef cnp.npy_intp stride
+    if ((<PyArrayObject_fields*><void*>arr).weakreflist != NULL or cnp.PyArray_FLAGS(a) != flags
+            or cnp.PyArray_NDIM(a) != ndim or <void*>cnp.PyArray_DESCR(a) != _DESCRS[code]):
+        return False
+    stride = cnp.PyArray_ITEMSIZE(a)
+    for i in range(ndim - 1, -1, -1):
+        if cnp.PyArray_DIM(a, i) != <cnp.npy_intp>shape[i] or cnp.PyArray_STRIDE(a, i) != stride:
+            return False
+        stride *= cnp.PyArray_DIM(a, i)
+    return True
+
+
+def array_flags(object arr):
+    return cnp.PyArray_FLAGS(<cnp.ndarray>arr)
+
+
+def refill(object arr, bytearray src, Py_ssize_t offset, Py_ssize_t nbytes):
+    refill_c(arr, src, offset, nbytes)
+
+
+cdef int refill_c(object arr, bytearray src, Py_ssize_t offset, Py_ssize_t nbytes) except -1:
+    """refill() for compiled callers: one ``memcpy``."""
+    memcpy(cnp.PyArray_DATA(<cnp.ndarray>arr), PyByteArray_AS_STRING(src) + offset, nbytes)
+    return 0
+
+
+def move(bytearray buf, Py_ssize_t dst, Py_ssize_t src, Py_ssize_t nbytes):
+    move_c(buf, dst, src, nbytes)
+
+
+cdef int move_c(bytearray buf, Py_ssize_t dst, Py_ssize_t src, Py_ssize_t nbytes) except -1:
+    """move() for compiled callers: one ``memmove`` within the buffer."""
+    cdef char* p = PyByteArray_AS_STRING(buf)
+    memmove(p + dst, p + src, nbytes)
+    return 0

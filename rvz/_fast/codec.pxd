@@ -2,7 +2,7 @@ cimport cython
 from cpython.bytearray cimport PyByteArray_AS_STRING
 from libc.string cimport memcmp
 
-from rvz._fast.arrays cimport block_array_c, new_array_c, shape1_c
+from rvz._fast.arrays cimport block_array_c, move_c, new_array_c, shape1_c
 from rvz._fast.recvpool cimport RecvPool
 
 cdef extern from "Python.h":
@@ -48,6 +48,8 @@ cpdef bytes encode_data(unsigned long long step, unsigned long long request_id, 
 cpdef object payload_view(object value)
 cpdef bytes encode_request(unsigned long long step, unsigned long long request_id, bytes key)
 
+cdef object staged_value(RecvPool pool, Py_ssize_t code, tuple shape, bytearray buf,
+                         Py_ssize_t pos, Py_ssize_t nbytes)
 cdef tuple own_memory(RecvPool pool, bytearray buf, str key, Py_ssize_t code, tuple shape,
                       unsigned long long payload_len, Py_ssize_t pstart, Py_ssize_t avail)
 

@@ -137,6 +137,7 @@ _CODES = _format.CODES
 _append_data = _arrays.append_data
 _new_array = _arrays.new_array
 _block_array = _arrays.block_array
+_move = _arrays.move
 _U8 = np.dtype(np.uint8)
 # Item size per dtype code (a byte each; 0 for bytes values): a C read when compiled.
 _ITEMSIZES = bytes(0 if dt is None else dt.itemsize for dt in DTYPES)
@@ -331,6 +332,18 @@ def encode_onesided(fields: dict) -> bytes:
     return _encode_map(ONESIDED, fields)
 
 
+def staged_value(pool: Any, code: int, shape: tuple, buf: bytearray, pos: int,
+                 nbytes: int) -> Any:
+    """The value whose ``nbytes`` are staged at ``pos`` of ``buf``, copied out: into an
+    array the receive pool ``pool`` (None: no pool) kept and nothing refers to any more when
+    it has one, else into a new array (``bytes`` for code 0)."""
+    if pool is not None and code != _C_BYTES and nbytes != 0:
+        return pool.arrays.take(code, shape, buf, pos, nbytes)
+    if COMPILED:
+        return new_array_c(code, shape, buf, pos, nbytes)  # type: ignore[name-defined]  # noqa: F821
+    return _new_array(code, shape, buf, pos, nbytes)
+
+
 def own_memory(pool: Any, buf: bytearray, key: str, code: int, shape: tuple, payload_len: int,
                pstart: int, avail: int) -> tuple:
     """Memory of the decoder's own for a large payload (from ``pool``, a ``RecvPool``, when
@@ -515,8 +528,11 @@ class Decoder:
         end = self._end
         if start == 0:
             return
-        if start < end:
-            self._buf[0:end - start] = self._view[start:end]
+        if start < end:  # one move within the buffer: no slice or temporary copy made
+            if COMPILED:
+                move_c(self._buf, 0, start, end - start)  # type: ignore[name-defined]  # noqa: F821
+            else:
+                _move(self._buf, 0, start, end - start)
         self._start = 0
         self._end = end - start
 
@@ -626,10 +642,7 @@ class Decoder:
             pend = pstart + payload_len
             # One copy out of the staging buffer into an array (or bytes) the
             # caller owns.
-            if COMPILED:
-                value = new_array_c(code, shape, buf, pstart, payload_len)  # type: ignore[name-defined]  # noqa: F821
-            else:
-                value = _new_array(code, shape, buf, pstart, payload_len)
+            value = staged_value(self.pool, code, shape, buf, pstart, payload_len)
             events.append((DATA, step, request_id, key, value))
             self.frames += 1
             return pend
@@ -872,10 +885,7 @@ class Decoder:
                            f"the limit of {self._max_payload}")
             shape = self._shape(buf, pos + _C_ENTRY, ndim, code, key, nbytes)
             pos = kstart + klen
-            if COMPILED:
-                values.append(new_array_c(code, shape, buf, pos, nbytes))  # type: ignore[name-defined]  # noqa: F821
-            else:
-                values.append(_new_array(code, shape, buf, pos, nbytes))
+            values.append(staged_value(self.pool, code, shape, buf, pos, nbytes))
             keys.append(key)
             pos += nbytes
         if pos != end:

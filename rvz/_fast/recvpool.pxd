@@ -1,7 +1,16 @@
 cimport cython
 from cpython.ref cimport Py_REFCNT
 
+from rvz._fast.arrays cimport new_array_c, refill_c, same_array_c
+
 cdef bint COMPILED
+cdef Py_ssize_t _C_RING_MAX, _C_RINGS_MAX, _C_SWEEP
+
+@cython.locals(item=object)
+cdef inline Py_ssize_t _refs(list items, Py_ssize_t i) except -1
+@cython.locals(free=Py_ssize_t, i=Py_ssize_t)
+cdef Py_ssize_t _free(list items, Py_ssize_t idle) except -1
+cpdef object _made(int code, tuple shape, bytearray src, Py_ssize_t offset, Py_ssize_t nbytes)
 
 @cython.locals(bits=Py_ssize_t, rest=Py_ssize_t, shift=Py_ssize_t, step=Py_ssize_t)
 cpdef Py_ssize_t size_class(Py_ssize_t nbytes) except -1
@@ -17,6 +26,33 @@ cdef class _SizeClass:
     cdef public Py_ssize_t windows
     cdef public Py_ssize_t last
 
+cdef class _Ring:
+    cdef public Py_ssize_t code
+    cdef public tuple shape
+    cdef public Py_ssize_t nbytes
+    cdef public int flags
+    cdef public list arrays
+    cdef public Py_ssize_t at
+    cdef public bint used
+
+cdef class ArrayPool:
+    cdef public Py_ssize_t limit
+    cdef public Py_ssize_t held
+    cdef public Py_ssize_t reused
+    cdef public Py_ssize_t made
+    cdef dict _rings
+    cdef _Ring _last
+    cdef Py_ssize_t _idle_refs
+    cdef Py_ssize_t _takes
+
+    @cython.locals(ring=_Ring, arrays=list, n=Py_ssize_t, at=Py_ssize_t, free=bint)
+    cpdef object take(self, int code, tuple shape, bytearray src, Py_ssize_t offset,
+                      Py_ssize_t nbytes)
+    @cython.locals(ring=_Ring)
+    cdef _Ring _ring(self, int code, tuple shape, Py_ssize_t nbytes)
+    @cython.locals(ring=_Ring)
+    cdef _sweep(self)
+
 cdef class RecvPool:
     cdef public object limit
     cdef public Py_ssize_t held
@@ -26,6 +62,7 @@ cdef class RecvPool:
     cdef public Py_ssize_t missed
     cdef public Py_ssize_t released
     cdef public bint due
+    cdef public ArrayPool arrays
     cdef dict _classes
     cdef Py_ssize_t _idle_refs
     cdef Py_ssize_t _tick

@@ -1,9 +1,11 @@
-"""Memory for large received arrays: blocks reused once no array refers to them.
+"""Memory for received arrays, reused once nothing refers to it.
 
-The decoder asks ``take(nbytes)`` for the memory a large payload lands in, and gives a
-block back with ``release`` when its payload will never come (the connection closed); the
-transport calls ``maintain()`` between reads so the next ``take`` finds a block already
-mapped.  Nothing here touches a socket or the event loop.
+Large payloads: the decoder asks ``RecvPool.take(nbytes)`` for the memory a payload lands
+in, and gives a block back with ``release`` when its payload will never come (the
+connection closed); the transport calls ``maintain()`` between reads so the next ``take``
+finds a block already mapped.  Small values (staged by the decoder, then copied out): its
+``ArrayPool`` (``RecvPool.arrays``) hands out arrays nobody refers to any more, a new value
+written over the old.  Nothing here touches a socket or the event loop.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import mmap
 from sys import getrefcount
 from typing import Any
+
+from . import arrays as _arrays
 
 try:  # Cython's own module; a compiled build sees the constant True
     import cython
@@ -21,9 +25,40 @@ except ImportError:  # pure Python without Cython installed
 WINDOW = 32    # takes of one size class per high-water window
 STALE = 1024   # takes of any size after which a size class nobody asked for is let go
 DECAY = 8      # windows per block the high-water mark comes down by when fewer are alive
+RING_MAX = 1024     # arrays an ArrayPool keeps of one dtype and shape
+RINGS_MAX = 16      # dtypes and shapes it keeps arrays of at once
+SWEEP = 4096        # takes after which it lets go of the shapes nobody asked for since
+SMALL_SHARE = 8     # an ArrayPool may keep up to this fraction of its RecvPool's limit...
+SMALL_LIMIT = 8 << 20  # ...and no more than this
+# C copies (recvpool.pxd types them): compiled, a comparison with a Python global boxes.
+_C_RING_MAX = RING_MAX
+_C_RINGS_MAX = RINGS_MAX
+_C_SWEEP = SWEEP
+_new_array = _arrays.new_array
+_same_array = _arrays.same_array
+_array_flags = _arrays.array_flags
+_refill = _arrays.refill
 # A block is an anonymous private mapping: none of its pages is resident until a payload is
 # written into it, and dropping the block unmaps them all.
 _MAP_PRIVATE = getattr(mmap, "MAP_PRIVATE", None)
+
+
+def _refs(items: list, i: int) -> int:
+    """The reference count of ``items[i]``, seen the same way for every item (the pools
+    compare it with what they measured for an item only they refer to)."""
+    item = items[i]
+    if COMPILED:  # the count itself, not a call through sys (8 per take)
+        return Py_REFCNT(item)  # type: ignore[name-defined]  # noqa: F821
+    return getrefcount(item)
+
+
+def _free(items: list, idle: int) -> int:
+    """How many of ``items`` nothing but the pool refers to (``idle`` references)."""
+    free = 0
+    for i in range(len(items)):
+        if _refs(items, i) <= idle:
+            free += 1
+    return free
 
 
 def size_class(nbytes: int) -> int:
@@ -87,7 +122,8 @@ class RecvPool:
     """
 
     __slots__ = ("limit", "held", "fresh", "prepared", "reused", "missed", "released", "due",
-                 "_classes", "_idle_refs", "_tick", "_next", "_swept", "_window", "_stale")
+                 "arrays", "_classes", "_idle_refs", "_tick", "_next", "_swept", "_window",
+                 "_stale")
 
     def __init__(self, limit: int = 64 << 20, window: int = WINDOW, stale: int = STALE) -> None:
         self.limit = limit
@@ -98,6 +134,8 @@ class RecvPool:
         self.missed = 0     # takes answered None (over the limit): the caller allocates
         self.released = 0   # blocks dropped (evicted for room, stale or surplus)
         self.due = False    # a maintain() call is scheduled (the transport's flag, see Wire)
+        # small arrays, within their own share of the limit
+        self.arrays = ArrayPool(min(limit // SMALL_SHARE, SMALL_LIMIT))
         self._classes: dict[int, _SizeClass] = {}
         self._tick = 0      # takes so far
         self._next: _SizeClass | None = None  # the class of the latest take: what the next take likely needs
@@ -111,10 +149,7 @@ class RecvPool:
 
     def _refs(self, blocks: list, i: int) -> int:
         """The reference count of ``blocks[i]``, seen the same way for every block."""
-        block = blocks[i]
-        if COMPILED:  # the count itself, not a call through sys (8 per take)
-            return Py_REFCNT(block)  # type: ignore[name-defined]  # noqa: F821
-        return getrefcount(block)
+        return _refs(blocks, i)
 
     def _target(self, cls: _SizeClass) -> int:
         """How many blocks ``cls`` should have: its high-water mark plus a spare, or none."""
@@ -345,13 +380,129 @@ class RecvPool:
 
     def stats(self) -> dict:
         """Per block size: ``(blocks, free, target)``; for tests and benchmarks."""
-        idle = self._idle_refs
-        out = {}
-        for size, cls in self._classes.items():
-            blocks = cls.blocks
-            free = 0
-            for i in range(len(blocks)):
-                if self._refs(blocks, i) <= idle:
-                    free += 1
-            out[size] = (len(blocks), free, self._target(cls))
-        return out
+        return {size: (len(cls.blocks), _free(cls.blocks, self._idle_refs), self._target(cls))
+                for size, cls in self._classes.items()}
+
+
+def _made(code: int, shape: tuple, src: bytearray, offset: int, nbytes: int) -> Any:
+    """A new array (``bytes`` for code 0) holding ``src[offset:offset + nbytes]``."""
+    if COMPILED:
+        return new_array_c(code, shape, src, offset, nbytes)  # type: ignore[name-defined]  # noqa: F821
+    return _new_array(code, shape, src, offset, nbytes)
+
+
+class _Ring:
+    """The arrays an ArrayPool keeps of one dtype and shape, oldest handed out first."""
+
+    __slots__ = ("code", "shape", "nbytes", "flags", "arrays", "at", "used")
+
+    def __init__(self, code: int, shape: tuple, nbytes: int) -> None:
+        self.code = code
+        self.shape = shape
+        self.nbytes = nbytes
+        self.flags = -1     # numpy's flags of an array as made (read from the first one)
+        self.arrays: list[Any] = []  # free or in use: the pool's reference is the list's
+        self.at = 0         # the array handed out longest ago: the next to try
+        self.used = True    # asked for since the last sweep
+
+
+class ArrayPool:
+    """Small received arrays, written over with a new value once nothing refers to them.
+
+    Making a small array costs more than copying its bytes: numpy's allocation, the
+    object, its dimensions, then freeing them all when the caller drops it.  This pool keeps
+    the arrays it made, per dtype and shape, in the order it handed them out; the next
+    value of that kind goes into the oldest one if nothing refers to it (its reference count
+    is back to the pool's own, no weak reference) and it is still exactly as made (dtype,
+    shape, strides, flags: a caller may have changed them in place).  Else a new array is
+    made and kept too: the ring grows to how many arrays of that kind are alive at once, up
+    to RING_MAX, and an array still in use when its turn comes again (a caller keeps it) is
+    let go of.  At most ``limit`` bytes of arrays are kept, for RINGS_MAX dtypes and shapes;
+    those nobody asked for during SWEEP takes are let go of.
+    """
+
+    __slots__ = ("limit", "held", "reused", "made", "_rings", "_last", "_idle_refs", "_takes")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0       # bytes of the arrays kept, free or in use
+        self.reused = 0     # takes served by an array kept
+        self.made = 0       # takes that made a new array
+        self._rings: dict[tuple, _Ring] = {}
+        self._last: Any = None  # the ring of the latest take: a stream repeats one kind
+        self._takes = 0     # takes since the last sweep
+        # Measured, not assumed (as RecvPool's): what an array only the pool refers to counts.
+        probe = [_made(3, (1,), bytearray(1), 0, 1)]
+        self._idle_refs = _refs(probe, 0)
+
+    def take(self, code: int, shape: tuple, src: bytearray, offset: int, nbytes: int) -> Any:
+        """An array of wire ``code`` (not bytes) and ``shape`` holding the ``nbytes`` (not 0)
+        at ``offset`` of ``src``: one nothing else refers to."""
+        self._takes += 1
+        if self._takes >= _C_SWEEP:
+            self._sweep()
+        ring = self._last
+        if ring is None or ring.code != code or (ring.shape is not shape and ring.shape != shape):
+            ring = self._ring(code, shape, nbytes)
+            if ring is None:
+                return _made(code, shape, src, offset, nbytes)
+        ring.used = True
+        arrays = ring.arrays
+        n = len(arrays)
+        at = ring.at
+        free = False
+        if n:
+            free = _refs(arrays, at) <= self._idle_refs
+            if free and (same_array_c(arrays[at], code, shape, ring.flags) if COMPILED  # type: ignore[name-defined]  # noqa: F821
+                         else _same_array(arrays[at], code, shape, ring.flags)):
+                arr = arrays[at]
+                if COMPILED:
+                    refill_c(arr, src, offset, nbytes)  # type: ignore[name-defined]  # noqa: F821
+                else:
+                    _refill(arr, src, offset, nbytes)
+                ring.at = at + 1 if at + 1 < n else 0
+                self.reused += 1
+                return arr
+        arr = _made(code, shape, src, offset, nbytes)
+        self.made += 1
+        if n == 0:
+            ring.flags = _array_flags(arr)
+        if not free and n < _C_RING_MAX and self.held + nbytes <= self.limit:
+            # The oldest is still in use: one more array of this kind is alive at once.  The
+            # new one goes before it, and the turn passes over it (it counts as handed out now).
+            arrays.insert(at, arr)
+            self.held += nbytes
+            ring.at = (at + 2) % (n + 1)
+        elif n:
+            arrays[at] = arr  # the old one is let go of: its holder keeps it, or it was changed
+            ring.at = at + 1 if at + 1 < n else 0
+        return arr
+
+    def _ring(self, code: int, shape: tuple, nbytes: int) -> Any:
+        """The ring of ``code`` and ``shape`` (made if there is room for one), or None."""
+        ring = self._rings.get((code, shape))
+        if ring is None:
+            if len(self._rings) >= _C_RINGS_MAX or nbytes > self.limit:
+                return None
+            ring = _Ring(code, shape, nbytes)
+            self._rings[(code, shape)] = ring
+        self._last = ring
+        return ring
+
+    def _sweep(self) -> None:
+        """Let go of the rings nobody asked for since the last sweep."""
+        self._takes = 0
+        for key in list(self._rings):
+            ring = self._rings[key]
+            if ring.used:
+                ring.used = False
+                continue
+            del self._rings[key]
+            self.held -= ring.nbytes * len(ring.arrays)
+            if ring is self._last:
+                self._last = None
+
+    def stats(self) -> dict:
+        """Per ``(code, shape)``: ``(arrays, free)``; for tests and benchmarks."""
+        return {key: (len(ring.arrays), _free(ring.arrays, self._idle_refs))
+                for key, ring in self._rings.items()}
