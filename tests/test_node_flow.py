@@ -986,6 +986,10 @@ async def test_a_value_given_back_survives_the_heartbeat_dropping_empty_tables(c
     a table nobody reads and lost (seen once in CI)."""
 
     async with pair(cluster, "send") as (w, p):
+        # The producer's link is up before the reads are watched: a push on a connection
+        # made later would not be seen by ``check`` (and the recv would simply complete).
+        await w.send(key("warm"), array(1))
+        assert (await p.recv(key("warm"), timeout=5))[0] == 1
         k = key("swept")
         first = await pending(p.recv(k, timeout=10), 0.02)
         table = p._tables[0]
