@@ -9,12 +9,17 @@ local ``nn.EmbeddingBag`` tables with the same initial rows start from the same 
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
 from .service import SparseBatch
 
 INTERACTIONS = ("dot", "cat")
+# torch's default generator is the process's: two models made at once on two threads (the
+# workers of an in-process run) would draw from it in turn, and start from other bits.
+_SEEDING = threading.Lock()
 
 
 def mlp(sizes: list[int], last_relu: bool) -> nn.Sequential:
@@ -38,11 +43,12 @@ class DLRM(nn.Module):
             raise ValueError(f"interaction must be one of {INTERACTIONS}, not {interaction!r}")
         self.embeddings = embeddings
         self.interaction = interaction
-        torch.manual_seed(seed)
-        self.bottom = mlp([num_dense, *bottom, dim], last_relu=True)
         vectors = num_tables + 1
         width = dim + (vectors * (vectors - 1) // 2 if interaction == "dot" else num_tables * dim)
-        self.top = mlp([width, *top, 1], last_relu=False)
+        with _SEEDING:
+            torch.manual_seed(seed)
+            self.bottom = mlp([num_dense, *bottom, dim], last_relu=True)
+            self.top = mlp([width, *top, 1], last_relu=False)
         rows, cols = torch.triu_indices(vectors, vectors, offset=1)
         self.register_buffer("pairs", rows * vectors + cols, persistent=False)
 
