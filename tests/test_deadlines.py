@@ -21,7 +21,7 @@ async def test_deadlines_fire_earliest_first_whatever_order_they_were_armed_in()
     timers = Deadlines(asyncio.get_running_loop())
     fired: list[str] = []
     for name, delay in (("late", 0.06), ("early", 0.01), ("middle", 0.03)):
-        timers.call_later(delay, fired.append, name)
+        timers.arm(delay, fired.append, (name,))
     assert timers.live() == 3
     await eventually(lambda: len(fired) == 3, "all three deadlines")
     assert fired == ["early", "middle", "late"]
@@ -31,8 +31,8 @@ async def test_deadlines_fire_earliest_first_whatever_order_they_were_armed_in()
 async def test_a_cancelled_deadline_never_runs_and_a_late_cancel_does_nothing() -> None:
     timers = Deadlines(asyncio.get_running_loop())
     fired: list[str] = []
-    dropped = timers.call_later(0.01, fired.append, "dropped")
-    kept = timers.call_later(0.02, fired.append, "kept")
+    dropped = timers.arm(0.01, fired.append, ("dropped",))
+    kept = timers.arm(0.02, fired.append, ("kept",))
     dropped.cancel()
     assert dropped.cancelled() and not kept.cancelled()
     assert timers.live() == 1
@@ -45,10 +45,10 @@ async def test_a_cancelled_deadline_never_runs_and_a_late_cancel_does_nothing() 
 async def test_cancelled_entries_are_swept_while_a_long_deadline_stays_armed() -> None:
     """A recv that ends before its timeout leaves a dead entry behind: they never pile up."""
     timers = Deadlines(asyncio.get_running_loop())
-    long = timers.call_later(3600, lambda: None)
+    long = timers.arm(3600, lambda: None, ())
     most = 0
     for _ in range(20000):
-        timers.call_later(30, lambda: None).cancel()
+        timers.arm(30, lambda: None, ()).cancel()
         most = max(most, timers.entries())
     assert timers.live() == 1
     assert most <= 300  # swept past 256 dead entries (SWEEP_AT), not one per recv
@@ -68,8 +68,8 @@ async def test_a_callback_that_raises_is_reported_and_the_others_still_run() -> 
         def boom() -> None:
             raise ValueError("from a timeout callback")
 
-        timers.call_later(0.01, boom)
-        timers.call_later(0.01, fired.append, "after")
+        timers.arm(0.01, boom, ())
+        timers.arm(0.01, fired.append, ("after",))
         await eventually(lambda: fired == ["after"], "the deadline after the failing one")
         assert len(reported) == 1 and isinstance(reported[0]["exception"], ValueError)
     finally:
@@ -110,8 +110,8 @@ def test_a_loop_of_another_clock_is_asked_for_its_time() -> None:
     loop = VirtualLoop()
     timers = Deadlines(loop)
     fired: list[str] = []
-    timers.call_later(5.0, fired.append, "five")
-    timers.call_later(2.0, fired.append, "two")
+    timers.arm(5.0, fired.append, ("five",))
+    timers.arm(2.0, fired.append, ("two",))
     assert [when for when, _ in loop.timers] == [1002.0]  # moved once, to the earlier one
     loop.advance(1.0)
     assert fired == []

@@ -37,4 +37,5 @@ cdef class Deadlines:
     cpdef cancelled(self)
     cpdef Py_ssize_t live(self)
     cpdef Py_ssize_t entries(self)
+    cdef double _now(self) except? -1.0
     cdef _set_timer(self, double when)

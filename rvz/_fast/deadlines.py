@@ -89,12 +89,9 @@ class Deadlines:
         # A loop of another clock (a test loop's virtual time) is asked for its own.
         self._own_clock = type(loop).time in LOOP_TIMES
 
-    def call_later(self, delay: float, callback: Any, *args: Any) -> Deadline:
-        """``loop.call_later``'s signature and meaning, for the waits of rvz."""
-        return self.arm(delay, callback, args)
-
     def arm(self, delay: float, callback: Any, args: tuple) -> Deadline:
-        when = (now_s() if self._own_clock else self.loop.time()) + delay
+        """``callback(*args)`` in ``delay`` seconds, as ``loop.call_later`` would."""
+        when = self._now() + delay
         deadline = Deadline.__new__(Deadline)  # (compiled: no __init__ call to pay)
         deadline.owner = self
         deadline.callback = callback
@@ -125,6 +122,9 @@ class Deadlines:
         """Entries kept: the live deadlines and the cancelled ones not yet swept."""
         return len(self._heap)
 
+    def _now(self) -> float:
+        return now_s() if self._own_clock else self.loop.time()
+
     def _set_timer(self, when: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -136,7 +136,7 @@ class Deadlines:
         self._timer = None
         self._armed_at = INF
         heap = self._heap
-        due = (now_s() if self._own_clock else self.loop.time()) + self._slack
+        due = self._now() + self._slack
         while heap:
             when, _number, deadline = heap[0]
             callback = deadline.callback

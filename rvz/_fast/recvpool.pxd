@@ -7,7 +7,7 @@ cdef bint COMPILED
 cdef Py_ssize_t _C_RING_MAX, _C_RINGS_MAX, _C_SWEEP
 
 @cython.locals(item=object)
-cdef inline Py_ssize_t _refs(list items, Py_ssize_t i) except -1
+cdef Py_ssize_t _refs(list items, Py_ssize_t i) except -1
 @cython.locals(free=Py_ssize_t, i=Py_ssize_t)
 cdef Py_ssize_t _free(list items, Py_ssize_t idle) except -1
 cpdef object _made(int code, tuple shape, bytearray src, Py_ssize_t offset, Py_ssize_t nbytes)
@@ -71,7 +71,6 @@ cdef class RecvPool:
     cdef Py_ssize_t _window
     cdef Py_ssize_t _stale
 
-    cdef Py_ssize_t _refs(self, list blocks, Py_ssize_t i) except -1
     @cython.locals(peak=Py_ssize_t)
     cdef Py_ssize_t _target(self, _SizeClass cls)
     cdef object _serving(self, _SizeClass cls, Py_ssize_t which)

@@ -145,11 +145,7 @@ class RecvPool:
         # Measured, not assumed: the compiled and the interpreted code hold different
         # temporaries, so a block only the pool refers to is counted through _refs() itself.
         probe = [mmap.mmap(-1, 1)]
-        self._idle_refs = self._refs(probe, 0)
-
-    def _refs(self, blocks: list, i: int) -> int:
-        """The reference count of ``blocks[i]``, seen the same way for every block."""
-        return _refs(blocks, i)
+        self._idle_refs = _refs(probe, 0)
 
     def _target(self, cls: _SizeClass) -> int:
         """How many blocks ``cls`` should have: its high-water mark plus a spare, or none."""
@@ -204,7 +200,7 @@ class RecvPool:
                 continue
             blocks = other.blocks
             for i in range(len(blocks)):
-                if self._refs(blocks, i) > idle:
+                if _refs(blocks, i) > idle:
                     busy += 1
                 elif found is None:
                     found = other
@@ -305,7 +301,7 @@ class RecvPool:
                 continue
             blocks = other.blocks
             for i in range(len(blocks)):
-                if self._refs(blocks, i) <= idle:
+                if _refs(blocks, i) <= idle:
                     return False  # a free one is ready; the spare waits until it is needed
                 count += 1
         if count >= self._target(cls):
@@ -335,7 +331,7 @@ class RecvPool:
             extra = len(blocks) - need.get(size, 0)
             i = len(blocks) - 1
             while extra > 0 and i >= 0:
-                if self._refs(blocks, i) <= idle:
+                if _refs(blocks, i) <= idle:
                     del blocks[i]
                     self.held -= size
                     self.released += 1
@@ -358,7 +354,7 @@ class RecvPool:
             blocks = self._classes[size].blocks
             extra = len(blocks) - wanted.get(size, 0)
             for i in range(len(blocks)):
-                if (not spare_only or extra > 0) and self._refs(blocks, i) <= idle:
+                if (not spare_only or extra > 0) and _refs(blocks, i) <= idle:
                     can += size
                     extra -= 1
         if can < need:
@@ -369,7 +365,7 @@ class RecvPool:
                 extra = len(blocks) - wanted.get(size, 0)
                 i = len(blocks) - 1
                 while need > 0 and i >= 0 and (rounds == 1 or extra > 0):
-                    if self._refs(blocks, i) <= idle:
+                    if _refs(blocks, i) <= idle:
                         del blocks[i]
                         self.held -= size
                         self.released += 1
