@@ -92,9 +92,20 @@ async def test_consumer_killed_while_a_push_waits_for_the_window(cluster) -> Non
             k = key("into_the_void")
             chunk = np.zeros(256 << 10, np.uint8)
             blocked = None
+
+            def queued() -> int:
+                peer = w.stats()["peers"].get("/job:ps/replica:0/task:0")
+                return 0 if peer is None else int(peer["queued_pushes"])
+
+            # Connected first (a send dials): a push queued for the link, not for credit,
+            # may go out on a connection the consumer opened just before it died, and
+            # complete.
+            await w.send(key("dial"), np.zeros(1))
+            await eventually(lambda: connected(w, ("ps", 0)), "connected to the consumer")
             for _ in range(20):   # the consumer never receives: the window fills
                 send = asyncio.ensure_future(w.send(k, chunk))
-                await asyncio.sleep(0.05)
+                # each send either completes or waits in the peer's queue for credit
+                await eventually(lambda s=send: s.done() or queued() > 0, "the push went or waits")
                 if not send.done():
                     blocked = send
                     break
