@@ -197,7 +197,8 @@ async def test_a_want_ahead_of_its_last_slots_write_is_granted_when_the_budget_i
             # b's wait asks for a's slot back; the producer has filled it, so it gives back
             # nothing.  That slot is not asked for again (a revoke and its empty answer
             # went back and forth over TCP until the write was seen).
-            await asyncio.sleep(0.2)
+            await eventually(lambda: "revoke" in sent, "a's slot asked back")
+            await asyncio.sleep(0.2)   # room for a second revoke to be sent
             assert sent.count("revoke") == 1, sent
         finally:
             inn._control = control

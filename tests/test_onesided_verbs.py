@@ -411,8 +411,8 @@ async def test_exchange_through_the_verbs_provider(cluster: rvz.ClusterSpec, fab
         assert [int(v[0]) for v in await asyncio.gather(*many)] == list(range(30))
         ch = next(iter(w._onesided.engines["verbs"].channels.values()))
         assert ch.stats["writes"] > 0 and ch.stats["inline"] > 0
-        await asyncio.sleep(0.05)
-        assert not ch.inflight  # every work request completed and released its staging
+        # every work request completes and releases its staging
+        await eventually(lambda: not ch.inflight, "every work request completed")
 
 
 @pytest.mark.loop_timeout(60)
