@@ -212,7 +212,7 @@ class Links(NodeState):
         core.requests.reask(conn)
         link = peer.link
         if link is not None and link.ready and not link.closed:
-            if conn.tx_next:
+            if conn.data_out:  # it carried values (on its stream or its one-sided channel)
                 core.credit.resend(peer, link)
             return
         for other in peer.live_connections():

@@ -10,6 +10,7 @@ producer's link (or the consumer's) right after sends that returned, several tim
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,8 @@ import pytest
 
 import rvz
 from rvz import _impl
+from rvz.errors import TransportError
+from rvz.onesided import shm
 
 from .conftest import PS, WORKER, eventually, key, pair, provider_or_skip
 
@@ -68,10 +71,14 @@ async def test_values_in_flight_on_a_one_sided_channel_survive_resets(  # type: 
 
 
 async def stream_across_resets(cluster: rvz.ClusterSpec, mode: str, side: str, rounds: int,
-                               burst: int, size: int, **options: Any) -> None:
+                               burst: int, size: int, nodes: dict[str, rvz.Node] | None = None,
+                               **options: Any) -> None:
     """Send ``rounds`` bursts of ``burst`` values, resetting ``side``'s connections after
-    each; the consumer must get every value once, in order."""
+    each; the consumer must get every value once, in order.  ``nodes``, if given, gets the
+    two nodes as ``"w"`` and ``"p"`` once they run."""
     async with pair(cluster, mode, push_window=max(1 << 20, 4 * size), **options) as (w, p):
+        if nodes is not None:
+            nodes.update(w=w, p=p)
         k = key("blip")
         got: list[int] = []
 
@@ -97,6 +104,34 @@ async def stream_across_resets(cluster: rvz.ClusterSpec, mode: str, side: str, r
         assert got == list(range(rounds * burst))
         # Nothing is kept once the consumer acknowledged everything.
         await eventually(lambda: w._peers[("ps", 0)].kept() == 0, "every value acknowledged")
+
+
+@pytest.mark.parametrize("size", [SIZE, 300 << 10])
+@pytest.mark.parametrize("every", [2, 3, 5, 7])
+@pytest.mark.loop_timeout(60)
+async def test_values_survive_a_consumer_that_resets_as_its_offers_arrive(  # type: ignore[no-untyped-def]
+        cluster, monkeypatch, every: int, size: int) -> None:
+    """Recv-Driven over shm, the consumer resets its connection as every ``every``-th
+    offer of its memory reaches the producer, which finds that region gone (the consumer
+    freed it as it reset): two resets at once, from both ends, with values taken by
+    requests meanwhile.  Every value still arrives once, in order."""
+    real = shm.ShmEndpoint.add_region
+    offers = itertools.count(1)
+    nodes: dict[str, rvz.Node] = {}
+
+    def add_region(self: Any, desc: dict[str, Any]) -> None:
+        if next(offers) % every:
+            return real(self, desc)
+        for conn in nodes["p"]._peers[("worker", 0)].live_connections():
+            conn.fail(ConnectionResetError("reset by the test"))
+        try:
+            raise FileNotFoundError(2, "No such file or directory")
+        except FileNotFoundError as exc:
+            raise TransportError(f"shm: memory region {desc['rk']} is gone") from exc
+
+    monkeypatch.setattr(shm.ShmEndpoint, "add_region", add_region)
+    await stream_across_resets(cluster, "recv", "consumer", 10, 20, size, nodes,
+                               transport=provider_or_skip("shm"), onesided=ONESIDED)
 
 
 @pytest.mark.parametrize("mode", ["send", "recv"])
@@ -184,6 +219,62 @@ async def test_a_region_its_owner_closed_before_its_offer_arrived_is_a_reset(  #
             await w.send(k, value(i, 300 << 10))
         got += [int((await p.recv(k, timeout=10))[0]) for _ in range(15)]
         assert got == list(range(20))
+
+
+@pytest.mark.loop_timeout(60)
+async def test_a_value_a_request_takes_as_its_channel_fails_goes_again(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Recv-Driven over shm: a value that meets a parked request just after the request's
+    channel failed (its connection aborts, and is not closed yet) is numbered, kept and sent
+    again on the next connection, not lost between the table and the dead channel."""
+    async with pair(cluster, "recv", transport=provider_or_skip("shm"), onesided=ONESIDED) as (w, p):
+        k = key("taken")
+        await w.send(k, value(0))
+        assert int((await p.recv(k, timeout=10))[0]) == 0
+        peer = w._peers[("ps", 0)]
+        waiting = asyncio.ensure_future(p.recv(k, timeout=20))
+        await eventually(lambda: any(c.parked for c in peer.live_connections()),
+                         "the request is parked at the producer")
+        (conn,) = [c for c in peer.live_connections() if c.parked]
+        gone = {"rk": 1 << 40, "n": 4096, "fd": 1 << 20, "ino": 1, "a": 0}  # no such fd
+        conn.dataplane.on_frames([(_impl.codec.ONESIDED, {"op": "slots", "k": k, "m": [gone],
+                                                          "s": []})])
+        assert conn.dataplane.failed is not None and not conn.closed
+        await w.send(k, value(1))            # taken by the parked request, in this pass
+        assert int((await waiting)[0]) == 1
+        await w.send(k, value(2))
+        assert int((await p.recv(k, timeout=10))[0]) == 2
+        await eventually(lambda: peer.kept() == 0, "every value acknowledged")
+
+
+@pytest.mark.loop_timeout(60)
+async def test_answers_lost_on_a_connection_other_than_the_link_go_again(cluster) -> None:  # type: ignore[no-untyped-def]
+    """A one-sided channel answers a request on the connection it came on, which need not
+    be the producer's link (after resets, each side may have dialled its own).  When that
+    connection breaks with an answer lost in flight, the answer goes again on the link,
+    though nothing of it went on the connection's own stream."""
+    async with pair(cluster, "recv", transport=provider_or_skip("shm"), onesided=ONESIDED) as (w, p):
+        k = key("elsewhere")
+        await w.send(k, value(0))
+        assert int((await p.recv(k, timeout=10))[0]) == 0    # on the connection p dialled
+        peer = w._peers[("ps", 0)]
+        asked = peer.link
+        assert asked is not None and asked.dataplane is not None
+        ours = await w._new_dial(peer)                       # and one w dialled: its link
+        w._link_ready(peer, ours)
+        assert peer.link is ours and asked.ready and not asked.closed
+        waiting = asyncio.ensure_future(p.recv(k, timeout=20))
+        await eventually(lambda: bool(asked.parked), "the request is parked on its connection")
+        # The answer's write is lost with the connection, as one into a region the consumer
+        # unmapped as it reset would be.
+        channel = asked.dataplane
+        channel.write_value = lambda *args: None
+        await w.send(k, value(1))
+        assert peer.kept() >= 1 and not waiting.done()
+        asked.fail(ConnectionResetError("reset by the test"))
+        assert int((await waiting)[0]) == 1
+        await w.send(k, value(2))
+        assert int((await p.recv(k, timeout=10))[0]) == 2
+        await eventually(lambda: peer.kept() == 0, "every value acknowledged")
 
 
 @pytest.mark.loop_timeout(30)

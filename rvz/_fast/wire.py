@@ -357,10 +357,18 @@ class Wire:
         seq = peer.tx_seq + 1
         if self.dataplane is not None:  # shm / verbs: the key's way (``goes_onesided``)
             if self.goes_onesided(key, request_id, nbytes):
-                self.dataplane.write_value(step, request_id, key, value, code, shape, nbytes,
-                                           seq)
+                # Numbered and kept first: a channel that fails takes its connection with
+                # it (``Channel.fail``), and the value goes again on the next one, as it
+                # would after a write to a socket that broke.  The request it answers, or
+                # the push it is, is done here either way: never a value lost in between.
                 peer.tx_seq = seq
                 peer.keep(step, request_id, key, value)
+                try:
+                    self.dataplane.write_value(step, request_id, key, value, code, shape,
+                                               nbytes, seq)
+                except (TransportError, PeerLost):
+                    if self.dataplane.failed is None and not self.dataplane.closed:
+                        raise
                 return
             self.tcp_values += 1
             if request_id != 0:  # the destination the consumer offered stays unused
