@@ -954,6 +954,10 @@ async def test_cancel_after_delivery_keeps_the_push_window_whole(cluster, next_w
 
     window = 16 * (SIZE + 1024)
     async with pair(cluster, "send", push_window=window) as (w, p):
+        # The producer's link is up before the reads are watched: a push on a connection
+        # made later would not be seen by ``check`` (and the recv would simply complete).
+        await w.send(key("warm"), array(1))
+        assert (await p.recv(key("warm"), timeout=5))[0] == 1
         k = key("raced")
         for i in range(6):
             first = await pending(p.recv(k, timeout=10), 0.02)
