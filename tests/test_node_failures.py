@@ -299,8 +299,11 @@ async def test_a_second_process_with_a_peers_task_id_is_refused_not_taken_in_tur
     # both can listen). The second to reach ps looks like a restart and replaces the first;
     # the first must then be refused, clearly, and not replace the second in its turn (each
     # time failing what the other held, over and over).
-    other = rvz.ClusterSpec({"worker": [f"127.0.0.1:{free_ports(1)[0]}"],
-                             "ps": [cluster.address("ps", 0)]})
+    # A port of its own: neither node of ``cluster`` is listening yet, so a draw alone
+    # could return one of theirs.
+    taken = {cluster.address(job, 0) for job in ("worker", "ps")}
+    port = next(p for p in free_ports(3) if f"127.0.0.1:{p}" not in taken)
+    other = rvz.ClusterSpec({"worker": [f"127.0.0.1:{port}"], "ps": [cluster.address("ps", 0)]})
     opts = {**FAST, "transport": transport}
     async with rvz.Node(cluster, "ps", 0, "send", **opts) as p, \
             rvz.Node(cluster, "worker", 0, "send", **opts) as first, \
