@@ -361,7 +361,18 @@ class Node(_NodeCalls, Links, Peering, Heartbeat, Waiting, Closing):
             # landing there would lose the listening server.  Cancelled, we close it instead.
             self._server = await asyncio.shield(creating)
         except BaseException as exc:
-            creating.add_done_callback(_close_server)
+            if not creating.done():
+                # Cancelled while it binds: wait for the bind (quick) and close what it
+                # made, so that nothing listens once this start() has returned and the
+                # next one finds the port free.  A second cancel stops the wait.
+                try:
+                    await asyncio.wait([creating])
+                except asyncio.CancelledError:
+                    pass
+            if creating.done():
+                _close_server(creating)
+            else:
+                creating.add_done_callback(_close_server)
             if self._onesided is not None:  # its completion queues are on this loop
                 self._onesided.close()
                 self._onesided = None
