@@ -98,7 +98,7 @@ cdef class Wire:
     @cython.locals(peer=Peer, seq=Py_ssize_t)
     cdef write_value(self, object step, object request_id, bytes key, object value, int code,
                      tuple shape, Py_ssize_t nbytes)
-    @cython.locals(ways=dict, entry=tuple)
+    @cython.locals(ways=dict, at=Py_ssize_t)
     cpdef resend(self, Py_ssize_t first, list entries)
     cdef _write_stream(self, object step, object request_id, bytes key, object value, int code,
                        tuple shape, Py_ssize_t nbytes)

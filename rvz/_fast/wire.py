@@ -352,17 +352,16 @@ class Wire:
             raise self.lost_error()
         self.frames_out += 1  # a message: a value, however it is framed
         self.data_out += nbytes + MESSAGE_COST
-        # Every value is numbered and kept until acknowledged (``Credit.resend``).
+        # Every value is numbered and kept until acknowledged (``Credit.resend``), before it
+        # goes either way: a channel that fails takes its connection with it
+        # (``Channel.fail``), and the value goes again on the next one, as it would after a
+        # write to a socket that broke.  Its description is made again if it is.
         peer = self.peer
         seq = peer.tx_seq + 1
+        peer.tx_seq = seq
+        peer.keep(step, request_id, key, value)
         if self.dataplane is not None:  # shm / verbs: the key's way (``goes_onesided``)
             if self.goes_onesided(key, request_id, nbytes):
-                # Numbered and kept first: a channel that fails takes its connection with
-                # it (``Channel.fail``), and the value goes again on the next one, as it
-                # would after a write to a socket that broke.  The request it answers, or
-                # the push it is, is done here either way: never a value lost in between.
-                peer.tx_seq = seq
-                peer.keep(step, request_id, key, value)
                 try:
                     self.dataplane.write_value(step, request_id, key, value, code, shape,
                                                nbytes, seq)
@@ -373,12 +372,9 @@ class Wire:
             self.tcp_values += 1
             if request_id != 0:  # the destination the consumer offered stays unused
                 self.dataplane.answered_here(request_id)
-        peer.tx_seq = seq
         if seq != self.tx_next:
             self._append(encode_seq(seq))
         self.tx_next = seq + 1
-        # Kept as sent; its description is made again if it is sent again (``resend``).
-        peer.keep(step, request_id, key, value)
         self._write_stream(step, request_id, key, value, code, shape, nbytes)
 
     def resend(self, first: int, entries: list) -> None:
@@ -394,6 +390,9 @@ class Wire:
             if self.dataplane is not None and key not in ways:
                 ways[key] = False
             value, code, shape, nbytes = describe(entries[at + 3])
+            # Counted as written here: should this connection break too, what it carried
+            # goes again (``Links._reconnect`` asks ``data_out``).
+            self.data_out += nbytes + MESSAGE_COST
             self._write_stream(entries[at], entries[at + 1], key, value, code, shape, nbytes)
         self.tx_next = first + len(entries) // UNACKED
 
