@@ -196,6 +196,13 @@ async def test_a_refused_reconnect_fails_waiting_recvs_with_peer_lost(cluster) -
         w.abort()
 
 
+def offer_a_region_that_is_gone(channel: Any, k: rvz.Key) -> None:
+    """Hand the producer's ``channel`` an offer of slots in a region the consumer no longer
+    has (no such fd in its process), as one still on the way when it reset would be."""
+    gone = {"rk": 1 << 40, "n": 4096, "fd": 1 << 20, "ino": 1, "a": 0}
+    channel.on_frames([(_impl.codec.ONESIDED, {"op": "slots", "k": k, "m": [gone], "s": []})])
+
+
 @pytest.mark.parametrize("mode", ["send", "recv"])
 @pytest.mark.loop_timeout(60)
 async def test_a_region_its_owner_closed_before_its_offer_arrived_is_a_reset(  # type: ignore[no-untyped-def]
@@ -211,8 +218,7 @@ async def test_a_region_its_owner_closed_before_its_offer_arrived_is_a_reset(  #
         conn = w._peers[("ps", 0)].link
         channel = conn.dataplane
         assert channel is not None, "the values went one-sided"
-        gone = {"rk": 1 << 40, "n": 4096, "fd": 1 << 20, "ino": 1, "a": 0}  # no such fd
-        channel.on_frames([(_impl.codec.ONESIDED, {"op": "slots", "k": k, "m": [gone], "s": []})])
+        offer_a_region_that_is_gone(channel, k)
         assert isinstance(conn.close_reason, ConnectionResetError), conn.close_reason
         await relinked(w, ("ps", 0), [conn])
         for i in range(10, 20):
@@ -235,9 +241,7 @@ async def test_a_value_a_request_takes_as_its_channel_fails_goes_again(cluster) 
         await eventually(lambda: any(c.parked for c in peer.live_connections()),
                          "the request is parked at the producer")
         (conn,) = [c for c in peer.live_connections() if c.parked]
-        gone = {"rk": 1 << 40, "n": 4096, "fd": 1 << 20, "ino": 1, "a": 0}  # no such fd
-        conn.dataplane.on_frames([(_impl.codec.ONESIDED, {"op": "slots", "k": k, "m": [gone],
-                                                          "s": []})])
+        offer_a_region_that_is_gone(conn.dataplane, k)
         assert conn.dataplane.failed is not None and not conn.closed
         await w.send(k, value(1))            # taken by the parked request, in this pass
         assert int((await waiting)[0]) == 1
